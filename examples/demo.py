@@ -1,0 +1,112 @@
+"""The seed case: an nn.Linear trained with a learning rate that is far too high goes to NaN.
+
+Runs the same training twice, first without the guard (it dies with loss=nan) and then with
+``NaNGuard()`` defaults (it is rescued), and prints what the guard did and where its logs are.
+
+    python examples/demo.py [--out demo_logs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NaNGuard
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LeafSpec.*")
+
+
+class LinearRegression(pl.LightningModule):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+        self.linear = nn.Linear(20, 1)
+        self.first_nan_step: int | None = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.linear(x), y)
+        if not torch.isfinite(loss) and self.first_nan_step is None:
+            self.first_nan_step = self.global_step
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def make_data(n: int = 4096, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 20, generator=g)
+    w = torch.randn(20, 1, generator=g)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def final_loss(model: LinearRegression, data: TensorDataset) -> float:
+    x, y = data.tensors
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model.linear(x), y))
+
+
+def train(lr: float, out: Path, name: str, guard: NaNGuard | None) -> LinearRegression:
+    pl.seed_everything(0, verbose=False)
+    data = make_data()
+    model = LinearRegression(lr)
+    trainer = pl.Trainer(
+        max_epochs=3, logger=TensorBoardLogger(str(out), name=name), callbacks=[guard] if guard else [],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=10, accelerator="cpu", devices=1,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=32, shuffle=True))
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="demo_logs", help="folder for TensorBoard logs and events.jsonl")
+    parser.add_argument("--lr", type=float, default=1.5, help="the far-too-high learning rate (sane: 0.05)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    torch.set_num_threads(1)
+    data = make_data()
+
+    print(f"== 1. nn.Linear + SGD(lr={args.lr}) without NaNGuard ==")
+    plain = train(args.lr, out, "unguarded", None)
+    loss = final_loss(plain, data)
+    print(f"   first non-finite loss at step {plain.first_nan_step}; final loss = {loss}")
+    print(f"   weights finite: {all(torch.isfinite(p).all() for p in plain.parameters())}")
+
+    print(f"\n== 2. the same run with NaNGuard() ==")
+    guard = NaNGuard()
+    guarded = train(args.lr, out, "guarded", guard)
+    loss = final_loss(guarded, data)
+    sane = final_loss(train(0.05, out, "sane_lr", None), data)
+    print(f"\n   incidents: {len(guard.events)}")
+    for ev in guard.events:
+        print(f"   - step {ev.step:4d}  kind={ev.kind:9s} cause={str(ev.cause):20s} actions={', '.join(ev.actions)}")
+    print(f"   learning-rate scale now: {guard.lr_scale:g}  (lr {args.lr} -> {args.lr * guard.lr_scale:g})")
+    print(f"   final loss = {loss:.5f}   (a run at a sane lr=0.05 reaches {sane:.5f})")
+    print(f"   weights finite: {all(torch.isfinite(p).all() for p in guarded.parameters())}")
+    events = sorted(out.glob("guarded/*/nanguard/events.jsonl"))
+    print(f"\n   TensorBoard logs: {out}/   (tensorboard --logdir {out})")
+    print(f"   events file:      {events[0] if events else 'none'}")
+    print(f"   summary:          nanguard report {out}/guarded")
+    rescued = math.isfinite(loss) and loss < 10 * sane
+    print("\nRESCUED" if rescued else "\nNOT RESCUED")
+    raise SystemExit(0 if rescued else 1)
+
+
+if __name__ == "__main__":
+    main()

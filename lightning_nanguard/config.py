@@ -1,0 +1,328 @@
+"""Typed configuration for :class:`~lightning_nanguard.NaNGuard`.
+
+One dataclass per section (``check``, ``clip``, ``anomaly``, ``recovery``, ``logging``) and
+:class:`NaNGuardConfig` holding them. Every field is validated in ``__post_init__`` so that a config
+built by hand, from YAML, or by jsonargparse (LightningCLI) is checked the same way, and every error is
+a :class:`ConfigError` naming the full key path and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+__all__ = [
+    "ConfigError",
+    "CheckConfig",
+    "ClipConfig",
+    "AnomalyConfig",
+    "RecoveryConfig",
+    "LoggingConfig",
+    "NaNGuardConfig",
+    "SECTIONS",
+    "load_yaml",
+    "iter_keys",
+]
+
+
+class ConfigError(ValueError):
+    """A NaNGuard configuration value is unknown, of the wrong type or out of range."""
+
+
+def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,
+         lo_open: bool = False, hi_open: bool = False) -> Any:
+    """A dataclass field with a one-line ``help`` and an optional numeric range."""
+    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open}
+    return field(default=default, metadata=meta)
+
+
+class _Section:
+    """Mixin: validate and coerce every field of a section dataclass in ``__post_init__``."""
+
+    _section: str = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            path = f"{self._section}.{f.name}"
+            value = _coerce(path, getattr(self, f.name), hints[f.name])
+            _check_range(path, value, f.metadata)
+            object.__setattr__(self, f.name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Cross-field checks; overridden where a section has them."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class CheckConfig(_Section):
+    """What is checked for non-finite values, and when."""
+
+    _section = "check"
+    loss: bool = _opt(True, "check the loss of every micro-batch before backward (device flag, no sync)")
+    gradients: bool = _opt(True, "check one fused total gradient norm at every optimizer step")
+    inputs: Literal["off", "on_incident", "always"] = _opt(
+        "on_incident", "check every floating tensor of the batch: only after an incident, every step, or never")
+    parameters: bool = _opt(True, "check parameters and buffers after every optimizer step, before snapshots "
+                                  "and before checkpoints are written")
+    activations: Union[Literal["off", "on_incident", "always"], int] = _opt(
+        "on_incident", "module outputs: off, during the incident replay, every step, or every N steps")
+    spike_action: Literal["off", "warn", "skip_step", "clip", "reduce_lr"] = _opt(
+        "warn", "what to do when the loss jumps spike_z standard deviations above its running mean")
+    spike_z: float = _opt(6.0, "z-score of the loss against its running statistics that counts as a spike",
+                          lo=0.0, lo_open=True)
+    spike_warmup: int = _opt(50, "healthy steps of loss statistics before spike detection starts", lo=1)
+    amp_overflow_patience: int = _opt(
+        20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
+    amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",
+                                lo=0.0, lo_open=True)
+
+    def _validate(self) -> None:
+        if isinstance(self.activations, int) and self.activations < 1:
+            raise ConfigError(f"check.activations: got {self.activations!r}; allowed: 'off', 'on_incident', "
+                              "'always' or an int N >= 1 (check every N steps)")
+
+
+@dataclass
+class ClipConfig(_Section):
+    """Gradient-norm clipping, from the total norm the guard computes anyway."""
+
+    _section = "clip"
+    max_norm: Optional[float] = _opt(None, "fixed clip of the total gradient norm; null for none", lo=0.0,
+                                     lo_open=True)
+    norm_type: float = _opt(2.0, "p of the p-norm used for the total gradient norm", lo=0.0, lo_open=True)
+    adaptive: Literal["off", "on_incident", "always"] = _opt(
+        "on_incident", "z-score clipping on an EMA of healthy gradient norms: never, after the first "
+                       "incident, or from the start")
+    z_threshold: float = _opt(2.5, "adaptive clip at EMA mean + z_threshold * EMA std of the norm", lo=0.0,
+                              lo_open=True)
+    ema_alpha: float = _opt(0.97, "EMA decay for the gradient-norm statistics", lo=0.0, hi=1.0, lo_open=True,
+                            hi_open=True)
+    warmup_steps: int = _opt(25, "healthy steps before adaptive clipping may act", lo=1)
+    agc_clip_factor: Optional[float] = _opt(
+        None, "unit-wise adaptive gradient clipping (NFNets) factor, e.g. 0.01; null for off", lo=0.0,
+        lo_open=True)
+
+
+@dataclass
+class AnomalyConfig(_Section):
+    """Diagnosis by replaying the bad batch with anomaly detection and module hooks."""
+
+    _section = "anomaly"
+    mode: Literal["off", "on_incident", "always"] = _opt(
+        "on_incident", "replay the bad batch to name module, op and cause; 'always' keeps anomaly mode on")
+    max_replays: int = _opt(10, "most incident replays per fit (bounds the cost of a flapping run)", lo=0)
+    float64_check: bool = _opt(True, "rerun the replay in float64 to tell overflow/precision from a real NaN")
+    frames: int = _opt(21, "module frames kept before the first non-finite value in the incident report",
+                       lo=1)
+
+
+@dataclass
+class RecoveryConfig(_Section):
+    """The recovery ladder: skip, clip, cut the LR, roll back, give up."""
+
+    _section = "recovery"
+    max_skips: int = _opt(3, "consecutive skipped steps before rolling back to a snapshot", lo=1)
+    lr_factor: float = _opt(0.5, "multiply every learning rate by this on a cut", lo=0.0, hi=1.0,
+                            lo_open=True, hi_open=True)
+    reduce_lr_after: int = _opt(
+        2, "cut the LR after this many non-input incidents within incident_window steps (0: only on rollback)",
+        lo=0)
+    incident_window: int = _opt(100, "steps over which incidents count towards reduce_lr_after", lo=1)
+    reduce_lr_on_rollback: bool = _opt(True, "cut the LR after every rollback not caused by bad inputs")
+    min_lr_scale: float = _opt(1e-4, "floor of the cumulative LR scale", lo=0.0, hi=1.0, lo_open=True)
+    snapshot: Literal["memory", "disk", "off"] = _opt(
+        "memory", "where known-good state is kept: preallocated CPU memory, atomic files, or nowhere")
+    snapshot_every: int = _opt(50, "healthy optimizer steps between snapshots", lo=1)
+    keep_snapshots: int = _opt(2, "snapshots kept (older ones are the targets of further rollbacks)", lo=1)
+    snapshot_dir: Optional[str] = _opt(None, "folder for disk snapshots (default: <log_dir>/nanguard/snapshots)")
+    max_rollbacks: int = _opt(3, "rollbacks without recovery before giving up", lo=0)
+    skip_batches: int = _opt(0, "batches whose step is skipped right after a rollback (skip past bad data)",
+                             lo=0)
+    on_give_up: Literal["stop", "raise"] = _opt(
+        "stop", "after restoring the last good weights: stop the Trainer, or raise NaNGuardError")
+
+
+@dataclass
+class LoggingConfig(_Section):
+    """Where incidents are recorded."""
+
+    _section = "logging"
+    events_file: bool = _opt(True, "append every event to <log_dir>/nanguard/events.jsonl (flushed, fsynced)")
+    tensorboard: bool = _opt(True, "write nanguard/ scalars and incident text to the Trainer's logger")
+    reports: bool = _opt(True, "write a human-readable incident report next to events.jsonl")
+    progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar")
+    verbose: bool = _opt(True, "print one line per incident and action (rank 0)")
+
+
+SECTIONS: dict[str, type] = {
+    "check": CheckConfig,
+    "clip": ClipConfig,
+    "anomaly": AnomalyConfig,
+    "recovery": RecoveryConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class NaNGuardConfig:
+    """All sections of a NaNGuard configuration."""
+
+    check: CheckConfig = field(default_factory=CheckConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
+
+    @classmethod
+    def from_mapping(cls, data: Any, *, where: str = "") -> "NaNGuardConfig":
+        """Build from a mapping of sections (optionally nested under ``nanguard:``)."""
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where or 'config'}: expected a mapping of sections "
+                              f"{sorted(SECTIONS)}, got {type(data).__name__}")
+        if set(data) == {"nanguard"}:
+            return cls.from_mapping(data["nanguard"], where=(where + ": nanguard") if where else "nanguard")
+        unknown = [k for k in data if k not in SECTIONS]
+        if unknown:
+            raise ConfigError(_unknown(str(unknown[0]), list(SECTIONS), prefix=""))
+        return cls(**{k: v for k, v in data.items()})
+
+    @classmethod
+    def from_yaml(cls, path: Union[str, Path]) -> "NaNGuardConfig":
+        return cls.from_mapping(load_yaml(path), where=str(path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def _section(name: str, cls: type, value: Any) -> Any:
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # the same section from another import of this module (e.g. jsonargparse re-import)
+        value = dataclasses.asdict(value)
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name}: expected a mapping of {sorted(f.name for f in dataclasses.fields(cls))}, "
+                          f"got {type(value).__name__} {value!r}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in value:
+        if key not in known:
+            raise ConfigError(_unknown(str(key), known, prefix=f"{name}."))
+    return cls(**value)
+
+
+def _unknown(key: str, known: list[str], prefix: str) -> str:
+    msg = f"{prefix}{key}: unknown key; allowed: {', '.join(known)}"
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        msg += f" (did you mean '{prefix}{close[0]}'?)"
+    return msg
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " | ".join("null" if a is type(None) else _describe(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` as type ``tp`` or raise ConfigError naming ``path`` and the allowed values."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(path, value, arm)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(f"{path}: got {value!r}; allowed: {_describe(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin is Literal:
+        if isinstance(value, str) and value in typing.get_args(tp):
+            return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{path}: got {value!r} ({type(value).__name__}); allowed: {_describe(tp)}")
+
+
+def _check_range(path: str, value: Any, meta: Mapping[str, Any]) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if value != value:  # NaN
+        raise ConfigError(f"{path}: got nan; allowed: a finite number")
+    bad = (lo is not None and (value <= lo if meta.get("lo_open") else value < lo)) or (
+        hi is not None and (value >= hi if meta.get("hi_open") else value > hi))
+    if bad:
+        left = "(" if meta.get("lo_open") else "["
+        right = ")" if meta.get("hi_open") else "]"
+        rng = f"{left}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{right}"
+        raise ConfigError(f"{path}: got {value!r}; allowed: a number in {rng}")
+
+
+def load_yaml(path: Union[str, Path]) -> Any:
+    """Read a YAML file, turning every failure into a ConfigError that names the file."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read config file ({err.strerror or err})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+
+
+def iter_keys() -> list[tuple[str, Any, str]]:
+    """Every configuration key as ``(section.key, default, help)``, in declaration order."""
+    out = []
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            out.append((f"{name}.{f.name}", f.default, f.metadata.get("help", "")))
+    return out

@@ -1,0 +1,116 @@
+"""The recovery ladder as a small, pure state machine.
+
+The callback reports what happened at each optimizer step (``healthy()``, ``incident(...)``,
+``snapshot_taken()``); the ladder answers with a :class:`Plan` of what to do. No tensors, no Lightning:
+every rung is unit-testable in isolation, and the callback reads like the policy written in English.
+
+Rungs, in order of escalation:
+
+1. every incident skips the step (and undoes buffer writes);
+2. adaptive clipping is switched on after the first incident (``clip.adaptive: on_incident``);
+3. the LR is cut after ``reduce_lr_after`` non-input incidents within ``incident_window`` steps, and after
+   every rollback not caused by bad inputs;
+4. more than ``max_skips`` consecutive incidents, or non-finite parameters, roll back to the newest
+   snapshot; a rollback that is not followed by a new snapshot (``snapshot_every`` healthy steps) counts
+   as failed, and the next one goes one snapshot further back;
+5. more than ``max_rollbacks`` failed rollbacks in a row: give up.
+
+A run where every step is an incident therefore ends after at most
+``(max_skips + 1) * (max_rollbacks + 1)`` steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import ClipConfig, RecoveryConfig
+
+__all__ = ["Plan", "RecoveryLadder"]
+
+
+@dataclass
+class Plan:
+    """What the callback must do about one incident, in this order."""
+
+    skip_step: bool = True
+    enable_adaptive_clip: bool = False
+    rollback: bool = False
+    go_further_back: bool = False
+    reduce_lr: bool = False
+    skip_batches: int = 0
+    give_up: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+
+class RecoveryLadder:
+    def __init__(self, recovery: RecoveryConfig, clip: ClipConfig) -> None:
+        self.cfg = recovery
+        self.clip_cfg = clip
+        self.consecutive = 0  # incidents since the last healthy step or rollback
+        self.failed_rollbacks = 0  # rollbacks not yet confirmed by a new snapshot
+        self.adaptive_clip = clip.adaptive == "always"
+        self._recent: deque[int] = deque()  # steps of recent non-input incidents
+        self.gave_up = False
+
+    # ------------------------------------------------------------------------------------ transitions
+
+    def healthy(self) -> None:
+        self.consecutive = 0
+
+    def snapshot_taken(self) -> None:
+        """A snapshot after healthy training confirms the last rollback worked."""
+        self.failed_rollbacks = 0
+
+    def incident(self, step: int, kind: str, *, can_roll_back: bool) -> Plan:
+        plan = Plan()
+        self.consecutive += 1
+        if self.clip_cfg.adaptive == "on_incident" and not self.adaptive_clip and kind != "input":
+            self.adaptive_clip = True
+            plan.enable_adaptive_clip = True
+            plan.reasons.append("adaptive clipping enabled after the first incident")
+
+        wants_rollback = kind in ("parameter", "buffer") or self.consecutive > self.cfg.max_skips
+        if wants_rollback:
+            if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and kind in (
+                    "parameter", "buffer"):
+                plan.give_up = True
+                self.gave_up = True
+                plan.reasons.append(
+                    f"{self.failed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
+                    f"{self.cfg.max_rollbacks})" if can_roll_back else "no known-good snapshot to roll back to")
+                return plan
+            plan.rollback = can_roll_back
+            plan.go_further_back = self.failed_rollbacks > 0
+            self.failed_rollbacks += 1
+            self.consecutive = 0
+            plan.skip_batches = self.cfg.skip_batches
+            plan.reasons.append(
+                "parameters are non-finite" if kind in ("parameter", "buffer")
+                else f"{self.cfg.max_skips} skipped step(s) did not help")
+
+        if kind != "input":
+            self._recent.append(step)
+            while self._recent and self._recent[0] <= step - self.cfg.incident_window:
+                self._recent.popleft()
+            by_count = self.cfg.reduce_lr_after > 0 and len(self._recent) >= self.cfg.reduce_lr_after
+            by_rollback = wants_rollback and self.cfg.reduce_lr_on_rollback
+            if by_count or by_rollback:
+                plan.reduce_lr = True
+                self._recent.clear()
+                plan.reasons.append("repeated incidents" if by_count else "after rollback")
+        return plan
+
+    # ------------------------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consecutive": self.consecutive, "failed_rollbacks": self.failed_rollbacks,
+                "adaptive_clip": self.adaptive_clip, "recent": list(self._recent), "gave_up": self.gave_up}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consecutive = int(state.get("consecutive", 0))
+        self.failed_rollbacks = int(state.get("failed_rollbacks", 0))
+        self.adaptive_clip = bool(state.get("adaptive_clip", self.adaptive_clip))
+        self._recent = deque(int(s) for s in state.get("recent", []))
+        self.gave_up = bool(state.get("gave_up", False))
