@@ -1,0 +1,100 @@
+"""Small real LightningModules and data shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def regression_data(n: int = 512, features: int = 8, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, 1, generator=g)
+    return TensorDataset(x, x @ w + 0.1 * torch.randn(n, 1, generator=g))
+
+
+def classification_data(n: int = 512, features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    centers = 2.0 * torch.randn(classes, features, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    x = centers[y] + torch.randn(n, features, generator=g)
+    return TensorDataset(x, y)
+
+
+class Regression(pl.LightningModule):
+    """nn.Linear + SGD; diverges to NaN with a too-high ``lr``."""
+
+    def __init__(self, features: int = 8, lr: float = 0.05, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.lr, self.optimizer_name = lr, optimizer
+        self.linear = nn.Linear(features, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class Classifier(pl.LightningModule):
+    """MLP with BatchNorm and dropout; AdamW, optionally with a step-interval scheduler."""
+
+    def __init__(self, features: int = 16, classes: int = 4, hidden: int = 32, lr: float = 1e-2,
+                 scheduler: Optional[str] = None, batch_hook: Optional[Callable[[Any, int, "Classifier"], Any]] = None,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.lr, self.scheduler_name, self.batch_hook = lr, scheduler, batch_hook
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
+                                 nn.Dropout(dropout), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.batch_hook is not None:
+            batch = self.batch_hook(batch, batch_idx, self)
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        if self.scheduler_name is None:
+            return opt
+        steps = self.trainer.estimated_stepping_batches
+        if self.scheduler_name == "onecycle":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=int(steps))
+        elif self.scheduler_name == "cosine":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=int(steps), eta_min=self.lr * 0.01)
+        else:
+            raise ValueError(self.scheduler_name)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def accuracy(model: pl.LightningModule, data: TensorDataset) -> float:
+    model.eval()
+    x, y = data.tensors
+    with torch.no_grad():
+        return float((model(x).argmax(-1) == y).float().mean())
+
+
+def loader(data: TensorDataset, batch_size: int = 32, shuffle: bool = False) -> DataLoader:
+    return DataLoader(data, batch_size=batch_size, shuffle=shuffle)
+
+
+def trainer(tmp_path: Any, callbacks: Optional[list] = None, **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU Trainer writing under ``tmp_path``."""
+    defaults = dict(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False,
+                    enable_model_summary=False, enable_checkpointing=False, logger=False,
+                    default_root_dir=str(tmp_path), deterministic=True)
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=callbacks or [], **defaults)
