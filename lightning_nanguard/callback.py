@@ -403,13 +403,18 @@ class NaNGuard(pl.Callback):
     def _finish_incidents(self, trainer: Any, pl_module: Any) -> None:
         pending, self._pending = self._pending, []
         for event, plan, ctx, extra in pending:
-            self._apply_plan(trainer, pl_module, event, plan)
-            if plan.give_up:
-                self._stopped = True
-                event.add_action(self.config.recovery.on_give_up)
-            self._record(trainer, event, ctx, extra)
-            if plan.give_up:
-                self._give_up(trainer, event)
+            self._conclude(trainer, pl_module, event, plan, ctx, extra)
+
+    def _conclude(self, trainer: Any, pl_module: Any, event: NaNEvent, plan: Plan,
+                  ctx: diagnosis.IncidentContext, extra: str) -> None:
+        """Carry out the plan, record the event, and stop or raise if the plan gives up."""
+        self._apply_plan(trainer, pl_module, event, plan)
+        if plan.give_up:
+            self._stopped = True
+            event.add_action(self.config.recovery.on_give_up)
+        self._record(trainer, event, ctx, extra)
+        if plan.give_up:
+            self._give_up(trainer, event)
 
     def _apply_plan(self, trainer: Any, pl_module: Any, event: NaNEvent, plan: Plan) -> None:
         cfg = self.config.recovery
@@ -443,12 +448,12 @@ class NaNGuard(pl.Callback):
         event.details["reasons"] = plan.reasons
 
     def _give_up(self, trainer: Any, event: NaNEvent) -> None:
-        report = self._report_path(event)
+        restored = event.details.get("restored_step")
         message = (f"NaNGuard gave up at step {event.step} after {self.counters['incidents']} incident(s) and "
                    f"{self.counters['rollbacks']} rollback(s); weights restored to the last known-good state"
-                   f"{' (step ' + str(event.details.get('restored_step')) + ')' if event.details.get('restored_step') is not None else ''}. "
-                   f"Last incident: {event.kind}, cause={event.cause}, culprit={event.culprit}. "
-                   f"{event.suggestion} Report: {report}")
+                   f"{'' if restored is None else f' (step {restored})'}. Last incident: {event.kind}, "
+                   f"cause={event.cause}, culprit={event.culprit}. {event.suggestion} "
+                   f"Report: {self._report_path(event)}")
         if self.config.recovery.on_give_up == "raise":
             raise NaNGuardError(message)
         trainer.should_stop = True
@@ -508,20 +513,18 @@ class NaNGuard(pl.Callback):
 
     def _parameter_incident(self, trainer: Any, pl_module: Any, where: str) -> None:
         """Non-finite weights found outside the step decision (before a checkpoint, at the end of fit)."""
-        event = self._new_event(trainer, "parameter")
+        findings = self._find_nonfinite_state(pl_module)
+        buffers = self._buffer_names(pl_module)
+        kind = "buffer" if findings and all(f["name"] in buffers for f in findings) else "parameter"
+        event = self._new_event(trainer, kind)
         ctx = diagnosis.IncidentContext(trainer=trainer, pl_module=pl_module, event=event,
                                         norm_history=list(self.norm_history), loss_history=list(self.loss_history),
-                                        grads_were_finite=self._last_step_grads_finite)
-        ctx.param_findings = self._find_nonfinite_state(pl_module)
+                                        grads_were_finite=self._last_step_grads_finite, param_findings=findings)
         extra = diagnosis.diagnose(ctx)
         event.details["detected_at"] = where
-        if self._store:
-            self._rollback(trainer, pl_module, further=False)
-            event.add_action("rollback")
-            event.details["restored_step"] = self._store.newest.step if self._store.newest else None
-        else:
-            event.add_action("warn")
-        self._record(trainer, event, ctx, extra)
+        plan = self.ladder.incident(trainer.global_step, kind, can_roll_back=bool(self._store))
+        plan.skip_step = False
+        self._conclude(trainer, pl_module, event, plan, ctx, extra)
 
     def _initialization_incident(self, trainer: Any, pl_module: Any, findings: list[dict]) -> None:
         event = self._new_event(trainer, "parameter")

@@ -80,26 +80,28 @@ def reset_grads(params: Iterable[Tensor]) -> None:
 class BufferUndo:
     """Undo what one forward pass wrote into module buffers (BatchNorm running statistics).
 
-    ``arm()`` before the forward copies the buffers known to change in forward into preallocated device
-    memory (on first use: all floating buffers, since nothing is known yet); ``undo()`` restores every
-    buffer whose version counter moved since ``arm()``. Buffers that never change (masks, positional
-    tables) are copied once, then never again.
+    ``arm()`` before the forward copies the buffers that forward passes write into preallocated device
+    memory; ``undo()`` copies them back. Which buffers are written: those of normalisation layers that
+    track running statistics (their kernels update in place without bumping the version counter), plus
+    any buffer whose version counter was seen to move during a forward. Constant buffers (masks,
+    positional tables) are never copied.
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.named = [(n, b) for n, b in module.named_buffers() if b is not None]
-        self._mutable: Optional[set[str]] = None  # None: not learned yet
+        self._mutable: set[str] = set()
+        for prefix, sub in module.named_modules():
+            if getattr(sub, "track_running_stats", False):
+                self._mutable.update(f"{prefix}.{n}" if prefix else n for n, _ in sub.named_buffers(recurse=False))
         self._backup: dict[str, Tensor] = {}
         self._versions: dict[str, int] = {}
 
     def arm(self) -> None:
-        if self._mutable is not None:
-            self._learn()  # a buffer that changed since the last arm becomes mutable
-        names = self._mutable if self._mutable is not None else {n for n, _ in self.named}
+        self._learn()
         src, dst = [], []
         for n, b in self.named:
             self._versions[n] = b._version
-            if n in names:
+            if n in self._mutable:
                 if n not in self._backup or self._backup[n].shape != b.shape:
                     self._backup[n] = torch.empty_like(b)
                 src.append(b.detach())
@@ -108,34 +110,25 @@ class BufferUndo:
             torch._foreach_copy_(dst, src)
 
     def _learn(self) -> None:
-        assert self._mutable is not None
         for n, b in self.named:
             if n in self._versions and b._version != self._versions[n]:
                 self._mutable.add(n)
 
-    def changed(self) -> list[str]:
-        return [n for n, b in self.named if n in self._versions and b._version != self._versions[n]]
-
     def undo(self) -> list[str]:
-        """Restore buffers changed since ``arm()``; returns their names (those without a backup excluded)."""
-        changed = self.changed()
+        """Restore the buffers backed up by ``arm()``; returns their names."""
         restored = []
         with torch.no_grad():
             for n, b in self.named:
-                if n in changed and n in self._backup:
+                if n in self._backup:
                     b.copy_(self._backup[n])
                     restored.append(n)
-        if self._mutable is None:
-            self._mutable = set()
-        self._mutable.update(changed)
+        self._learn()  # a buffer written for the first time is backed up from the next arm() on
         for n, b in self.named:
             self._versions[n] = b._version
         return restored
 
     def disarm(self) -> None:
         """After a healthy step: learn which buffers the forward pass changed."""
-        if self._mutable is None:
-            self._mutable = set()
         self._learn()
 
 

@@ -1,0 +1,285 @@
+"""Issue 2's must-shows: the recovery ladder on real pl.Trainer runs (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import models
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_nanguard import NaNGuard, NaNGuardError
+
+
+def _all_finite(module: nn.Module) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in list(module.parameters()) + list(module.buffers())
+               if t.is_floating_point())
+
+
+def test_healthy_run_is_bitwise_transparent(tmp_path):
+    data = models.classification_data(n=384)
+    weights, guards = [], []
+    for guarded in (False, True):
+        pl.seed_everything(7, verbose=False)
+        model = models.Classifier(scheduler="onecycle", dropout=0.2)
+        guard = NaNGuard() if guarded else None
+        models.trainer(tmp_path / str(guarded), [guard] if guard else [], max_epochs=2).fit(
+            model, models.loader(data, shuffle=True))
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+        guards.append(guard)
+    assert weights[0].keys() == weights[1].keys()
+    for k in weights[0]:
+        assert torch.equal(weights[0][k], weights[1][k]), k
+    assert guards[1].events == []
+    assert guards[1].counters["snapshots"] >= 1  # it did work while staying transparent
+    assert guards[1].counters["replays"] == 0
+
+
+def _final_mse(model: models.Regression, data: TensorDataset) -> float:
+    x, y = data.tensors
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(x), y))
+
+
+def test_too_high_lr_is_rescued(tmp_path):
+    data = models.regression_data(n=2048, features=8)
+    results = {}
+    for name, lr, guard in (("unguarded", 1.5, None), ("guarded", 1.5, NaNGuard()), ("sane", 0.05, None)):
+        pl.seed_everything(0, verbose=False)
+        model = models.Regression(features=8, lr=lr)
+        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=2).fit(
+            model, models.loader(data, shuffle=True))
+        results[name] = (_final_mse(model, data), guard)
+    assert not math.isfinite(results["unguarded"][0])  # the failure is real
+    loss, guard = results["guarded"]
+    assert math.isfinite(loss) and loss < 10 * results["sane"][0], (loss, results["sane"][0])
+    actions = {a for e in guard.events for a in e.actions}
+    assert {"reduce_lr", "rollback"} & actions
+    assert guard.lr_scale < 1.0
+    # events.jsonl holds the same events, one flushed line each
+    lines = (tmp_path / "guarded" / "nanguard" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [e.step for e in guard.events]
+    for key in ("step", "epoch", "batch_idx", "rank", "kind", "actions", "cause", "culprit", "op", "details",
+                "suggestion"):
+        assert key in json.loads(lines[0])
+
+
+def _poison(data: TensorDataset, rows: list[int], value: float) -> TensorDataset:
+    x = data.tensors[0].clone()
+    for i, r in enumerate(rows):
+        x[r, i % x.shape[1]] = value if i % 2 == 0 else -value
+    return TensorDataset(x, data.tensors[1])
+
+
+def test_bad_input_samples_skip_exactly_their_steps(tmp_path):
+    data = models.classification_data(n=1024)
+    batch = 32
+    # ~1% of samples: 10 rows, in 10 different, non-adjacent batches
+    rows = [b * batch + (7 * b) % batch for b in (1, 4, 7, 10, 13, 16, 19, 22, 25, 28)]
+    poisoned = _poison(data, rows[::2], float("nan"))
+    poisoned = _poison(poisoned, rows[1::2], float("inf"))
+    expected_steps = {r // batch for r in rows}
+
+    accs = {}
+    for name, ds, guard in (("clean", data, None), ("guarded", poisoned, NaNGuard())):
+        pl.seed_everything(0, verbose=False)
+        model = models.Classifier(dropout=0.0)
+        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=1).fit(model, models.loader(ds, batch))
+        accs[name] = (models.accuracy(model, data), guard, model)
+    guard, model = accs["guarded"][1], accs["guarded"][2]
+    assert {e.step for e in guard.events} == expected_steps
+    assert all(e.kind == "input" and e.cause == "input" and e.actions == ["skip_step"] for e in guard.events)
+    for event in guard.events:
+        row = rows[sorted(expected_steps).index(event.step)]
+        samples = [s for f in event.details["inputs"] for s in f["samples"]]
+        assert samples == [row % batch]
+    assert _all_finite(model)
+    assert abs(accs["clean"][0] - accs["guarded"][0]) <= 0.03, (accs["clean"][0], accs["guarded"][0])
+
+
+def test_inf_input_through_batchnorm_leaves_buffers_finite(tmp_path):
+    data = models.classification_data(n=256)
+    poisoned = _poison(data, [40, 41, 130], float("inf"))
+    model = models.Classifier(dropout=0.0)
+    guard = NaNGuard()
+    models.trainer(tmp_path, [guard]).fit(model, models.loader(poisoned, 32))
+    assert [e.step for e in guard.events] == [1, 4]
+    bn = model.net[1]
+    assert torch.isfinite(bn.running_mean).all() and torch.isfinite(bn.running_var).all()
+    assert int(bn.num_batches_tracked) == 8 - 2  # the two bad forwards' updates were undone
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(data.tensors[0])).all()
+
+
+def _clone_state(opt):
+    return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in opt.state.items()}
+
+
+def test_skipped_step_leaves_optimizer_state_untouched(tmp_path):
+    data = models.classification_data(n=128)
+    snapshots = {}
+
+    class Spy(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                snapshots["before"] = (_clone_state(trainer.optimizers[0]),
+                                       [p.detach().clone() for p in pl_module.parameters()])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                snapshots["after"] = (_clone_state(trainer.optimizers[0]),
+                                      [p.detach().clone() for p in pl_module.parameters()])
+
+    def poison(batch, batch_idx, module):
+        x, y = batch
+        return (x * float("nan"), y) if batch_idx == 2 else batch
+
+    model = models.Classifier(batch_hook=poison, dropout=0.0)
+    guard = NaNGuard()
+    models.trainer(tmp_path, [guard, Spy()]).fit(model, models.loader(data, 32))
+    assert [e.step for e in guard.events] == [2]
+    (state_b, params_b), (state_a, params_a) = snapshots["before"], snapshots["after"]
+    for pb, pa in zip(params_b, params_a):
+        assert torch.equal(pb, pa)
+    for p, s in state_b.items():
+        for name, v in s.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(state_a[p][name])), name  # incl. 'step'
+
+
+class EmbeddingModel(pl.LightningModule):
+    """Adam with eps=0: rows of the embedding no batch uses get 0/0 = NaN updates from finite grads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        idx, y = batch
+        return nn.functional.mse_loss(self.head(self.emb(idx)).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
+
+
+def _embedding_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (256,), generator=g)  # rows 32..63 are never used
+    return TensorDataset(idx, torch.randn(256, generator=g))
+
+
+def test_adam_eps0_parameter_incident_and_no_nan_checkpoint(tmp_path):
+    guard = NaNGuard()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    model = EmbeddingModel()
+    models.trainer(tmp_path, [guard, ckpt], enable_checkpointing=True, max_epochs=2).fit(
+        model, models.loader(_embedding_data(), 32))
+    assert guard.events, "the NaN weights went unnoticed"
+    first = guard.events[0]
+    assert first.kind == "parameter" and "rollback" in first.actions
+    assert first.cause == "optimizer"
+    assert first.culprit == "emb.weight"
+    assert guard.events[-1].actions[-1] == "stop"  # rollback cannot fix eps=0: it gives up, boundedly
+    assert len(guard.events) <= guard.config.recovery.max_rollbacks + 1
+    files = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert files
+    for f in files:
+        state = torch.load(f, map_location="cpu", weights_only=False)
+        for k, v in state["state_dict"].items():
+            assert torch.isfinite(v).all(), (f.name, k)
+        for opt_state in state["optimizer_states"]:
+            for s in opt_state["state"].values():
+                for name, v in s.items():
+                    assert torch.isfinite(torch.as_tensor(v)).all(), (f.name, name)
+    assert _all_finite(model)
+
+
+@pytest.mark.parametrize("on_give_up", ["stop", "raise"])
+def test_every_batch_poisoned_ends_bounded_with_finite_weights(tmp_path, on_give_up):
+    data = models.regression_data(n=4096)
+    poisoned = TensorDataset(data.tensors[0] * float("nan"), data.tensors[1])
+    model = models.Regression()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    guard = NaNGuard(recovery={"max_skips": 2, "max_rollbacks": 2, "on_give_up": on_give_up})
+    trainer = models.trainer(tmp_path, [guard], max_epochs=1)
+    if on_give_up == "raise":
+        with pytest.raises(NaNGuardError, match=r"gave up.*Report: .*incident-"):
+            trainer.fit(model, models.loader(poisoned, 16))
+    else:
+        trainer.fit(model, models.loader(poisoned, 16))
+    bound = (2 + 1) * (2 + 1)
+    assert trainer.global_step <= bound
+    assert len(guard.events) <= bound
+    assert guard.events[-1].actions[-1] == on_give_up
+    assert guard.counters["rollbacks"] == 2 + 1  # two failed rollbacks, then the give-up restore
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])  # every step was bad: back to the initial, known-good weights
+    report = Path(guard._report_path(guard.events[-1]))
+    assert report.exists() and "cause" in report.read_text()
+
+
+def test_rollback_goes_further_back_when_it_does_not_help(tmp_path):
+    data = models.regression_data(n=2048)
+
+    def poison_from(step):
+        def hook(batch, batch_idx, module):
+            return batch
+        return hook
+
+    class Poisoned(models.Regression):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if self.global_step >= 25:
+                x = x * float("nan")
+            return nn.functional.mse_loss(self(x), y)
+
+    guard = NaNGuard(recovery={"snapshot_every": 10, "keep_snapshots": 3, "max_skips": 1, "max_rollbacks": 3})
+    model = Poisoned()
+    models.trainer(tmp_path, [guard], max_steps=60).fit(model, models.loader(data, 16))
+    restored = [e.details["restored_step"] for e in guard.events if "rollback" in e.actions]
+    assert restored == sorted(restored, reverse=True) and len(set(restored)) == len(restored) > 1, restored
+    assert guard.events[-1].actions[-1] == "stop"
+
+
+def test_skip_batches_after_rollback(tmp_path):
+    data = models.regression_data(n=1024)
+
+    class Burst(models.Regression):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if 10 <= batch_idx < 13:
+                x = x * float("nan")
+            return nn.functional.mse_loss(self(x), y)
+
+    guard = NaNGuard(recovery={"max_skips": 2, "skip_batches": 3, "snapshot_every": 5})
+    models.trainer(tmp_path, [guard], max_epochs=1).fit(Burst(), models.loader(data, 32))
+    rollback = [e for e in guard.events if "rollback" in e.actions]
+    assert len(rollback) == 1 and "skip_batches" in rollback[0].actions
+    assert guard.counters["skipped_steps"] == 3 + 3  # the burst, then the three batches after the rollback
+    assert guard.events[-1].step == 12
+
+
+def test_lr_cut_survives_onecycle_schedule(tmp_path):
+    data = models.classification_data(n=512)
+
+    def poison(batch, batch_idx, module):
+        x, y = batch
+        return (x * float("nan"), y) if batch_idx in (3, 4) else batch
+
+    lrs = {}
+    for name, guard in (("plain", None), ("guarded", NaNGuard(check={"inputs": "off"}))):
+        pl.seed_everything(0, verbose=False)
+        model = models.Classifier(scheduler="onecycle", batch_hook=poison if guard else None)
+        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=1).fit(model, models.loader(data, 32))
+        lrs[name] = (model.trainer.optimizers[0].param_groups[0]["lr"], guard)
+    guard = lrs["guarded"][1]
+    assert any("reduce_lr" in e.actions for e in guard.events)
+    assert guard.lr_scale == 0.5
+    assert lrs["guarded"][0] == pytest.approx(0.5 * lrs["plain"][0], rel=1e-6)
