@@ -206,6 +206,8 @@ class SnapshotStore:
     def take(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Snapshot:
         live: list[Tensor] = []
         skeleton = _flatten(state, live)
+        while len(self.ring) >= self.keep:  # evict first, so that at most `keep` copies ever exist
+            self._retire(self.ring.popleft())
         snap = self._spare.pop() if self._spare else Snapshot(step=step)
         snap.step, snap.skeleton, snap.meta = step, skeleton, dict(meta)
         if self.mode == "memory":
@@ -213,13 +215,13 @@ class SnapshotStore:
         else:
             self._write(snap, state)
         self.ring.append(snap)
-        while len(self.ring) > self.keep:
-            old = self.ring.popleft()
-            if self.mode == "disk" and old.path is not None:
-                old.path.unlink(missing_ok=True)
-                old.path = None
-            self._spare.append(old)
         return snap
+
+    def _retire(self, snap: Snapshot) -> None:
+        if snap.path is not None:
+            snap.path.unlink(missing_ok=True)
+            snap.path = None
+        self._spare.append(snap)
 
     def _copy_into(self, snap: Snapshot, live: list[Tensor]) -> None:
         same = len(snap.tensors) == len(live) and all(
@@ -256,11 +258,7 @@ class SnapshotStore:
     def drop_newest(self) -> None:
         """Forget the newest snapshot (it did not lead to recovery); keeps at least one."""
         if len(self.ring) > 1:
-            old = self.ring.pop()
-            if self.mode == "disk" and old.path is not None:
-                old.path.unlink(missing_ok=True)
-                old.path = None
-            self._spare.append(old)
+            self._retire(self.ring.pop())
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": [s.step for s in self.ring]}
