@@ -40,10 +40,15 @@ def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[fl
     return field(default=default, metadata=meta)
 
 
+@dataclass
 class _Section:
-    """Mixin: validate and coerce every field of a section dataclass in ``__post_init__``."""
+    """Mixin: validate and coerce every field of a section dataclass in ``__post_init__``.
 
-    _section: str = ""
+    A (field-less) dataclass itself, so that every class in a section's MRO is a dataclass and
+    jsonargparse (LightningCLI) treats the sections as plain nested dataclasses, not as subclass specs.
+    """
+
+    _section: typing.ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -147,6 +152,9 @@ class RecoveryConfig(_Section):
     keep_snapshots: int = _opt(2, "snapshots kept (older ones are the targets of further rollbacks)", lo=1)
     snapshot_dir: Optional[str] = _opt(None, "folder for disk snapshots (default: <log_dir>/nanguard/snapshots)")
     max_rollbacks: int = _opt(3, "rollbacks without recovery before giving up", lo=0)
+    confirm_after: int = _opt(
+        10, "healthy steps after a rollback before a snapshot confirms it worked (sooner than snapshot_every, "
+            "so a later, unrelated incident starts a fresh ladder instead of counting as a failed rollback)", lo=1)
     skip_batches: int = _opt(0, "batches whose step is skipped right after a rollback (skip past bad data)",
                              lo=0)
     on_give_up: Literal["stop", "raise"] = _opt(
@@ -274,7 +282,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int beyond the float range
+                raise ConfigError(f"{path}: got an integer too large for a float; allowed: {_describe(tp)}") from None
         if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
                 return float(value)
@@ -308,15 +319,39 @@ def load_yaml(path: Union[str, Path]) -> Any:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{p}: cannot read config file ({err.strerror or err})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{p}: cannot read config file ({getattr(err, 'strerror', None) or err})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_strict_loader())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+
+
+def _strict_loader() -> Any:
+    """A SafeLoader that refuses duplicate keys (plain PyYAML silently keeps the last one)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: set = set()
+            for key_node, _ in getattr(node, "value", []):
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable: the base constructor reports it
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                            f"duplicate key {key!r}", key_node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
 
 
 def iter_keys() -> list[tuple[str, Any, str]]:

@@ -1,0 +1,173 @@
+"""`nanguard report` and `nanguard validate`: on a real run's output, and on bad input (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pytorch_lightning.loggers import TensorBoardLogger
+
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.cli import main
+from models import Regression, loader, regression_data, trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD_BATCHES = (2, 5, 9)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real guarded run (TensorBoard logger) with input incidents at known steps."""
+    root = tmp_path_factory.mktemp("run")
+    data = regression_data(512)
+    for b in BAD_BATCHES:
+        data.tensors[0][b * 32, 0] = float("inf") if b == 5 else float("nan")
+    guard = NaNGuard(logging={"verbose": False})
+    t = trainer(root, callbacks=[guard], logger=TensorBoardLogger(str(root), name="tb"), log_every_n_steps=50)
+    t.fit(Regression(lr=0.05), loader(data, batch_size=32))
+    assert [e.step for e in guard.events] == list(BAD_BATCHES)
+    return root, guard
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_report_on_a_run_folder_lists_every_incident(capsys, run_dir):
+    root, guard = run_dir
+    code, out, err = cli(capsys, "report", str(root))
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:5] == ["step", "kind", "actions", "cause",
+                                                                            "culprit"])
+    rows = [line.split() for line in lines[header + 2: header + 2 + len(BAD_BATCHES)]]
+    assert [(int(r[0]), r[1]) for r in rows] == [(e.step, e.kind) for e in guard.events]
+    for row, event in zip(rows, guard.events):
+        assert row[2] == ",".join(event.actions) and row[3] == (event.cause or "-")
+    assert f"total: {len(BAD_BATCHES)} incident(s) in 1 file(s)" in out
+    assert f"kinds:   input={len(BAD_BATCHES)}" in out
+    assert "events.jsonl" in out and err == ""
+
+
+def test_report_json_round_trips_the_events(capsys, run_dir):
+    root, guard = run_dir
+    events_file = next(root.rglob("events.jsonl"))
+    code, out, _ = cli(capsys, "report", str(events_file), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert [{k: e[k] for k in ("step", "kind", "actions", "cause", "culprit", "op")} for e in data["events"]] == [
+        {k: e.to_dict()[k] for k in ("step", "kind", "actions", "cause", "culprit", "op")} for e in guard.events]
+    assert data["totals"]["incidents"] == len(BAD_BATCHES)
+    assert data["totals"]["actions"]["skip_step"] == len(BAD_BATCHES)
+    assert all(e["source"] == str(events_file) for e in data["events"])
+
+
+def test_report_skips_a_truncated_last_line_with_a_warning(capsys, run_dir, tmp_path):
+    root, guard = run_dir
+    text = next(root.rglob("events.jsonl")).read_text()
+    killed = tmp_path / "events.jsonl"
+    killed.write_text(text + text.splitlines()[-1][:40])  # a run killed while writing a 4th event
+    code, out, err = cli(capsys, "report", str(killed))
+    assert code == 0
+    assert "truncated or garbled last line" in err and f"{killed}:{len(BAD_BATCHES) + 1}" in err
+    assert f"total: {len(BAD_BATCHES)} incident(s)" in out
+
+
+@pytest.mark.parametrize("content, expected", [
+    ('{"step": 1, "kind": "loss"}\n{"step": 2, "kind"\n{"step": 3, "kind": "loss"}\n', ":2: malformed event line"),
+    ('{"step": 1, "kind": "loss"}\n[1, 2]\n{"step": 3, "kind": "loss"}\n', "expected a JSON object"),
+    ('{"step": 1}\n{"step": 2, "kind": "loss"}\n', "missing key(s) kind"),
+    ("\n\n", "no valid event lines"),
+    ('{"step": 1, "kin', "no valid event lines"),
+])
+def test_report_malformed_jsonl_exits_2(capsys, tmp_path, content, expected):
+    path = tmp_path / "events.jsonl"
+    path.write_text(content)
+    code, out, err = cli(capsys, "report", str(path))
+    assert code == 2 and out == ""
+    assert expected in err and str(path) in err
+    assert len(err.strip().splitlines()) <= 2  # the error (and at most the truncation warning)
+
+
+def test_report_binary_file_and_empty_folder_exit_2(capsys, tmp_path):
+    binary = tmp_path / "events.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert cli(capsys, "report", str(binary))[0] == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = cli(capsys, "report", str(empty))
+    assert code == 2 and "no events.jsonl found" in err
+
+
+def test_python_m_missing_path_exits_2_with_one_line_and_no_traceback(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    missing = tmp_path / "missing"
+    result = subprocess.run([sys.executable, "-m", "lightning_nanguard", "report", str(missing)], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [f"nanguard report: error: {missing}: no such file or directory"]
+
+
+def test_malformed_inputs_exit_2_without_raising(capsys, tmp_path):
+    """The same paths as the console script: main() returns 2 with one line, it never raises."""
+    bad = tmp_path / "events.jsonl"
+    bad.write_text('{"step": 1, "kind": "loss"}\nnot json\n{"step": 2, "kind": "loss"}\n')
+    broken_yaml = tmp_path / "broken.yaml"
+    broken_yaml.write_text("recovery:\n  lr_factor: [0.5\n")
+    for argv, expected in ((["report", str(bad)], "events.jsonl:2: malformed event line: invalid JSON"),
+                           (["validate", str(broken_yaml)], "broken.yaml: malformed YAML at line 3"),
+                           (["validate", str(tmp_path)], "not a file")):
+        code, out, err = cli(capsys, *argv)
+        assert code == 2 and out == "" and expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_validate_prints_the_resolved_config(capsys, tmp_path):
+    import yaml
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text("nanguard:\n  recovery:\n    lr_factor: 0.25\n")
+    code, out, err = cli(capsys, "validate", str(path))
+    assert code == 0, err
+    resolved = yaml.safe_load(out)
+    assert resolved["recovery"]["lr_factor"] == 0.25
+    assert resolved == NaNGuard(recovery={"lr_factor": 0.25}).config.to_dict()
+
+
+def test_validate_reads_the_nanguard_entry_of_a_lightning_cli_config(capsys):
+    code, out, _ = cli(capsys, "validate", str(ROOT / "configs" / "lightning_cli.yaml"))
+    import yaml
+
+    assert code == 0 and yaml.safe_load(out)["recovery"]["lr_factor"] == 0.25
+
+
+@pytest.mark.parametrize("text, named", [
+    ("recovery:\n  lr_factor: 2\n", "recovery.lr_factor: got 2"),
+    ("recovery:\n  lr_factr: 0.3\n", "did you mean 'recovery.lr_factor'"),
+    ("recovery: [1]\n", "recovery: expected a mapping"),
+    ("trainer:\n  callbacks:\n    - class_path: lightning_nanguard.NaNGuard\n      init_args:\n"
+     "        recovery: {max_rollbacks: -1}\n", "recovery.max_rollbacks"),
+])
+def test_validate_bad_config_exits_2_naming_the_key(capsys, tmp_path, text, named):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    code, out, err = cli(capsys, "validate", str(path))
+    assert code == 2 and out == ""
+    assert named in err and len(err.strip().splitlines()) == 1
+    assert cli(capsys, "validate", str(tmp_path / "missing.yaml"))[0] == 2
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["report"])
+    assert info.value.code == 2

@@ -1,0 +1,128 @@
+"""What a user sees of NaNGuard: TensorBoard scalars and text, CSV metrics, events.jsonl, progress bar.
+
+Real Trainers on a tiny regression model; NaN is injected into the inputs of known batches, so the
+incidents happen at known global steps (a skipped step still advances ``global_step``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.status import INCIDENTS_KEY, LR_SCALE_KEY
+from models import Regression, loader, regression_data, trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
+
+BAD_BATCHES = (3, 7, 11)  # 16 batches of 32: incidents at global steps 3, 7 and 11 of epoch 0
+
+
+def poisoned_loader():
+    data = regression_data(512)
+    for b in BAD_BATCHES:
+        data.tensors[0][b * 32 + 1, 2] = float("nan")
+    return loader(data, batch_size=32)
+
+
+def guarded_fit(tmp_path: Path, **trainer_kwargs):
+    guard = NaNGuard(logging={"verbose": False})
+    t = trainer(tmp_path, callbacks=[guard], **trainer_kwargs)
+    t.fit(Regression(lr=0.05), poisoned_loader())
+    assert [e.step for e in guard.events] == list(BAD_BATCHES)
+    return guard, t
+
+
+def test_tensorboard_scalars_at_incident_steps_despite_log_every_n_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    guard, t = guarded_fit(tmp_path, logger=logger, log_every_n_steps=50)
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+
+    scalar_tags = set(acc.Tags()["scalars"])
+    for tag in ("nanguard/incidents", "nanguard/skipped_steps", "nanguard/rollbacks", "nanguard/lr_scale",
+                "nanguard/grad_norm"):
+        assert tag in scalar_tags, f"{tag} missing from {sorted(scalar_tags)}"
+    incidents = [(s.step, s.value) for s in acc.Scalars("nanguard/incidents")]
+    # with log_every_n_steps=50 and 16 steps, the Trainer would log nothing: these are the incident steps
+    assert incidents == [(3, 1.0), (7, 2.0), (11, 3.0)]
+    assert [s.step for s in acc.Scalars("nanguard/lr_scale")] == list(BAD_BATCHES)
+    assert all(s.value == 1.0 for s in acc.Scalars("nanguard/lr_scale"))  # input incidents do not cut the LR
+    assert [s.value for s in acc.Scalars("nanguard/skipped_steps")] == [1.0, 2.0, 3.0]
+
+    text_tags = [tag for tag in acc.Tags()["tensors"] if tag.startswith("nanguard/")]
+    assert text_tags, acc.Tags()
+    texts = [(ev.step, ev.tensor_proto.string_val[0].decode()) for tag in text_tags for ev in acc.Tensors(tag)]
+    assert sorted(step for step, _ in texts) == list(BAD_BATCHES)
+    for _, markdown in texts:
+        assert "| kind | input |" in markdown
+        assert "| actions | skip_step" in markdown
+        for row in ("cause", "culprit", "op", "suggestion"):
+            assert f"| {row} |" in markdown
+    # events.jsonl sits next to the event files, under the logger's log_dir
+    lines = (Path(logger.log_dir) / "nanguard" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(BAD_BATCHES)
+
+
+def test_csv_logger_gets_scalars_through_log_metrics(tmp_path):
+    logger = CSVLogger(str(tmp_path), name="csv")
+    guard, t = guarded_fit(tmp_path, logger=logger, log_every_n_steps=50)
+    with open(Path(logger.log_dir) / "metrics.csv", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("nanguard/incidents")]
+    assert [(int(r["step"]), float(r["nanguard/incidents"])) for r in rows] == [(3, 1.0), (7, 2.0), (11, 3.0)]
+    assert all(float(r["nanguard/lr_scale"]) == 1.0 for r in rows)
+    assert (Path(logger.log_dir) / "nanguard" / "events.jsonl").is_file()
+
+
+def test_no_logger_still_writes_events_under_default_root_dir(tmp_path):
+    root = tmp_path / "root"
+    guard, t = guarded_fit(root, logger=False)
+    events = root / "nanguard" / "events.jsonl"
+    assert events.is_file(), sorted(str(p) for p in tmp_path.rglob("*"))
+    records = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(r["step"], r["kind"], r["actions"][0]) for r in records] == [(s, "input", "skip_step")
+                                                                         for s in BAD_BATCHES]
+    assert not list(root.rglob("events.out.tfevents*"))
+
+
+class _ProgressProbe(pl.Callback):
+    """Reads the progress-bar metrics after the guard's own on_train_batch_end, every step."""
+
+    def __init__(self, guard: NaNGuard) -> None:
+        self.guard = guard
+        self.seen: list[tuple[int, float, float, int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        bar = trainer.progress_bar_metrics
+        self.seen.append((trainer.global_step, bar.get(INCIDENTS_KEY), bar.get(LR_SCALE_KEY),
+                          self.guard.counters["incidents"], self.guard.lr_scale))
+
+
+def test_progress_bar_shows_guard_status_while_training(tmp_path):
+    # lr=6 makes nn.Linear diverge after a few steps: incidents, LR cuts and a rollback follow
+    guard = NaNGuard(logging={"verbose": False})
+    probe = _ProgressProbe(guard)
+    t = trainer(tmp_path, callbacks=[guard, probe], max_epochs=2, log_every_n_steps=50)
+    t.fit(Regression(lr=6.0), loader(regression_data(512), batch_size=32))
+    assert len(probe.seen) == 32
+    for step, shown_incidents, shown_scale, incidents, scale in probe.seen:
+        assert (shown_incidents, shown_scale) == (float(incidents), pytest.approx(scale)), step
+    assert guard.counters["incidents"] > 0 and guard.lr_scale < 1.0
+    assert probe.seen[-1][1] == float(guard.counters["incidents"])  # still shown in the 2nd epoch
+    # host values logged as CPU tensors: no device sync to display them
+    assert t.callback_metrics[INCIDENTS_KEY].device == torch.device("cpu")
+
+
+def test_progress_bar_status_can_be_turned_off(tmp_path):
+    guard = NaNGuard(logging={"verbose": False, "progress_bar": False})
+    t = trainer(tmp_path, callbacks=[guard], max_steps=4)
+    t.fit(Regression(lr=0.05), poisoned_loader())
+    assert INCIDENTS_KEY not in t.progress_bar_metrics and len(guard.events) == 1
