@@ -1,0 +1,325 @@
+"""Crash safety, resume, no leaked state, and independence of guards (real Trainers, CPU).
+
+- A process SIGKILLed right after its N-th incident keeps exactly N complete events in events.jsonl, and
+  ``nanguard report`` reads the file even with a half-written last line.
+- A run stopped after incidents and resumed from its checkpoint keeps the guard's counters and LR scale and
+  continues numbering events.
+- After ``fit`` returns or raises, every hook the guard (or the fault injector) registered is gone, anomaly
+  mode is what it was, and a second fit (same guard or a new one) repeats the first exactly.
+- Two guards in two Trainers, one fit nested inside the other, do not see each other's incidents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import models
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_nanguard import NaNGuard, NaNGuardError
+from lightning_nanguard.testing import Fault, FaultInjector
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+DATA = models.classification_data(n=512)
+
+
+def events_file(root) -> Path:
+    return Path(root) / "nanguard" / "events.jsonl"
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def signature(events) -> list[tuple]:
+    """What must repeat exactly between identical runs (no paths, no timings)."""
+    return [(e.index, e.step, e.epoch, e.batch_idx, e.kind, tuple(e.actions), e.cause, e.culprit, e.op)
+            for e in events]
+
+
+def fit(root, callbacks, model=None, data=DATA, ckpt_path=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    model = model if model is not None else models.Classifier()
+    kwargs.setdefault("max_epochs", -1)  # runs are bounded by max_steps
+    trainer = models.trainer(root, callbacks, **kwargs)
+    trainer.fit(model, models.loader(data, shuffle=True), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+# ------------------------------------------------------------------------------------------- crash safety
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[3])
+    import models, pytorch_lightning as pl
+    from lightning_nanguard import NaNGuard
+    from lightning_nanguard.testing import Fault, FaultInjector
+
+    root, n = sys.argv[1], int(sys.argv[2])
+
+    class KillAfterEvents(pl.Callback):  # listed after the guard: runs once its events are recorded
+        def __init__(self, guard):
+            self.guard = guard
+
+        def on_train_batch_end(self, trainer, *args):
+            if len(self.guard.events) >= n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    guard = NaNGuard(logging={"verbose": False})
+    injector = FaultInjector(Fault(("loss", "gradient", "input"), steps=range(5, 400, 5),
+                                   value=("nan", "inf", "-inf")), seed=0)
+    pl.seed_everything(0, verbose=False)
+    trainer = models.trainer(root, [injector, guard, KillAfterEvents(guard)], max_epochs=20)
+    trainer.fit(models.Classifier(), models.loader(models.classification_data(n=512), shuffle=True))
+    print("NOT KILLED")
+""")
+
+
+@pytest.mark.slow
+def test_sigkill_loses_no_completed_event_and_report_reads_a_truncated_line(tmp_path):
+    n = 7
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(n), str(TESTS)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
+    path = events_file(tmp_path / "run")
+    raw = path.read_text()
+    assert raw.endswith("\n")  # every record that was written is complete
+    events = read_jsonl(path)
+    assert [e["index"] for e in events] == list(range(1, n + 1))
+    assert [e["step"] for e in events] == [5 * i for i in range(1, n + 1)]
+    assert all(e["actions"][0] == "skip_step" for e in events)
+
+    # a kill in the middle of a write leaves half a line: the report skips it with a warning
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(raw.splitlines()[0][: len(raw.splitlines()[0]) // 2])
+    report = subprocess.run([sys.executable, "-m", "lightning_nanguard", "report", str(tmp_path / "run"), "--json"],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert report.returncode == 0, report.stderr
+    assert "truncated" in report.stderr and "Traceback" not in report.stderr
+    rows = json.loads(report.stdout)
+    rows = rows["events"] if isinstance(rows, dict) else rows
+    assert [r["step"] for r in rows] == [e["step"] for e in events]
+    # a garbled line in the middle is an error, not silently skipped
+    path.write_text(raw.splitlines()[0][:20] + "\n" + raw)
+    bad = subprocess.run([sys.executable, "-m", "lightning_nanguard", "report", str(path)],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and ":1:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+class Probe(pl.Callback):
+    """Listed after the guard: what the guard holds when training (re)starts."""
+
+    def __init__(self, guard):
+        self.guard, self.at_start = guard, None
+
+    def on_train_start(self, trainer, pl_module):
+        g = self.guard
+        self.at_start = (dict(g.counters), g.lr_scale, g._event_index, trainer.global_step,
+                         [grp["lr"] for grp in trainer.optimizers[0].param_groups])
+
+
+def test_resume_keeps_counters_lr_scale_and_event_numbering(tmp_path):
+    root = tmp_path / "run"
+    # first run: two incidents in a row cut the LR, bad parameters roll back and cut it again
+    first = NaNGuard(logging={"verbose": False})
+    faults = [Fault("loss", steps=[10]), Fault("gradient", steps=[11]), Fault("parameter", steps=[30])]
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=40, save_top_k=-1)
+    _, trainer = fit(root, [FaultInjector(faults), first, ckpt], max_steps=45, enable_checkpointing=True)
+    assert [e.step for e in first.events] == [10, 11, 31]
+    assert first.lr_scale == 0.25 and first.counters["rollbacks"] == 1
+    saved = (dict(first.counters), first.lr_scale, first._event_index)
+    path = tmp_path / "ckpt" / "epoch=2-step=40.ckpt"
+    assert path.exists(), sorted(os.listdir(tmp_path / "ckpt"))
+    assert torch.load(path, weights_only=False)["callbacks"]["NaNGuard"]["event_index"] == 3
+
+    # resumed by a new process' objects: a new guard, model and Trainer
+    second = NaNGuard(logging={"verbose": False})
+    probe = Probe(second)
+    _, trainer = fit(root, [FaultInjector([Fault("loss", steps=[60]), Fault("input", steps=[61])]), second, probe],
+                     ckpt_path=str(path), max_steps=80)
+    counters, lr_scale, index, step, lrs = probe.at_start
+    assert (counters, lr_scale, index) == saved and step == 40
+    assert lrs == [pytest.approx(1e-2 * 0.25)]  # the optimizer state carries the cut LR too
+    assert [(e.index, e.step) for e in second.events] == [(4, 60), (5, 61)]
+    assert second.counters["incidents"] == 5 and second.counters["rollbacks"] == 1
+    assert second.lr_scale == 0.25  # a loss and an input incident: no new cut (inputs do not count)
+    # one events.jsonl across both runs: numbering continues, nothing duplicated
+    assert [(e["index"], e["step"]) for e in read_jsonl(events_file(root))] == [
+        (1, 10), (2, 11), (3, 31), (4, 60), (5, 61)]
+
+
+# -------------------------------------------------------------------------------------------- no leaks
+
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+
+
+def hook_counts(model: nn.Module) -> dict:
+    counts = {f"{name}.{d}": len(getattr(m, d, {}) or {}) for name, m in model.named_modules() for d in HOOK_DICTS}
+    counts.update({f"{name}.tensor_hooks": len(p._backward_hooks or {}) + len(
+        getattr(p, "_post_accumulate_grad_hooks", None) or {}) for name, p in model.named_parameters()})
+    glob = torch.nn.modules.module
+    for g in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+              "_global_backward_pre_hooks"):
+        counts[g] = len(getattr(glob, g, {}))
+    return counts
+
+
+def anomaly_state() -> tuple[bool, bool]:
+    return torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+
+
+FAULTS = [Fault("activation", steps=[6], target="net.1"), Fault("loss", steps=[12], value="inf"),
+          Fault("parameter", steps=[20])]
+
+
+class HooksDuringFit(pl.Callback):
+    def __init__(self):
+        self.most = 0
+
+    def on_after_backward(self, trainer, pl_module):
+        self.most = max(self.most, sum(hook_counts(pl_module).values()))
+
+
+@pytest.mark.parametrize("config,faults", [
+    ({}, FAULTS),
+    ({"check": {"activations": "always"}}, FAULTS),
+    ({"check": {"activations": 3}}, FAULTS),
+    ({"anomaly": {"mode": "always"}}, []),  # with a NaN in backward it raises: see the xfail below
+], ids=["defaults", "activations-always", "activations-every3", "anomaly-always"])
+@pytest.mark.parametrize("anomaly_before", [False, True])
+def test_fit_leaves_no_hooks_and_restores_anomaly_mode(tmp_path, config, faults, anomaly_before):
+    model = models.Classifier()
+    before = hook_counts(model)
+    assert all(v == 0 for v in before.values())
+    previous = anomaly_state()
+    torch.autograd.set_detect_anomaly(anomaly_before)
+    expected = anomaly_state()
+    try:
+        guard, during = NaNGuard(logging={"verbose": False}, **config), HooksDuringFit()
+        fit(tmp_path, [FaultInjector(faults), guard, during], model=model, max_steps=30)
+        assert [e.step for e in guard.events] == ([6, 12, 21] if faults else [])
+        assert anomaly_state() == expected
+        assert hook_counts(model) == before
+        if "activations" in config.get("check", {}):
+            assert during.most > 0  # the hooks were really there during the fit
+    finally:
+        torch.autograd.set_detect_anomaly(*previous)
+
+
+@pytest.mark.parametrize("anomaly", ["on_incident", "always"])
+def test_fit_that_raises_leaves_no_hooks(tmp_path, anomaly):
+    model = models.Classifier()
+    before = hook_counts(model)
+    previous = anomaly_state()
+    guard = NaNGuard(logging={"verbose": False}, anomaly={"mode": anomaly}, check={"activations": "always"},
+                     recovery={"max_skips": 1, "max_rollbacks": 1, "on_give_up": "raise"})
+    injector = FaultInjector(Fault(("loss", "activation"), rate=1.0), seed=0)  # every step
+    # anomaly "always" currently raises torch's own RuntimeError from backward (see the xfail below)
+    with pytest.raises(NaNGuardError if anomaly == "on_incident" else (NaNGuardError, RuntimeError)):
+        fit(tmp_path, [injector, guard], model=model, max_steps=50)
+    assert hook_counts(model) == before
+    assert anomaly_state() == previous
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())  # restored before raising
+
+
+@pytest.mark.xfail(reason="anomaly.mode=always sets detect_anomaly(check_nan=True) for the whole fit, so the "
+                          "first NaN in backward raises RuntimeError out of fit instead of being handled "
+                          "(found by the reliability suite; monitor.py)", raises=RuntimeError, strict=False)
+def test_anomaly_always_survives_a_nan_in_backward(tmp_path):
+    def nan_batch(batch, batch_idx, module):  # a real bad batch, no injector involved
+        x, y = batch
+        return (x * float("nan"), y) if batch_idx == 5 else batch
+
+    guard = NaNGuard(logging={"verbose": False}, anomaly={"mode": "always"})
+    model, trainer = fit(tmp_path, [guard], model=models.Classifier(batch_hook=nan_batch), max_steps=10)
+    assert [e.step for e in guard.events] == [5] and trainer.global_step == 10
+
+
+def test_second_fit_with_the_same_or_a_new_guard_repeats_the_first(tmp_path):
+    faults = [Fault("input", steps=[4]), Fault("gradient", steps=[9], value="-inf"),
+              Fault("parameter", steps=[15]), Fault("loss", steps=range(22, 27))]
+    runs = []
+    guard = NaNGuard(logging={"verbose": False})
+    injector = FaultInjector(faults, seed=3)
+    for name, g in (("first", guard), ("same", guard), ("new", NaNGuard(logging={"verbose": False}))):
+        model, _ = fit(tmp_path / name, [injector, g], max_steps=40)
+        runs.append((signature(g.events), {k: v.clone() for k, v in model.state_dict().items()},
+                     dict(g.counters), g.lr_scale, [i.to_dict() for i in injector.log]))
+    first = runs[0]
+    assert len(first[0]) == 8 and any("rollback" in e[5] for e in first[0])
+    for other in runs[1:]:
+        assert other[0] == first[0]  # same events, numbered from 1 again
+        assert other[2:] == first[2:]  # same counters, LR scale and injected faults
+        assert first[1].keys() == other[1].keys()
+        assert all(torch.equal(first[1][k], other[1][k]) for k in first[1])
+
+
+# ----------------------------------------------------------------------------------------- independence
+
+
+class NestedFit(pl.Callback):
+    """At one step of the outer fit, run a whole other guarded fit, then restore the global RNGs."""
+
+    def __init__(self, at_step, inner):
+        self.at_step, self.inner, self.result = at_step, inner, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step and self.result is None:
+            states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+            self.result = self.inner()
+            torch.set_rng_state(states[0])
+            random.setstate(states[1])
+            np.random.set_state(states[2])
+
+
+def test_two_guards_in_two_trainers_do_not_interfere(tmp_path):
+    def run_a(root, extra=()):
+        guard = NaNGuard(logging={"verbose": False}, recovery={"lr_factor": 0.5})
+        injector = FaultInjector([Fault("loss", steps=[5, 6]), Fault("parameter", steps=[30])], seed=0)
+        model, _ = fit(root, [injector, guard, *extra], max_steps=50)
+        return guard, model
+
+    def run_b(root):
+        guard = NaNGuard(logging={"verbose": False}, recovery={"lr_factor": 0.1, "max_skips": 1},
+                         check={"activations": "always"})
+        injector = FaultInjector(Fault("gradient", steps=[3, 4, 5], value="inf"), seed=1)
+        pl.seed_everything(1, verbose=False)  # the model's initialisation, wherever this runs
+        model, _ = fit(root, [injector, guard], model=models.Classifier(hidden=8), max_steps=20)
+        return guard, model
+
+    solo_a, model_a = run_a(tmp_path / "solo_a")
+    solo_b, model_b = run_b(tmp_path / "solo_b")
+    nested = NestedFit(20, lambda: run_b(tmp_path / "inner_b"))
+    outer_a, outer_model = run_a(tmp_path / "outer_a", extra=[nested])
+    inner_b, inner_model = nested.result
+
+    assert signature(outer_a.events) == signature(solo_a.events) and len(solo_a.events) == 3
+    assert signature(inner_b.events) == signature(solo_b.events) and len(solo_b.events) == 3
+    assert (outer_a.lr_scale, inner_b.lr_scale) == (solo_a.lr_scale, solo_b.lr_scale) != (1.0, 1.0)
+    for a, b in ((inner_model, model_b), (outer_model, model_a)):
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    # each guard wrote its own events file and nothing else's
+    assert [e["step"] for e in read_jsonl(events_file(tmp_path / "outer_a"))] == [e.step for e in solo_a.events]
+    assert [e["step"] for e in read_jsonl(events_file(tmp_path / "inner_b"))] == [e.step for e in solo_b.events]
+    assert hook_counts(outer_model) == hook_counts(models.Classifier())
