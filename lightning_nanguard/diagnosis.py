@@ -13,9 +13,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .events import NaNEvent
+import torch
 
-__all__ = ["IncidentContext", "diagnose", "SUGGESTIONS"]
+from . import checks, replay
+from .events import NaNEvent
+from .replay import parse_anomaly_error
+
+__all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "parse_anomaly_error", "SUGGESTIONS"]
 
 SUGGESTIONS = {
     "input": "Bad input data: fix or drop these samples (check the data pipeline, normalisation and "
@@ -56,6 +60,9 @@ class IncidentContext:
     replay: bool = False
     frames: int = 21
     float64_check: bool = True
+    replayed: bool = False  # set by diagnose() when it replayed the window
+    previous: Optional[NaNEvent] = None  # the last replayed incident, reused once anomaly.max_replays is spent
+    replay_result: Any = None
 
 
 def _zscore(value: float, history: list[float]) -> Optional[float]:
@@ -68,37 +75,195 @@ def _zscore(value: float, history: list[float]) -> Optional[float]:
 
 
 def diagnose(ctx: IncidentContext) -> str:
-    """Fill the event's diagnosis fields from the evidence; return extra report text (may be empty)."""
+    """Fill the event's diagnosis fields from the evidence; return extra report text (may be empty).
+
+    With ``ctx.replay`` the offending micro-batch is replayed (:func:`replay.replay_window`) to localise the
+    first non-finite value; the returned text is then the module frames before it.
+    """
     ev = ctx.event
     details = ev.details
-    cause = "unknown"
+    frames_text = ""
+    cause: Optional[str] = None
+    z = _zscore(ctx.grad_norm, ctx.norm_history)
+    if z is not None:
+        details["grad_norm_zscore"] = z
     if ctx.at_fit_start:
         cause = "initialization"
-        details["nonfinite_parameters"] = ctx.param_findings
+        details["nonfinite_parameters"] = _with_rows(ctx.pl_module, ctx.param_findings)
         ev.culprit = ctx.param_findings[0]["name"] if ctx.param_findings else None
     elif ctx.input_findings:
         cause = "input"
         details["inputs"] = ctx.input_findings
         ev.culprit = None
     elif ev.kind in ("parameter", "buffer"):
-        details["nonfinite_parameters"] = ctx.param_findings
+        details["nonfinite_parameters"] = _with_rows(ctx.pl_module, ctx.param_findings)
         ev.culprit = ctx.param_findings[0]["name"] if ctx.param_findings else None
         cause = "optimizer" if ctx.grads_were_finite else "unknown"
     else:
-        z = _zscore(ctx.grad_norm, ctx.norm_history)
-        recent = [h for h in ctx.norm_history[-5:] if math.isfinite(h)]
-        older = [h for h in ctx.norm_history[:-5] if math.isfinite(h)]
-        if z is not None:
-            details["grad_norm_zscore"] = z
-        if recent and older and statistics.fmean(recent) > 10 * statistics.fmean(older):
-            cause = "exploding_gradient"
-            details["grad_norm_trend"] = {"recent_mean": statistics.fmean(recent),
-                                          "earlier_mean": statistics.fmean(older)}
-        elif z is not None and z > 6:
-            cause = "exploding_gradient"
+        if ctx.replay and ctx.batches:
+            result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
+                                          frames=ctx.frames, float64_check=ctx.float64_check)
+            ctx.replayed = True
+            ctx.replay_result = result
+            cause = _cause_from_replay(ctx, result)
+            frames_text = result.frames_text
+        elif not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause:
+            prev = ctx.previous
+            ev.culprit, ev.op, cause = prev.culprit, prev.op, prev.cause
+            details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
+            details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
+                                                         "forward_op", "backward_op") if k in prev.details})
+        if cause is None:
+            cause = _history_cause(ctx)
     ev.cause = cause
-    ev.suggestion = SUGGESTIONS[cause]
-    return ""
+    ev.suggestion = _suggestion(ctx, cause)
+    return frames_text
+
+
+def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
+    """Diagnose the error ``anomaly.mode: always`` raised in backward (``found``: :func:`parse_anomaly_error`).
+
+    Replays the window like :func:`diagnose` (when ``ctx.replay``) and keeps the op anomaly mode named.
+    """
+    extra = diagnose(ctx)
+    ev = ctx.event
+    ev.details["anomaly_error"] = found
+    ev.op = ev.op or found.get("op")
+    if ev.cause in (None, "unknown"):
+        ev.cause = "backward_op"
+        ev.suggestion = _suggestion(ctx, "backward_op")
+    return extra
+
+
+def _history_cause(ctx: IncidentContext) -> str:
+    """Exploding gradients from the healthy gradient-norm history (trend, or z-score of the last norm)."""
+    details = ctx.event.details
+    recent = [h for h in ctx.norm_history[-5:] if math.isfinite(h)]
+    older = [h for h in ctx.norm_history[:-5] if math.isfinite(h)]
+    if recent and older and statistics.fmean(recent) > 10 * statistics.fmean(older):
+        details["grad_norm_trend"] = {"recent_mean": statistics.fmean(recent),
+                                      "earlier_mean": statistics.fmean(older)}
+        return "exploding_gradient"
+    z = details.get("grad_norm_zscore")
+    return "exploding_gradient" if z is not None and z > 6 else "unknown"
+
+
+def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
+    ev, details = ctx.event, ctx.event.details
+    details["replay"] = {"micro_batch": res.micro_batch, "reproduced": res.reproduced,
+                         "loss_finite": res.loss_finite, "nonfinite_grads": res.nonfinite_grads[:5]}
+    if res.errors:
+        details["replay"]["errors"] = res.errors
+    if res.float64 is not None:
+        details["float64"] = res.float64
+    if not res.reproduced:
+        details["replay"]["note"] = "finite on replay: a nondeterministic op, or state changed before the replay"
+        return None
+    if res.forward is not None:
+        ev.culprit = res.forward["module"]
+        details["forward"] = res.forward
+        if res.forward.get("call"):
+            details["culprit_call"] = res.forward["call"]
+        if res.forward_op:
+            ev.op = res.forward_op.get("op") or res.forward_op.get("function")
+            details["forward_op"] = res.forward_op
+            if ev.culprit == "training_step" and res.forward_op.get("module"):
+                ev.culprit = res.forward_op["module"]
+        features = _extreme_features([b for b, _ in ctx.batches[res.micro_batch:res.micro_batch + 1]])
+        if features:
+            details["extreme_features"] = features
+        f64 = res.float64
+        if f64 is not None and f64.get("module_finite", f64.get("loss_finite")):
+            dtype = getattr(torch, str(res.forward.get("dtype", "float32")), torch.float32)
+            limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+            abs_max = f64.get("module_out_abs_max", math.nan)
+            details["abs_max_float64"], details["dtype"], details["dtype_max"] = abs_max, str(dtype), limit
+            return "overflow" if abs_max > limit else "precision"
+        return None
+    if res.backward is not None or res.backward_op is not None or res.anomaly is not None:
+        if res.backward is not None:
+            ev.culprit = res.backward["module"]
+            details["backward"] = res.backward
+        if res.backward_op is not None:
+            details["backward_op"] = res.backward_op
+        if res.anomaly is not None:
+            details["anomaly"] = res.anomaly
+        ev.op = (res.backward_op or {}).get("op") or (res.anomaly or {}).get("op")
+        if ev.culprit is None and res.nonfinite_grads:
+            ev.culprit = res.nonfinite_grads[0]
+        f64 = res.float64
+        if f64 is not None and f64.get("grads_finite"):
+            return "precision"
+        return "backward_op"
+    return None
+
+
+def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -> list[dict]:
+    """Feature columns (last dim) whose abs-max is ``ratio`` times the median column's: normalise these."""
+    out = []
+    for batch in batches:
+        for path, t in checks.iter_batch_tensors(batch):
+            if not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2:
+                continue
+            col = t.detach().abs().reshape(-1, t.shape[-1]).double()
+            col = torch.where(torch.isfinite(col), col, 0.0).amax(dim=0)
+            median = float(col.median())
+            idx = (col > ratio * max(median, 1e-30)).nonzero().flatten()[:limit].tolist()
+            if idx:
+                out.append({"field": path, "features": idx, "abs_max": [float(col[i]) for i in idx],
+                            "median_abs_max": median})
+    return out
+
+
+def _with_rows(pl_module: Any, findings: list[dict], limit: int = 20) -> list[dict]:
+    """Add, for 2-D+ parameters, the indices of the rows (dim 0) holding NaN/Inf."""
+    if pl_module is None:
+        return findings
+    state = dict(pl_module.named_parameters())
+    state.update(dict(pl_module.named_buffers()))
+    out = []
+    for f in findings:
+        t = state.get(f["name"])
+        if t is not None and t.dim() >= 2:
+            bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
+            f = dict(f, rows=bad.nonzero().flatten()[:limit].tolist())
+        out.append(f)
+    return out
+
+
+def _suggestion(ctx: IncidentContext, cause: str) -> str:
+    ev, d = ctx.event, ctx.event.details
+    where = f" in {ev.culprit}" if ev.culprit else ""
+    op = f" ({ev.op})" if ev.op else ""
+    base = SUGGESTIONS[cause]
+    if cause == "input" and ctx.input_findings:
+        f = ctx.input_findings[0]
+        feats = f" features {f['features'][:10]}" if f.get("features") else ""
+        return f"{f['field']} holds NaN/Inf at samples {f.get('samples', [])[:10]}{feats}. " + base
+    if cause in ("overflow", "precision"):
+        feats = d.get("extreme_features")
+        hint = (f"normalise feature(s) {feats[0]['features']} of {feats[0]['field']} (abs-max "
+                f"{max(feats[0]['abs_max']):.3g} vs median {feats[0]['median_abs_max']:.3g}), or compute it in float64"
+                if feats else "normalise or scale the inputs, or compute it in float64")
+        if cause == "overflow":
+            return (f"Overflow{where}{op}: values reach {d.get('abs_max_float64', math.nan):.3g}, beyond "
+                    f"{d.get('dtype', 'the dtype')}'s max {d.get('dtype_max', math.nan):.3g}; {hint}.")
+        return f"Precision loss{where}{op}: finite in float64, not in {d.get('dtype', 'the working dtype')}; {hint}."
+    if cause == "backward_op":
+        src = (d.get("backward_op") or d.get("anomaly") or {}).get("traceback")
+        at = f" (forward: {src})" if src else ""
+        return f"The backward of {ev.op or 'an op'}{where} is infinite or undefined at these inputs{at}. " + base
+    if cause in ("optimizer", "initialization") and ev.culprit:
+        return f"Non-finite values in {ev.culprit}. " + base
+    if cause == "unknown" and ev.culprit and (d.get("float64") or {}).get("module_finite") is False:
+        src = (d.get("forward_op") or {}).get("source")
+        at = f" at {src}" if src else ""
+        return (f"The first non-finite value appeared{where}{op}{at} and stays non-finite in float64: the op's "
+                "input is outside its domain (log or sqrt of a negative, 0/0, inf-inf); clamp or mask its "
+                "inputs, add an epsilon, or check the weights feeding it for divergence.")
+    if cause == "unknown" and ev.culprit:
+        return f"The first non-finite value appeared{where}{op}. " + base
+    return base
 
 
 def render_report(ctx: IncidentContext, frames_text: str = "") -> str:

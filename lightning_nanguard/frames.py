@@ -1,0 +1,239 @@
+"""Evidence recorders used by the incident replay (:mod:`lightning_nanguard.replay`); nothing here runs
+while training is healthy.
+
+- :class:`FrameRecorder`: forward pre/post and full backward hooks on every module. Per module call it keeps
+  abs-max, abs-min (of finite values) and the count of non-finite values of inputs and outputs as a small
+  device tensor, like transformers' ``DebugUnderflowOverflow`` but without a host sync per module:
+  :meth:`FrameRecorder.read` reads all frames at once.
+- :class:`FirstBadOp`: a ``TorchFunctionMode`` naming the first torch op, inside a given module call, whose
+  output is non-finite while its inputs were finite (autograd name, function and source line).
+- :class:`GraphWatch`: hooks on every node of an autograd graph, naming the first backward function that
+  produced NaN *or* Inf from finite gradients (anomaly mode only checks NaN).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",
+           "tensors_of", "user_frame"]
+
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are never "user code": torch, Lightning, NaNGuard and the standard library."""
+    dirs = [str(Path(torch.__file__).parent), str(Path(__file__).parent)]
+    for name in ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_utilities"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(spec.submodule_search_locations)
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+_LIBRARY_DIRS = _library_dirs()
+_STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "")
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or (filename.startswith(_STDLIB) and "-packages" not in filename)
+
+
+def tensors_of(obj: Any, depth: int = 0) -> list[Tensor]:
+    """Floating tensors in a nested output/input structure."""
+    if isinstance(obj, Tensor):
+        return [obj] if obj.is_floating_point() and obj.numel() else []
+    if depth > 3:
+        return []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in tensors_of(o, depth + 1)]
+    return []
+
+
+def _stats(tensors: list[Tensor]) -> Optional[Tensor]:
+    """Device tensor [abs-max, abs-min, non-finite count] over finite values of ``tensors`` (no sync)."""
+    if not tensors:
+        return None
+    rows = []
+    for t in tensors:
+        a = t.detach().abs().double()
+        fin = torch.isfinite(a)
+        rows.append(torch.stack([torch.where(fin, a, 0.0).amax(), torch.where(fin, a, math.inf).amin(),
+                                 (~fin).sum().double()]))
+    s = torch.stack([r.to(rows[0].device) for r in rows])
+    return torch.stack([s[:, 0].amax(), s[:, 1].amin(), s[:, 2].sum()])
+
+
+def all_finite(tensors: list[Tensor]) -> bool:
+    return all(bool(torch.isfinite(t.detach()).all()) for t in tensors)
+
+
+def user_frame() -> Optional[str]:
+    """``file:line in func: code`` of the innermost stack frame outside torch, Lightning and NaNGuard."""
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        if not _is_library(fr.filename):
+            return f"{fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
+    return None
+
+
+@dataclass
+class Frame:
+    index: int
+    module: str
+    call: int
+    dtype: str
+    stats: Any  # device tensor [in_max, in_min, in_bad, out_max, out_min, out_bad], then a list after read()
+
+    def row(self) -> dict[str, Any]:
+        s = self.stats
+        return {"module": self.module, "call": self.call, "dtype": self.dtype, "in_abs_max": s[0],
+                "in_abs_min": s[1], "in_nonfinite": int(s[2]), "out_abs_max": s[3], "out_abs_min": s[4],
+                "out_nonfinite": int(s[5])}
+
+
+class FrameRecorder:
+    """Forward (and optionally full backward) hooks on every submodule, statistics kept on the device."""
+
+    def __init__(self, root: nn.Module, backward: bool = True, root_name: str = "<root>") -> None:
+        self.names = {m: (n or root_name) for n, m in root.named_modules()}
+        self.backward = backward
+        self.forward_frames: list[Frame] = []
+        self.backward_frames: list[Frame] = []
+        self.calls: dict[str, int] = {}
+        self.stack: list[tuple[str, int]] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "FrameRecorder":
+        for m in self.names:
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post))
+            if self.backward:
+                self._handles.append(m.register_full_backward_hook(self._bwd))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        name = self.names[module]
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        self.stack.append((name, call))
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        name, call = self.stack.pop() if self.stack else (self.names[module], 0)
+        self._add(self.forward_frames, name, call, tensors_of(args), tensors_of(output))
+
+    def _bwd(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        # for gradients, "in" is what flows into the module's backward (grad_output), "out" what it produces
+        self._add(self.backward_frames, self.names[module], 0, tensors_of(grad_output), tensors_of(grad_input))
+
+    def _add(self, frames: list[Frame], name: str, call: int, ins: list[Tensor], outs: list[Tensor]) -> None:
+        if not outs:
+            return
+        si, so = _stats(ins), _stats(outs)
+        if si is None:
+            si = torch.tensor([0.0, math.inf, 0.0], dtype=torch.float64, device=so.device)  # type: ignore[union-attr]
+        frames.append(Frame(len(frames), name, call, str(outs[0].dtype).replace("torch.", ""),
+                            torch.cat([si.to(so.device), so])))  # type: ignore[union-attr]
+
+    def read(self) -> None:
+        """The one host read of a replay pass."""
+        for frames in (self.forward_frames, self.backward_frames):
+            if frames:
+                values = torch.stack([f.stats for f in frames]).tolist()
+                for f, v in zip(frames, values):
+                    f.stats = v
+
+    @staticmethod
+    def first_bad(frames: list[Frame]) -> Optional[Frame]:
+        return next((f for f in frames if f.stats[5] > 0 and f.stats[2] == 0), None)
+
+
+def format_frames(frames: list[Frame], title: str) -> str:
+    head = f"{'#':>4}  {'module (call)':<40} {'dtype':<9} {'in abs-min':>10} {'in abs-max':>10} {'in bad':>7} " \
+           f"{'out abs-min':>11} {'out abs-max':>11} {'out bad':>8}"
+    lines = [title, head, "-" * len(head)]
+    for f in frames:
+        s = f.stats
+        label = f"{f.module} ({f.call})"
+        lines.append(f"{f.index:>4}  {label[-40:]:<40} {f.dtype:<9} {s[1]:>10.3g} {s[0]:>10.3g} {int(s[2]):>7} "
+                     f"{s[4]:>11.3g} {s[3]:>11.3g} {int(s[5]):>8}")
+    return "\n".join(lines)
+
+
+class FirstBadOp(TorchFunctionMode):
+    """Names the first torch op, inside ``module`` (innermost), whose output is non-finite from finite inputs."""
+
+    def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]]) -> None:
+        super().__init__()
+        self.recorder, self.module = recorder, module
+        self.found: Optional[dict[str, Any]] = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            where = self.recorder.stack[-1] if self.recorder.stack else None
+            if self.module is None or where == self.module:
+                outs = tensors_of(out)
+                if outs and not all_finite(outs) and all_finite(tensors_of([args, kwargs or {}])):
+                    grad_fn = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
+                    self.found = {"op": grad_fn.name() if grad_fn is not None else None,
+                                  "function": getattr(func, "__name__", str(func)),
+                                  "module": where[0] if where else None, "source": user_frame()}
+        return out
+
+
+class GraphWatch:
+    """Hooks on every node of an autograd graph: the first one producing NaN/Inf from finite gradients."""
+
+    def __init__(self, root: Tensor) -> None:
+        self.found: Optional[dict[str, Any]] = None
+        self._handles = []
+        seen, todo = set(), [root.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            self._handles.append(node.register_hook(self._hook(node)))
+            todo.extend(n for n, _ in node.next_functions)
+
+    def _hook(self, node: Any) -> Any:
+        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+            if self.found is None and not all_finite(tensors_of(list(grad_inputs))) \
+                    and all_finite(tensors_of(list(grad_outputs))):
+                bad = tensors_of(list(grad_inputs))
+                self.found = {"op": node.name(), "nan": any(bool(torch.isnan(t).any()) for t in bad),
+                              "traceback": forward_trace(node.metadata.get("traceback_"))}
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def forward_trace(tb: Any) -> Optional[str]:
+    if not tb:
+        return None
+    lines = [ln for ln in str(tb if isinstance(tb, str) else "".join(tb)).splitlines() if ln.strip()]
+    user = [i for i, ln in enumerate(lines) if ln.strip().startswith('File "')
+            and not _is_library(ln.strip()[6:].split('"', 1)[0])]
+    if not user:
+        return lines[-1].strip() if lines else None
+    i = user[-1]
+    return " ".join(ln.strip() for ln in lines[i:i + 2])

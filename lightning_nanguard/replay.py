@@ -1,0 +1,280 @@
+"""Incident replay: rerun the offending micro-batch on the same weights and record where it went bad.
+
+Nothing here runs while training is healthy. On an incident,
+:func:`replay_window` reruns ``training_step`` on the saved batch with the saved RNG state, inside the
+precision plugin's forward context, and computes gradients with :func:`torch.autograd.grad` so ``.grad`` is
+never touched. RNG, buffers (BatchNorm statistics), train/eval mode and ``log``/``log_dict`` are restored
+afterwards, so a replay does not change training.
+
+Like transformers' ``DebugUnderflowOverflow``, forward hooks record per module call the abs-min, abs-max and
+number of non-finite values of inputs and outputs, but the statistics stay on the device and are read once,
+at the end of the replay. Evidence gathered:
+
+- forward: the first module call whose output is non-finite while its inputs were finite (post-order hooks
+  make it the innermost module that ran the bad op), and the first op inside it (a TorchFunctionMode pass);
+- backward: the first module, in backward order, whose input gradients are non-finite while its output
+  gradients were finite (full backward hooks), and the first autograd function that produced NaN *or* Inf
+  (hooks on the autograd graph) next to what ``detect_anomaly(check_nan=True)`` reports;
+- float64: the same forward/backward on a float64 deep copy; finite there means overflow or precision loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import checks
+from .frames import FirstBadOp, FrameRecorder, GraphWatch, format_frames, forward_trace
+
+__all__ = ["ReplayResult", "replay_window", "preserved_state", "parse_anomaly_error"]
+
+_ANOMALY_RE = re.compile(r"Function '(\w+)' returned (nan|inf) values in its (\d+)(?:st|nd|rd|th) output")
+
+
+# --------------------------------------------------------------------------------------------- replay
+
+
+@dataclass
+class ReplayResult:
+    micro_batch: Optional[int] = None
+    reproduced: bool = False
+    loss_finite: Optional[bool] = None
+    forward: Optional[dict] = None  # first bad module call (frame row)
+    forward_op: Optional[dict] = None
+    backward: Optional[dict] = None  # first bad module in backward order
+    backward_op: Optional[dict] = None  # first autograd node producing NaN/Inf
+    anomaly: Optional[dict] = None  # what detect_anomaly(check_nan=True) reported
+    nonfinite_grads: list[str] = field(default_factory=list)
+    float64: Optional[dict] = None
+    errors: list[str] = field(default_factory=list)
+    frames_text: str = ""
+
+
+def _rng_get() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _rng_set(state: Optional[dict[str, Any]]) -> None:
+    if not state:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Restore RNG, buffers, train modes and ``log``/``log_dict`` of ``module`` on exit."""
+    rng = _rng_get()
+    modes = {m: m.training for m in module.modules()}
+    buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
+    shadowed = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
+    object.__setattr__(module, "log", _noop)
+    object.__setattr__(module, "log_dict", _noop)
+    try:
+        yield
+    finally:
+        for k in ("log", "log_dict"):
+            module.__dict__.pop(k, None)
+        module.__dict__.update(shadowed)
+        with torch.no_grad():
+            for name, (buf, saved) in buffers.items():
+                owner_name, _, attr = name.rpartition(".")
+                owner = module.get_submodule(owner_name) if owner_name else module
+                if owner._buffers.get(attr) is not buf:
+                    owner._buffers[attr] = buf  # the forward replaced the buffer object: put the original back
+                buf.copy_(saved)
+        for m, mode in modes.items():
+            m.training = mode
+        _rng_set(rng)
+
+
+def _loss_of(output: Any) -> Optional[Tensor]:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+def _run(module: Any, batch: Any, batch_idx: int, rng: Any, ctx: Any) -> Optional[Tensor]:
+    _rng_set(rng)
+    with ctx, torch.enable_grad():
+        return _loss_of(module.training_step(batch, batch_idx))
+
+
+def _grads(loss: Tensor, named: list[tuple[str, nn.Parameter]]) -> list[Optional[Tensor]]:
+    if not loss.requires_grad or not named:
+        return [None] * len(named)
+    return list(torch.autograd.grad(loss.sum(), [p for _, p in named], allow_unused=True))
+
+
+def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
+                  frames: int = 21, float64_check: bool = True) -> ReplayResult:
+    """Replay each micro-batch of the window until one reproduces the incident; collect the evidence."""
+    result = ReplayResult()
+    plugin = getattr(trainer, "precision_plugin", None)
+    for i, (batch, batch_idx) in enumerate(batches):
+        rng = rng_states[i] if i < len(rng_states) else None
+        result = ReplayResult(micro_batch=i)
+        with preserved_state(module), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            try:
+                _replay_one(result, module, batch, batch_idx, rng, plugin, frames)
+            except Exception as err:  # the replay must never break training
+                result.errors.append(f"replay: {type(err).__name__}: {err}")
+        if result.reproduced:
+            if float64_check:
+                with preserved_state(module):
+                    try:
+                        result.float64 = _float64_pass(module, batch, batch_idx, rng, result)
+                    except Exception as err:
+                        result.errors.append(f"float64: {type(err).__name__}: {err}")
+            break
+    return result
+
+
+def _ctx(plugin: Any) -> Any:
+    return plugin.forward_context() if plugin is not None else nullcontext()
+
+
+def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
+                frames: int) -> None:
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    rec = FrameRecorder(module, backward=True, root_name=f"<{type(module).__name__}>")
+    try:
+        with rec:
+            loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
+            res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
+            grads = _grads(loss, named) if loss is not None and res.loss_finite else []
+    except RuntimeError as err:  # e.g. an in-place op on a hooked output: replay without backward hooks
+        res.errors.append(f"backward hooks: {err}".splitlines()[0])
+        rec = FrameRecorder(module, backward=False, root_name=f"<{type(module).__name__}>")
+        with preserved_state(module), rec:
+            loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
+            res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
+            grads = _grads(loss, named) if loss is not None and res.loss_finite else []
+    rec.read()
+    bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not bool(torch.isfinite(g).all())]
+    res.nonfinite_grads = bad_grads[:20]
+    first_fwd = rec.first_bad(rec.forward_frames)
+    res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads)
+    if first_fwd is not None:
+        res.forward = first_fwd.row()
+        ring = rec.forward_frames[max(0, first_fwd.index - frames + 1): first_fwd.index + 1]
+        res.frames_text = format_frames(ring, "forward (module call, inputs -> output):")
+    elif res.loss_finite is False:
+        res.forward = {"module": "training_step", "call": 0}
+    if res.forward is not None:
+        where = (first_fwd.module, first_fwd.call) if first_fwd is not None else None
+        with preserved_state(module):  # every pass starts from the same buffers
+            res.forward_op = _op_pass(module, batch, batch_idx, rng, plugin, where)
+        return
+    if bad_grads:
+        first_bwd = rec.first_bad(rec.backward_frames)
+        end = first_bwd.index + 1 if first_bwd is not None else len(rec.backward_frames)
+        if first_bwd is not None:
+            res.backward = first_bwd.row()
+        ring = rec.backward_frames[max(0, end - frames): end]
+        if ring:
+            res.frames_text = format_frames(ring, "backward (module, grad wrt outputs -> grad wrt inputs):")
+        with preserved_state(module):
+            res.backward_op, res.anomaly = _anomaly_pass(module, batch, batch_idx, rng, plugin, named)
+
+
+def _op_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
+             where: Optional[tuple[str, int]]) -> Optional[dict]:
+    rec = FrameRecorder(module, backward=False, root_name=f"<{type(module).__name__}>")
+    mode = FirstBadOp(rec, where)
+    with rec, mode:
+        _run(module, batch, batch_idx, rng, _ctx(plugin))
+    return mode.found
+
+
+def _anomaly_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
+                  named: list) -> tuple[Optional[dict], Optional[dict]]:
+    anomaly: Optional[dict] = None
+    watch: Optional[GraphWatch] = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autograd.detect_anomaly(check_nan=True):
+            loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
+            if loss is None or not loss.requires_grad:
+                return None, None
+            watch = GraphWatch(loss)
+            try:
+                _grads(loss, named)
+            except RuntimeError as err:
+                anomaly = parse_anomaly_error(err) or {"message": str(err).splitlines()[0]}
+            finally:
+                watch.remove()
+    for w in caught:
+        text = str(w.message)
+        if "Traceback of forward call" in text and anomaly is not None:
+            anomaly["traceback"] = forward_trace(text)
+    return watch.found, anomaly
+
+
+def parse_anomaly_error(error: BaseException) -> Optional[dict]:
+    """``Function 'PowBackward0' returned nan values in its 0th output.`` -> op, value, output; else None."""
+    m = _ANOMALY_RE.search(str(error))
+    if m is None:
+        return None
+    return {"message": str(error).splitlines()[0], "op": m.group(1), "value": m.group(2), "output": int(m.group(3))}
+
+
+def _to_double(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.double() if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_double(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_double(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_double(v) for v in obj)
+    return obj
+
+
+def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: ReplayResult) -> dict:
+    """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
+    twin = copy.deepcopy(module).double()
+    twin.log, twin.log_dict = _noop, _noop  # type: ignore[method-assign]
+    named = [(n, p) for n, p in twin.named_parameters() if p.requires_grad]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    rec = FrameRecorder(twin, backward=False, root_name=f"<{type(module).__name__}>")
+    try:
+        with rec:
+            loss = _run(twin, _to_double(batch), batch_idx, rng, nullcontext())
+        grads = _grads(loss, named) if loss is not None else []
+    finally:
+        torch.set_default_dtype(previous)
+    rec.read()
+    grad_flag = checks.any_nonfinite_flag([g for g in grads if g is not None])
+    out: dict[str, Any] = {"loss_finite": loss is not None and bool(torch.isfinite(loss.detach()).all()),
+                           "grads_finite": grad_flag is None or not bool(grad_flag)}
+    out["finite"] = out["loss_finite"] and out["grads_finite"]
+    if loss is not None:
+        out["loss"] = float(loss.detach().sum())
+    if res.forward and res.forward.get("module") != "training_step":  # the culprit's own output in float64
+        frame = next((f for f in rec.forward_frames if f.module == res.forward["module"]
+                      and f.call == res.forward["call"]), None)
+        if frame is not None:
+            out["module_out_abs_max"] = frame.stats[3]
+            out["module_finite"] = frame.stats[5] == 0
+    del twin
+    return out

@@ -1,0 +1,305 @@
+"""Diagnosis on demand: the incident replay names the module, the op and the cause (real Trainers, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytorch_lightning as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NaNGuard
+from models import Regression, loader, regression_data, trainer
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+class FeatureReadout(nn.Module):
+    """Reads node features back through the reconstructed graph: ``recon.t() @ x`` (the seed case)."""
+
+    def forward(self, recon: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(recon.t(), x)
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = FeatureReadout()
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        recon = z @ z.t()  # inner-product decoder
+        return recon, self.features(recon, x)
+
+
+class GraphAutoencoder(pl.LightningModule):
+    """GCN encoder + inner-product decoder + feature read-out, on one full graph per batch."""
+
+    def __init__(self, features: int, hidden: int = 16) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(features, hidden)
+        self.decoder = Decoder()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        adj, x = batch[0][0], batch[1][0]
+        z = adj @ self.encoder(x)
+        recon, feats = self.decoder(z, x)
+        self.log("train_loss", recon.mean())  # silenced during the replay
+        return torch.sigmoid(recon).mean() + feats.mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class RowNorm(nn.Module):
+    """Appends the row norm; ``sqrt`` at an all-zero (padding) row has an infinite derivative."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h, torch.sqrt((h * h).sum(-1, keepdim=True))], dim=-1)
+
+
+class PaddedNorm(pl.LightningModule):
+    """Finite forward on a zero padding row, NaN backward; BatchNorm and dropout make replay side effects visible."""
+
+    def __init__(self, features: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(features, hidden, bias=False)
+        self.rownorm = RowNorm()
+        self.bn = nn.BatchNorm1d(hidden + 1)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(hidden + 1, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.head(self.drop(self.bn(self.rownorm(self.proj(x)))))
+        self.log_dict({"loss": out.mean()})
+        return {"loss": nn.functional.mse_loss(out, y)}
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class UnusedRows(pl.LightningModule):
+    """Embedding of 20 rows of which the data uses 10; Adam with eps=0 turns the unused rows into 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 4)
+        self.head = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, y = batch
+        return nn.functional.mse_loss(self.head(self.emb(tokens)).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
+
+
+class SideBranch(pl.LightningModule):
+    """A module output that never reaches the loss goes NaN: only ``check.activations`` sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.aux = nn.Sequential(nn.Linear(8, 4), LogAct())
+        self.last_aux: Any = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.last_aux = self.aux(x).detach()  # e.g. kept for logging
+        return nn.functional.mse_loss(self.linear(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LogAct(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log(h)
+
+
+def _events(tmp_path: Any) -> list[dict]:
+    path = next(tmp_path.rglob("events.jsonl"))
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _padded_data(n: int = 256, features: int = 8, zero_rows: tuple[int, ...] = (40,)) -> TensorDataset:
+    data = regression_data(n, features)
+    x, y = data.tensors
+    x = x.clone()
+    x[list(zero_rows)] = 0.0
+    return TensorDataset(x, y)
+
+
+# ------------------------------------------------------------------------------------------------- tests
+
+
+def test_seed_case_overflow_in_submodule_matmul(tmp_path: Any) -> None:
+    nodes, features = 2708, 64  # Cora's node count; fewer features than 1433 keep the test fast
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(nodes, features, generator=g)
+    x[:, 7] = 1e18 * (1 + torch.rand(nodes, generator=g))  # one un-normalised feature column
+    adj = (torch.rand(nodes, nodes, generator=g) < 0.002).float() + torch.eye(nodes)
+    adj = adj / adj.sum(1, keepdim=True)
+    data = DataLoader(TensorDataset(adj[None], x[None]), batch_size=1)
+    guard = NaNGuard(recovery={"max_skips": 1, "max_rollbacks": 1}, anomaly={"max_replays": 2})
+    t = trainer(tmp_path, [guard], max_steps=50, max_epochs=50)
+    t.fit(GraphAutoencoder(features), data)
+
+    first = guard.events[0]
+    assert first.kind == "loss"
+    assert first.culprit == "decoder.features"
+    assert first.op == "MmBackward0"
+    assert first.cause in ("overflow", "precision")
+    assert first.cause == "overflow" and first.details["abs_max_float64"] > torch.finfo(torch.float32).max
+    assert "matmul(recon.t(), x)" in first.details["forward_op"]["source"]
+    assert first.details["extreme_features"][0]["features"] == [7]
+    assert "feature" in first.suggestion and ("normalise" in first.suggestion or "float64" in first.suggestion)
+    # gives up cleanly: bounded steps, weights restored and finite, at most max_replays replays
+    assert guard.events[-1].actions[-1] == "stop" and t.should_stop
+    assert t.global_step < 10 and len(guard.events) < 10
+    assert guard.counters["replays"] == 2
+    assert all(math.isfinite(float(p.detach().abs().max())) for p in t.lightning_module.parameters())
+    report = next(tmp_path.rglob("incident-0001-*.txt")).read_text()
+    assert "frames before the first non-finite value" in report and "decoder.features (0)" in report
+    assert _events(tmp_path)[0]["culprit"] == "decoder.features"
+
+
+def test_backward_singularity_names_module_and_op(tmp_path: Any) -> None:
+    guard = NaNGuard()
+    t = trainer(tmp_path, [guard], max_epochs=1)
+    model = PaddedNorm()
+    t.fit(model, loader(_padded_data(), batch_size=32))
+
+    assert len(guard.events) == 1, [e.summary() for e in guard.events]
+    ev = guard.events[0]
+    assert ev.kind == "gradient" and ev.batch_idx == 1
+    assert ev.culprit == "rownorm"
+    assert ev.op == "SqrtBackward0"  # the Inf at sqrt(0), which anomaly mode alone does not flag
+    assert ev.details["anomaly"]["op"] in ("MulBackward0", "SqrtBackward0")  # the first NaN anomaly mode saw
+    assert "sqrt" in ev.details["backward_op"]["traceback"]
+    assert ev.cause == "backward_op" and "epsilon" in ev.suggestion
+    assert ev.actions[0] == "skip_step" and "rollback" not in ev.actions  # skipped (then clipping armed)
+    assert t.global_step == 8 and not t.should_stop  # training continued
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    report = next(tmp_path.rglob("incident-0001-*.txt")).read_text()
+    assert "backward (module, grad wrt outputs -> grad wrt inputs)" in report and "rownorm" in report
+
+
+def test_replay_does_not_change_training(tmp_path: Any) -> None:
+    weights = {}
+    for mode in ("on_incident", "off"):
+        pl.seed_everything(0, verbose=False)
+        guard = NaNGuard(anomaly={"mode": mode})
+        model = PaddedNorm()
+        t = trainer(tmp_path / mode, [guard], max_epochs=2)
+        t.fit(model, loader(_padded_data(), batch_size=32, shuffle=True))
+        assert len(guard.events) == 2 and guard.counters["replays"] == (2 if mode == "on_incident" else 0)
+        weights[mode] = {k: v.clone() for k, v in model.state_dict().items()}
+    assert weights["on_incident"].keys() == weights["off"].keys()
+    for k in weights["off"]:
+        assert torch.equal(weights["on_incident"][k], weights["off"][k]), k
+    assert guard.events[0].culprit is None  # mode off: no replay, no module
+
+
+def test_nan_inputs_report_sample_indices(tmp_path: Any) -> None:
+    data = regression_data(128, 8)
+    x, y = data.tensors
+    x = x.clone()
+    x[5, 2] = float("nan")
+    x[9, 6] = float("inf")
+    guard = NaNGuard()
+    t = trainer(tmp_path, [guard], max_epochs=1)
+    t.fit(Regression(), loader(TensorDataset(x, y), batch_size=32))
+    ev = guard.events[0]
+    assert ev.kind == "input" and ev.cause == "input" and ev.batch_idx == 0
+    assert ev.details["inputs"][0]["samples"] == [5, 9]
+    assert ev.details["inputs"][0]["features"] == [2, 6]
+    assert "[5, 9]" in ev.suggestion
+    assert len(guard.events) == 1 and t.global_step == 4
+
+
+def test_adam_eps_zero_names_parameter_and_optimizer(tmp_path: Any) -> None:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 10, (64,), generator=g)  # rows 10..19 are never used
+    data = TensorDataset(tokens, torch.randn(64, generator=g))
+    guard = NaNGuard()
+    t = trainer(tmp_path, [guard], max_steps=3)
+    t.fit(UnusedRows(), DataLoader(data, batch_size=16))
+    ev = guard.events[0]
+    assert ev.kind == "parameter" and ev.cause == "optimizer"
+    assert ev.culprit == "emb.weight"
+    rows = ev.details["nonfinite_parameters"][0]["rows"]
+    assert set(rows) == set(range(20)) - set(tokens[:16].tolist())  # the rows the first step did not use
+    assert "eps" in ev.suggestion
+
+
+def test_inf_weight_before_fit_is_initialization(tmp_path: Any) -> None:
+    model = Regression()
+    with torch.no_grad():
+        model.linear.weight[0, 3] = float("inf")
+    guard = NaNGuard()
+    t = trainer(tmp_path, [guard], max_epochs=1)
+    t.fit(model, loader(regression_data(64), batch_size=32))
+    ev = guard.events[0]
+    assert ev.cause == "initialization" and ev.culprit == "linear.weight"
+    assert ev.details["detected_at"] == "fit_start"
+    assert "Xavier" in ev.suggestion and t.global_step == 0
+
+
+def test_healthy_run_performs_no_replay_and_leaves_no_hooks(tmp_path: Any) -> None:
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            seen.append((torch.is_anomaly_enabled(), len(pl_module.linear._forward_hooks)))
+
+    for anomaly, activations in (("on_incident", "on_incident"), ("always", "always")):
+        seen.clear()
+        guard = NaNGuard(anomaly={"mode": anomaly}, check={"activations": activations})
+        model = Regression()
+        t = trainer(tmp_path / anomaly, [guard, Probe()], max_epochs=1)
+        t.fit(model, loader(regression_data(128), batch_size=32))
+        assert guard.events == [] and guard.counters["replays"] == 0 and t.global_step == 4
+        assert all(s == ((True, 1) if anomaly == "always" else (False, 0)) for s in seen), seen
+        assert not torch.is_anomaly_enabled()
+        assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("activations", ["always", 2, "off"])
+def test_activation_flag_catches_unused_branch(tmp_path: Any, activations: Any) -> None:
+    data = regression_data(128, 8)
+    guard = NaNGuard(check={"activations": activations})
+    model = SideBranch()
+    with torch.no_grad():
+        model.aux[0].bias.fill_(-100.0)  # log of negative pre-activations -> NaN in aux, loss stays finite
+    t = trainer(tmp_path, [guard], max_steps=4)
+    t.fit(model, loader(data, batch_size=32))
+    if activations == "off":
+        assert guard.events == []
+        return
+    ev = guard.events[0]
+    assert ev.kind == "activation" and ev.step == 0
+    assert ev.culprit == "aux.1" and ev.op == "LogBackward0"
+    assert "domain" in ev.suggestion and "torch.log(h)" in ev.suggestion  # NaN in float64 too: a domain error
+    assert len(guard.events) == (4 if activations == "always" else 2)
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_anomaly_always_stops_at_the_op_and_cleans_up_on_exception(tmp_path: Any) -> None:
+    """``anomaly.mode: always`` is a debugging mode: torch raises at the op; hooks and mode are restored."""
+    guard = NaNGuard(anomaly={"mode": "always"}, check={"activations": "always"})
+    model = PaddedNorm()
+    t = trainer(tmp_path, [guard], max_epochs=1)
+    with pytest.raises(RuntimeError, match="returned nan values"):
+        t.fit(model, loader(_padded_data(), batch_size=32))
+    assert not torch.is_anomaly_enabled()
+    ev = guard.events[-1]  # the error is recorded (and diagnosed by a replay) before it propagates
+    assert ev.actions == ["raise"] and ev.batch_idx == 1
+    assert (ev.culprit, ev.op, ev.cause) == ("rownorm", "SqrtBackward0", "backward_op")
+    assert ev.details["anomaly_error"]["op"] == "MulBackward0"
+    assert _events(tmp_path)[-1]["actions"] == ["raise"]
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
