@@ -1,0 +1,74 @@
+"""Checkpoint safety: find non-finite tensors in a checkpoint dict, and rebuild one from live state.
+
+A checkpoint written during a guarded run must never carry a non-finite weight or optimizer state (an
+Adam ``exp_avg_sq`` that overflowed to inf freezes its parameter forever, silently). The check is one
+fused flag over every floating tensor; names are looked up only when it fires.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import Tensor
+
+from . import checks
+from .distributed import local_grad
+
+__all__ = ["iter_checkpoint_tensors", "nonfinite_entries", "optimizer_state_nonfinite", "rebuild"]
+
+
+def _walk(obj: Any, path: str) -> Iterable[tuple[str, Tensor]]:
+    if isinstance(obj, Tensor):
+        yield path, local_grad(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}[{i}]")
+
+
+def iter_checkpoint_tensors(checkpoint: dict[str, Any]) -> Iterable[tuple[str, Tensor]]:
+    """``(name, tensor)`` for the model weights and every optimizer state tensor of a checkpoint dict."""
+    for key in ("state_dict", "optimizer_states"):
+        if key in checkpoint:
+            yield from _walk(checkpoint[key], key)
+
+
+def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20) -> list[dict[str, Any]]:
+    """The non-finite tensors of ``checkpoint`` (weights and optimizer states); [] when all are finite."""
+    named = list(iter_checkpoint_tensors(checkpoint))
+    flag = checks.any_nonfinite_flag([t for _, t in named])
+    if flag is None or not bool(flag):
+        return []
+    return checks.find_nonfinite_tensors(named, limit=limit)
+
+
+def optimizer_state_nonfinite(optimizers: Iterable[Any], sync: Any = None, device: Any = None) -> bool:
+    """Does any optimizer hold a non-finite state tensor? One fused flag, one read (snapshot time only).
+
+    Under a sharding strategy (``sync.sharded``) every rank holds different state: the answer is agreed.
+    """
+    tensors = [local_grad(t) for opt in optimizers for state in opt.state.values() for t in state.values()
+               if isinstance(t, Tensor)]
+    flag = checks.any_nonfinite_flag(tensors)
+    bad = flag is not None and bool(flag)
+    if sync is not None and getattr(sync, "sharded", False):
+        bad = sync.any_rank(bad, device)
+    return bad
+
+
+def rebuild(checkpoint: dict[str, Any], trainer: Any, guard_key: str, guard_state: dict[str, Any]) -> None:
+    """Overwrite the training state of ``checkpoint`` with the trainer's live (restored) state."""
+    strategy = trainer.strategy
+    checkpoint["state_dict"] = strategy.lightning_module_state_dict()
+    if "optimizer_states" in checkpoint:
+        checkpoint["optimizer_states"] = [strategy.optimizer_state(o) for o in trainer.optimizers]
+    if "lr_schedulers" in checkpoint:
+        checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+    plugin = getattr(trainer, "precision_plugin", None)
+    key = type(plugin).__qualname__ if plugin is not None else None
+    if key is not None and key in checkpoint:
+        checkpoint[key] = plugin.state_dict()
+    if "callbacks" in checkpoint and guard_key in checkpoint["callbacks"]:
+        checkpoint["callbacks"][guard_key] = guard_state

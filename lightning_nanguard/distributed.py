@@ -1,0 +1,150 @@
+"""Identical decisions on every rank, for one small all-reduce per optimizer step.
+
+Under DDP the gradients are already all-reduced when the guard looks at them, so a decision taken from
+the gradient norm is the same on every rank. Rank-local evidence (the loss, the inputs, the parameters
+read after the previous step) is not: one rank skipping a step that another takes desynchronises the
+replicas. :class:`StepSync` folds the local flags into the vector the guard reads once per step and sums
+it across ranks with a single ``all_reduce`` (no barrier, unlike ``strategy.reduce_boolean_decision``
+which adds one); every rank then reads the same flags, the mean loss, and takes the same decision.
+
+Under FSDP (or any strategy whose class name says it shards: ``FSDP``, ``ModelParallel``) gradients are
+sharded: the guard sums ``|g|^p`` over the local shards and the same all-reduce completes the norm, so the
+finite check and clipping still cost one collective. (An inf-norm needs a MAX: a second all-reduce.) The
+sum runs over the whole world, which is right for full sharding; hybrid sharding (replicas of shards)
+would over-count the norm by the number of replicas.
+
+On an incident only, :func:`share_incident` gathers every rank's evidence and diagnosis, so that all
+ranks adopt the account of the first rank that saw the problem (the one rank 0 writes to the sinks).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import checks
+
+__all__ = ["StepSync", "shards_gradients", "local_grad", "local_norm_power", "share_incident"]
+
+_SHARDING_NAMES = ("FSDP", "FullyShardedDataParallel", "ModelParallel")
+_EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion")
+
+
+def shards_gradients(strategy: Any) -> bool:
+    """Does ``strategy`` shard gradients across ranks? (duck-typed on the class names, no isinstance)"""
+    names = [cls.__name__ for cls in type(strategy).__mro__]
+    return any(key in name for name in names for key in _SHARDING_NAMES)
+
+
+def local_grad(g: Tensor) -> Tensor:
+    """The local shard of a gradient (a DTensor's local tensor; a plain tensor as it is)."""
+    return g.to_local() if hasattr(g, "to_local") and hasattr(g, "placements") else g
+
+
+def local_norm_power(grads: Sequence[Tensor], norm_type: float) -> Tensor:
+    """``sum |g|^p`` over the local shards (``max |g|`` for the inf-norm) as a 0-dim float32 tensor."""
+    local = [local_grad(g) for g in grads if g is not None]
+    local = [g for g in local if g.numel() > 0]
+    if not local:
+        return torch.zeros(())
+    norms = torch.stack([n.float() for n in torch._foreach_norm(local, norm_type)])
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+
+class StepSync:
+    """How the guard's per-step flags agree across ranks. ``distributed`` is False on one process.
+
+    The vector the guard reads is ``[grad_norm, loss_sum, loss_bad, input_bad, param_bad]``; after
+    :meth:`reduce` the flags count the ranks that saw something, the loss is the mean over ranks, and the
+    norm is the global one (sharded: completed from the local powers).
+    """
+
+    def __init__(self, world_size: int = 1, sharded: bool = False, norm_type: float = 2.0,
+                 group: Optional[Any] = None) -> None:
+        self.world_size = int(world_size)
+        self.distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.sharded = sharded and self.distributed
+        self.norm_type = float(norm_type)
+        self.group = group
+        self._local: Optional[Tensor] = None
+
+    @classmethod
+    def for_trainer(cls, trainer: Any, norm_type: float = 2.0) -> "StepSync":
+        strategy = getattr(trainer, "strategy", None)
+        return cls(int(getattr(trainer, "world_size", 1) or 1), shards_gradients(strategy), norm_type)
+
+    def grad_norm(self, grads: Sequence[Tensor]) -> Tensor:
+        """The fused total norm; under sharding the local power sum that :meth:`reduce` completes."""
+        if self.sharded:
+            return local_norm_power(grads, self.norm_type)
+        return checks.total_norm(list(grads), self.norm_type)
+
+    def reduce(self, vec: Tensor) -> Tensor:
+        """Agree on ``vec`` across ranks with one all-reduce (SUM); no host sync, no barrier."""
+        if not self.distributed:
+            return vec
+        self._local = vec.detach().clone()
+        if self.sharded and not math.isinf(self.norm_type):
+            out = vec.clone()
+            dist.all_reduce(out, group=self.group)
+            out[:1] = out[:1].clamp_min(0).pow(1.0 / self.norm_type)
+        else:
+            head = vec[:1].clone()  # unsharded: the gradient norm is already identical on every rank
+            if self.sharded:  # inf-norm of shards: a MAX, the one case needing a second collective
+                dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
+            tail = vec[1:].clone()
+            dist.all_reduce(tail, group=self.group)
+            out = torch.cat([head, tail])
+        out[1:2] = out[1:2] / self.world_size  # summed loss -> mean loss over ranks; flags stay rank counts
+        return out
+
+    def global_norm(self, norm: Optional[Tensor], value: float) -> Optional[Tensor]:
+        """The norm to clip with: under sharding the completed ``value`` (already read), else ``norm``."""
+        if norm is None or not self.sharded:
+            return norm
+        return torch.full((), value, dtype=norm.dtype, device=norm.device)
+
+    def local_flags(self) -> list[bool]:
+        """This rank's own flags of the last step (``loss_bad, input_bad, param_bad, ...``; syncs: incident only)."""
+        if self._local is None:
+            return []
+        return [bool(v) for v in self._local[2:].tolist()]
+
+    def any_rank(self, flag: bool, device: Any = None) -> bool:
+        """Is ``flag`` set on any rank? One all-reduce; for rare decisions (checkpoint time), never per step."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+
+def share_incident(sync: StepSync, event: Any, extra: str) -> str:
+    """On an incident: gather every rank's evidence and make every rank adopt the same account.
+
+    The chosen rank is the first one with local evidence (a non-finite loss, input or parameter), else the
+    first whose diagnosis found something of its own (bad inputs, an op), else rank 0. ``event.rank`` becomes
+    that rank and ``event.details["ranks"]`` lists the ranks with evidence. Returns the chosen rank's report
+    text. Costs one ``all_gather_object``; never called in steady state.
+    """
+    if not sync.distributed:
+        return extra
+    local = sync.local_flags()
+    own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
+    evidence = 2 if any(local) else 1 if own else 0
+    payload = {"rank": int(dist.get_rank()),
+               "evidence": evidence, "local": local, "extra": extra,
+               "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
+    gathered: list[Any] = [None] * sync.world_size
+    dist.all_gather_object(gathered, payload, group=sync.group)
+    best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
+    for key, value in best["event"].items():
+        setattr(event, key, value)
+    event.rank = best["rank"]
+    event.details = dict(event.details)
+    event.details["ranks"] = [p["rank"] for p in gathered if p["evidence"] > 0]
+    return best["extra"]

@@ -1,0 +1,157 @@
+"""Checkpoint safety: no checkpoint written during a guarded run holds a non-finite tensor; disk snapshots;
+resuming keeps the guard's own state."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import models
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.ckpt import iter_checkpoint_tensors
+
+
+class SparseEmbedding(pl.LightningModule):
+    """Adam with ``eps=0`` and embedding rows no batch uses: their update is 0/0, so they turn NaN after the
+    first step while every gradient stays finite (a classic silent failure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, y = batch
+        return nn.functional.mse_loss(self.head(self.emb(idx)).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
+
+
+def sparse_data(n: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 5, (n,), generator=g)  # rows 5..9 are never used
+    return DataLoader(TensorDataset(idx, torch.randn(n, generator=g)), batch_size=8)
+
+
+def nonfinite_in(path) -> list[str]:
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    assert ckpt["state_dict"] and ckpt["optimizer_states"]
+    return [name for name, t in iter_checkpoint_tensors(ckpt)
+            if t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+def fit_with_checkpoints(tmp_path, callbacks: list, model: pl.LightningModule, max_steps: int = 6) -> pl.Trainer:
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1,
+                           filename="{step}")
+    trainer = models.trainer(tmp_path, callbacks + [ckpt], max_steps=max_steps, enable_checkpointing=True)
+    trainer.fit(model, sparse_data())
+    return trainer
+
+
+def test_no_checkpoint_holds_nonfinite_weights_or_optimizer_state(tmp_path):
+    model = SparseEmbedding()
+    control = copy.deepcopy(model)
+    # control: without the guard, the checkpoints are poisoned
+    fit_with_checkpoints(tmp_path / "plain", [], control)
+    assert any(nonfinite_in(p) for p in (tmp_path / "plain" / "ckpts").glob("*.ckpt"))
+    guard = NaNGuard()
+    trainer = fit_with_checkpoints(tmp_path / "guarded", [guard], model)
+    files = sorted((tmp_path / "guarded" / "ckpts").glob("*.ckpt"))
+    assert files and all(nonfinite_in(p) == [] for p in files)
+    at_save = [e for e in guard.events if e.details.get("detected_at") == "checkpoint"]
+    assert at_save and at_save[0].kind == "parameter" and at_save[0].cause == "optimizer"  # eps=0: Adam's fault
+    assert at_save[0].culprit == "emb.weight" and "rollback" in at_save[0].actions
+    assert trainer.should_stop  # nothing helps eps=0: the ladder gives up, weights restored
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class PoisonAdamState(pl.Callback):
+    """Before NaNGuard: an Adam second moment becomes inf at one step. The update it produces is 0, so the
+    weights stay finite and only the optimizer state (and every checkpoint of it) is poisoned."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step:
+            p = optimizer.param_groups[0]["params"][0]
+            optimizer.state[p]["exp_avg_sq"].view(-1)[0] = float("inf")
+
+
+@pytest.mark.parametrize("every, found_at", [(50, "checkpoint"), (1, "snapshot")])
+def test_nonfinite_optimizer_state_never_reaches_a_checkpoint(tmp_path, every, found_at):
+    model = models.Regression(lr=0.01, optimizer="adamw")
+    guard = NaNGuard(recovery={"snapshot_every": every})
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = models.trainer(tmp_path, [PoisonAdamState(3), guard, ckpt], max_steps=6, enable_checkpointing=True)
+    trainer.fit(model, models.loader(models.regression_data(n=64), batch_size=8))
+    files = sorted((tmp_path / "ckpts").glob("*.ckpt"))
+    assert len(files) == 6 and all(nonfinite_in(p) == [] for p in files)
+    assert [(e.step, e.details.get("detected_at")) for e in guard.events] == [(4, found_at)]
+    assert all(torch.isfinite(v).all() for s in trainer.optimizers[0].state.values() for v in s.values())
+
+
+class BurstModel(models.Regression):
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__(lr=0.02, optimizer="adamw")
+        self.bad = bad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx in self.bad else loss
+
+
+def test_disk_snapshots_roll_back_like_memory_ones(tmp_path):
+    runs = {}
+    for mode in ("memory", "disk"):
+        pl.seed_everything(0, verbose=False)
+        model = BurstModel(bad={5, 6, 7, 8})
+        guard = NaNGuard(recovery={"snapshot": mode, "snapshot_every": 2, "max_skips": 3})
+        trainer = models.trainer(tmp_path / mode, [guard], max_steps=12)
+        trainer.fit(model, models.loader(models.regression_data(n=96), batch_size=8))
+        assert guard.counters["rollbacks"] == 1 and "rollback" in guard.events[-1].actions
+        runs[mode] = (model, guard)
+    assert all(torch.equal(a, b) for a, b in zip(runs["memory"][0].state_dict().values(),
+                                                  runs["disk"][0].state_dict().values()))
+    folder = tmp_path / "disk" / "nanguard" / "snapshots"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files and all(f.startswith("snapshot-step") and f.endswith(".pt") for f in files)  # no *.tmp left
+    assert len(files) <= runs["disk"][1].config.recovery.keep_snapshots
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_resume_keeps_counters_lr_scale_and_event_numbering(tmp_path):
+    model = BurstModel(bad={2, 5})
+    guard = NaNGuard(recovery={"reduce_lr_after": 2})
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    data = models.loader(models.regression_data(n=80), batch_size=8)  # 10 steps per epoch
+    trainer = models.trainer(tmp_path / "run1", [guard, ckpt], max_epochs=1, enable_checkpointing=True)
+    trainer.fit(model, data)
+    assert [e.index for e in guard.events] == [1, 2] and guard.lr_scale == 0.5
+    lr_after_run1 = trainer.optimizers[0].param_groups[0]["lr"]
+
+    resumed_model = BurstModel(bad={7})  # epoch 2: batch 7 is step 17
+    guard2 = NaNGuard(recovery={"reduce_lr_after": 2})
+    trainer2 = models.trainer(tmp_path / "run2", [guard2], max_epochs=2)
+    trainer2.fit(resumed_model, data, ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
+    assert [(e.index, e.step) for e in guard2.events] == [(3, 17)]  # numbering continues
+    assert guard2.counters["incidents"] == 3 and guard2.counters["skipped_steps"] == 3
+    assert guard2.counters["lr_cuts"] >= 1 and guard2.lr_scale <= 0.5
+    lines = [json.loads(x) for x in (tmp_path / "run2" / "nanguard" / "events.jsonl").read_text().splitlines()]
+    assert [e["index"] for e in lines] == [3]
+    assert (tmp_path / "run2" / "nanguard" / "incident-0003-step17.txt").exists()
+    # the LR the first run left (cut by the guard) is where the second run started
+    assert lr_after_run1 == 0.02 * 0.5
+    # a later, fresh fit with the same guard starts from a clean state
+    trainer3 = models.trainer(tmp_path / "run3", [guard2], max_epochs=1)
+    trainer3.fit(models.Regression(lr=0.01), data)
+    assert guard2.counters["incidents"] == 0 and guard2.lr_scale == 1.0

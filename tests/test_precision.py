@@ -1,0 +1,177 @@
+"""Mixed precision on CPU: the 16-mixed GradScaler path (plain and fused AdamW) and bf16-mixed.
+
+The GradScaler path runs on CPU through ``MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))``
+(``precision="16-mixed"`` alone would become bf16 on CPU). A too-high initial scale makes the first steps
+overflow in fp16, as a real run calibrating its scale does.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import models
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.plugins import MixedPrecision
+from torch.utils.data import TensorDataset
+
+from lightning_nanguard import NaNGuard
+
+
+class ScaleProbe(pl.Callback):
+    """After NaNGuard in the list: the scaler's scale at the end of every batch."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+
+
+class Poisoned(models.Regression):
+    """Regression whose loss is multiplied by NaN on ``bad`` batches (NaN gradients everywhere)."""
+
+    def __init__(self, bad: tuple[int, ...] = (), optimizer: str = "sgd", lr: float = 0.01, fused: bool = False):
+        super().__init__(lr=lr, optimizer=optimizer)
+        self.bad, self.fused = set(bad), fused
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx in self.bad else loss
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.fused)
+        return super().configure_optimizers()
+
+
+def fp16(init_scale: float) -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+def fit(tmp_path, model: pl.LightningModule, guard: Optional[NaNGuard], steps: int = 16, data=None,
+        extra: Optional[list] = None, **kwargs: Any) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    callbacks = ([guard] if guard is not None else []) + (extra or [])
+    trainer = models.trainer(tmp_path, callbacks, max_steps=steps, **kwargs)
+    trainer.fit(model, models.loader(data or models.regression_data(n=256), batch_size=16))
+    return trainer
+
+
+def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_routine_overflow_is_not_an_incident_and_scale_is_logged(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    guard, probe = NaNGuard(), ScaleProbe()
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    guarded = models.Regression(lr=0.01)
+    plain = copy.deepcopy(guarded)
+    trainer = fit(tmp_path, guarded, guard, plugins=[fp16(2.0 ** 24)], extra=[probe], logger=logger,
+                  log_every_n_steps=1)
+    assert probe.scales[0] < 2.0 ** 24 and probe.scales[-1] <= 2.0 ** 14  # ~10 overflows calibrated the scale
+    assert guard.events == [] and guard.counters["incidents"] == 0
+    # transparent: the same weights as without the guard
+    fit(tmp_path / "plain", plain, None, plugins=[fp16(2.0 ** 24)])
+    assert params_equal(guarded, plain)
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    logged = [e.value for e in acc.Scalars("nanguard/grad_scale")]
+    assert logged[0] == 2.0 ** 24 and logged == sorted(logged, reverse=True)  # the scale each step used
+    assert len(logged) == trainer.global_step  # overflow steps too
+    assert logged[-1] == trainer.precision_plugin.scaler.get_scale()
+
+
+@pytest.mark.parametrize("check, first", [({"amp_overflow_patience": 3}, 2),  # the 3rd overflow in a row
+                                          ({"amp_min_scale": 2.0 ** 21 + 1}, 3)])  # scale below the floor
+def test_persistent_overflow_is_an_incident(tmp_path, check, first):
+    guard, probe = NaNGuard(check=check), ScaleProbe()
+    model = models.Regression(lr=0.01)
+    trainer = fit(tmp_path, model, guard, steps=20, plugins=[fp16(2.0 ** 24)], extra=[probe])
+    assert guard.events and guard.events[0].step == first
+    event = guard.events[0]
+    assert (event.kind, event.cause) == ("gradient", "overflow")
+    assert event.details["scaler_overflows"] == first + 1 and event.details["grad_scale"] == 2.0 ** (24 - first)
+    # rollbacks during overflows keep the lowered scale, so the run calibrates and recovers
+    assert probe.scales == sorted(probe.scales, reverse=True)
+    assert guard.events[-1].step < 19 and not trainer.should_stop
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_rollback_restores_the_scaler(tmp_path):
+    guard = NaNGuard(recovery={"max_skips": 3, "snapshot_every": 2, "reduce_lr_on_rollback": False,
+                               "reduce_lr_after": 0})
+    probe = ScaleProbe()
+    model = Poisoned(bad=(6, 7, 8, 9))
+    fit(tmp_path, model, guard, steps=12, plugins=[fp16(2.0 ** 10)], extra=[probe])
+    assert [e.step for e in guard.events] == [6, 7, 8, 9] and guard.events[-1].actions[-1] == "rollback"
+    # each NaN step halved the scale; the rollback restored the snapshot's scale (taken before the burst)
+    assert probe.scales[6:9] == [2.0 ** 9, 2.0 ** 8, 2.0 ** 7]
+    assert probe.scales[9] == probe.scales[5] == 2.0 ** 10
+    snapshot = guard._store.load(guard._store.newest)
+    assert snapshot["scaler"]["scale"] == 2.0 ** 10  # the snapshot holds the scaler's state
+
+
+def test_fused_adamw_is_unscaled_before_the_checks(tmp_path):
+    # healthy: the guard unscales the fused optimizer's gradients itself; the result is bitwise the same
+    guarded = Poisoned(optimizer="adamw", fused=True)
+    plain = copy.deepcopy(guarded)
+    guard = NaNGuard()
+    fit(tmp_path, guarded, guard, steps=8, plugins=[fp16(2.0 ** 10)])
+    fit(tmp_path / "plain", plain, None, steps=8, plugins=[fp16(2.0 ** 10)])
+    assert guard.events == [] and params_equal(guarded, plain)
+    # a NaN step is skipped (grads None after unscale_: no "No inf checks were recorded" error)
+    model, guard = Poisoned(bad=(3,), optimizer="adamw", fused=True), NaNGuard()
+    trainer = fit(tmp_path / "nan", model, guard, steps=8, plugins=[fp16(2.0 ** 10)])
+    assert [e.step for e in guard.events] == [3]
+    opt = trainer.optimizers[0]
+    assert all(int(opt.state[p]["step"]) == 7 for p in model.parameters())  # one update skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bf16_nan_is_a_real_incident(tmp_path):
+    data = models.regression_data(n=256)
+    x, y = data.tensors[0].clone(), data.tensors[1]
+    x[5 * 16 + 2, 1] = float("nan")  # one bad sample in batch 5
+    guarded = models.Regression(lr=0.01)
+    plain = copy.deepcopy(guarded)
+    guard = NaNGuard()
+    fit(tmp_path, guarded, guard, data=TensorDataset(x, y), precision="bf16-mixed")
+    assert [(e.step, e.kind, e.cause) for e in guard.events] == [(5, "input", "input")]
+    assert guard.events[0].details["inputs"][0]["samples"] == [2]
+    assert all(torch.isfinite(p).all() for p in guarded.parameters())
+    # healthy bf16 run: transparent
+    healthy, guard = copy.deepcopy(plain), NaNGuard()
+    fit(tmp_path / "a", healthy, guard, precision="bf16-mixed")
+    fit(tmp_path / "b", plain, None, precision="bf16-mixed")
+    assert guard.events == [] and params_equal(healthy, plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fp16_grad_scaler_plain_and_fused(tmp_path):
+    def cuda_fp16(init_scale: float = 2.0 ** 16) -> dict:
+        scaler = torch.amp.GradScaler("cuda", init_scale=init_scale)
+        return dict(accelerator="cuda", plugins=[MixedPrecision("16-mixed", "cuda", scaler)], deterministic=False)
+
+    # routine overflows from a too-high initial scale are not incidents; the guard is transparent
+    guarded = Poisoned(optimizer="adamw", fused=True)
+    plain = copy.deepcopy(guarded)
+    guard = NaNGuard()
+    trainer = fit(tmp_path, guarded, guard, **cuda_fp16(2.0 ** 24))
+    assert trainer.precision_plugin.scaler.get_scale() < 2.0 ** 24  # it did overflow
+    fit(tmp_path / "plain", plain, None, **cuda_fp16(2.0 ** 24))
+    assert guard.events == [] and params_equal(guarded, plain)
+    # a NaN loss under a fused optimizer and under a plain one: skipped, recorded, weights finite
+    for fused in (True, False):
+        model, guard = Poisoned(bad=(3,), optimizer="adamw", fused=fused), NaNGuard()
+        trainer = fit(tmp_path / f"nan{fused}", model, guard, steps=8, **cuda_fp16(2.0 ** 10))  # no overflow
+        assert [(e.step, e.kind) for e in guard.events] == [(3, "loss")]
+        assert guard.events[0].details["grad_scale"] > 0  # read with the step's flags, no extra sync
+        opt = trainer.optimizers[0]
+        assert all(int(opt.state[p]["step"]) == 7 for p in model.parameters())
+        assert all(torch.isfinite(p).all() for p in model.parameters())
