@@ -53,8 +53,9 @@ class NaNEvent:
         where = f" in {self.culprit}" if self.culprit else ""
         op = f" ({self.op})" if self.op else ""
         cause = f", cause={self.cause}" if self.cause else ""
-        return (f"[nanguard] step {self.step} (epoch {self.epoch}, batch {self.batch_idx}): non-finite "
-                f"{self.kind}{where}{op}{cause} -> {', '.join(self.actions) or 'none'}")
+        what = "spike (finite, abnormal)" if self.kind == "spike" else f"non-finite {self.kind}"
+        return (f"[nanguard] step {self.step} (epoch {self.epoch}, batch {self.batch_idx}): "
+                f"{what}{where}{op}{cause} -> {', '.join(self.actions) or 'none'}")
 
     def markdown(self) -> str:
         rows = [("kind", self.kind), ("actions", ", ".join(self.actions)), ("cause", self.cause),
