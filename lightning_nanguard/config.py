@@ -141,10 +141,11 @@ class RecoveryConfig(_Section):
     lr_factor: float = _opt(0.5, "multiply every learning rate by this on a cut", lo=0.0, hi=1.0,
                             lo_open=True, hi_open=True)
     reduce_lr_after: int = _opt(
-        2, "cut the LR after this many non-input incidents within incident_window steps (0: only on rollback)",
-        lo=0)
+        0, "also cut the LR after this many non-input incidents within incident_window steps (0: cut only on "
+           "exploding gradients and after rollbacks)", lo=0)
     incident_window: int = _opt(100, "steps over which incidents count towards reduce_lr_after", lo=1)
-    reduce_lr_on_rollback: bool = _opt(True, "cut the LR after every rollback not caused by bad inputs")
+    reduce_lr_on_rollback: bool = _opt(True, "cut the LR after a rollback forced because skipping did not help "
+                                             "(not for bad inputs or a one-off bad parameter)")
     min_lr_scale: float = _opt(1e-4, "floor of the cumulative LR scale", lo=0.0, hi=1.0, lo_open=True)
     snapshot: Literal["memory", "disk", "off"] = _opt(
         "memory", "where known-good state is kept: preallocated CPU memory, atomic files, or nowhere")

@@ -113,8 +113,15 @@ def diagnose(ctx: IncidentContext) -> str:
             details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
             details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
                                                          "forward_op", "backward_op") if k in prev.details})
+        history = _history_cause(ctx)
         if cause is None:
-            cause = _history_cause(ctx)
+            cause = history
+        elif cause in ("overflow", "precision") and history == "exploding_gradient" and not details.get(
+                "extreme_features"):
+            # the values overflowed because the weights were already blowing up (a too-high LR), not because
+            # of the data: the trend of the gradient norm is the cause, the overflow its symptom
+            details["symptom"] = cause
+            cause = history
     ev.cause = cause
     ev.suggestion = _suggestion(ctx, cause)
     return frames_text

@@ -8,11 +8,15 @@ Rungs, in order of escalation:
 
 1. every incident skips the step (and undoes buffer writes);
 2. adaptive clipping is switched on after the first incident (``clip.adaptive: on_incident``);
-3. the LR is cut after ``reduce_lr_after`` non-input incidents within ``incident_window`` steps, and after
-   every rollback not caused by bad inputs;
+3. the LR is cut on evidence that the dynamics diverge, not on every incident (isolated faults need no
+   smaller LR, and cutting on each one starves a long run): on the first incident of a run when the
+   diagnosis says the gradients were exploding, after every rollback forced because skipping did not
+   help (``reduce_lr_on_rollback``), and, if ``reduce_lr_after > 0``, after that many non-input incidents
+   within ``incident_window`` steps;
 4. more than ``max_skips`` consecutive incidents, or non-finite parameters, roll back to the newest
-   snapshot; a rollback that is not followed by a new snapshot (``snapshot_every`` healthy steps) counts
-   as failed, and the next one goes one snapshot further back;
+   snapshot; a rollback that is not followed by a new snapshot counts as failed, and the next one goes
+   one snapshot further back (the callback takes that confirming snapshot ``confirm_after`` healthy
+   steps after a rollback, so isolated incidents far apart each start a fresh ladder);
 5. more than ``max_rollbacks`` failed rollbacks in a row: give up.
 
 A run where every step is an incident therefore ends after at most
@@ -63,7 +67,8 @@ class RecoveryLadder:
         """A snapshot after healthy training confirms the last rollback worked."""
         self.failed_rollbacks = 0
 
-    def incident(self, step: int, kind: str, *, can_roll_back: bool) -> Plan:
+    def incident(self, step: int, kind: str, *, can_roll_back: bool, diverging: bool = False) -> Plan:
+        """Plan the response to an incident at ``step``; ``diverging``: the diagnosis saw exploding gradients."""
         plan = Plan()
         self.consecutive += 1
         if self.clip_cfg.adaptive == "on_incident" and not self.adaptive_clip and kind != "input":
@@ -95,11 +100,13 @@ class RecoveryLadder:
             while self._recent and self._recent[0] <= step - self.cfg.incident_window:
                 self._recent.popleft()
             by_count = self.cfg.reduce_lr_after > 0 and len(self._recent) >= self.cfg.reduce_lr_after
-            by_rollback = wants_rollback and self.cfg.reduce_lr_on_rollback
-            if by_count or by_rollback:
+            by_rollback = wants_rollback and kind not in ("parameter", "buffer") and self.cfg.reduce_lr_on_rollback
+            by_divergence = diverging and self.consecutive == 1
+            if by_count or by_rollback or by_divergence:
                 plan.reduce_lr = True
                 self._recent.clear()
-                plan.reasons.append("repeated incidents" if by_count else "after rollback")
+                plan.reasons.append("skipping did not help" if by_rollback else
+                                    "exploding gradients" if by_divergence else "repeated incidents")
         return plan
 
     # ------------------------------------------------------------------------------------ persistence

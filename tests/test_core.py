@@ -274,7 +274,7 @@ def test_lr_cut_survives_onecycle_schedule(tmp_path):
         return (x * float("nan"), y) if batch_idx in (3, 4) else batch
 
     lrs = {}
-    for name, guard in (("plain", None), ("guarded", NaNGuard(check={"inputs": "off"}))):
+    for name, guard in (("plain", None), ("guarded", NaNGuard(check={"inputs": "off"}, recovery={"reduce_lr_after": 2}))):
         pl.seed_everything(0, verbose=False)
         model = models.Classifier(scheduler="onecycle", batch_hook=poison if guard else None)
         models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=1).fit(model, models.loader(data, 32))
@@ -283,3 +283,32 @@ def test_lr_cut_survives_onecycle_schedule(tmp_path):
     assert any("reduce_lr" in e.actions for e in guard.events)
     assert guard.lr_scale == 0.5
     assert lrs["guarded"][0] == pytest.approx(0.5 * lrs["plain"][0], rel=1e-6)
+
+
+class MaskedAttention(pl.LightningModule):
+    """A float causal mask of -inf, registered as a buffer, as nn.Transformer code commonly does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(6))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        h = self.proj(x)
+        scores = h @ h.transpose(-1, -2) / 8 + self.mask
+        return (scores.softmax(-1) @ h).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_intentional_inf_buffer_is_not_an_incident(tmp_path):
+    data = TensorDataset(torch.randn(64, 6, 8))
+    guard = NaNGuard()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    trainer = models.trainer(tmp_path, [guard, ckpt], enable_checkpointing=True, max_epochs=1)
+    trainer.fit(MaskedAttention(), models.loader(data, 8))
+    assert guard.events == [] and trainer.global_step == 8
+    assert guard._state_check.exempt == {"mask"}
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 4  # checkpoints with the mask are written

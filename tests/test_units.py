@@ -163,9 +163,27 @@ def test_ladder_lr_cuts_by_count_and_on_rollback_but_not_for_inputs():
     assert not ladder.incident(20, "loss", can_roll_back=True).reduce_lr  # step 3 left the window
     params = _ladder(reduce_lr_after=0)
     plan = params.incident(0, "parameter", can_roll_back=True)
-    assert plan.rollback and plan.reduce_lr
+    assert plan.rollback and not plan.reduce_lr  # a one-off bad parameter is no reason for a smaller LR
     inputs = _ladder(max_skips=1, reduce_lr_after=2)
     assert not any(inputs.incident(s, "input", can_roll_back=True).reduce_lr for s in range(3))
+
+
+def test_ladder_default_cuts_lr_only_on_evidence_of_divergence():
+    ladder = _ladder(max_skips=2)
+    isolated = []
+    for s in (0, 5, 9, 12):
+        isolated.append(ladder.incident(s, "loss", can_roll_back=True))
+        ladder.healthy()
+    assert not any(p.reduce_lr or p.rollback for p in isolated)  # spread-out faults: skip, never cut
+    ladder = _ladder(max_skips=2)
+    run = [ladder.incident(s, "loss", can_roll_back=True) for s in range(3)]
+    assert [p.reduce_lr for p in run] == [False, False, True] and run[2].rollback  # skipping did not help
+    ladder = _ladder(max_skips=2)
+    run = [ladder.incident(s, "gradient", can_roll_back=True, diverging=True) for s in range(2)]
+    assert [p.reduce_lr for p in run] == [True, False]  # once per run of incidents, not per incident
+    no_snapshots = _ladder(max_skips=1)
+    run = [no_snapshots.incident(s, "loss", can_roll_back=False) for s in range(2)]
+    assert run[1].reduce_lr and not run[1].rollback
 
 
 def test_ladder_adaptive_clip_switches_on_after_first_non_input_incident():
