@@ -12,12 +12,14 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from . import checks, diagnosis
+from . import amp, checks, ckpt, diagnosis, distributed, stats
+from .monitor import DiagnosisHooks
 from .config import (AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig, RecoveryConfig,
                      SECTIONS)
 from .events import JsonlSink, LoggerSink, NaNEvent
 from .policy import Plan, RecoveryLadder
 from .recovery import BufferUndo, SnapshotStore, current_lrs, reset_grads, scale_lr
+from .status import ProgressStatus
 
 try:  # the callback works in both packages' Trainers; it subclasses the classic one
     import pytorch_lightning as pl
@@ -112,11 +114,14 @@ class NaNGuard(pl.Callback):
         self.ladder = RecoveryLadder(cfg.recovery, cfg.clip)
         self.lr_scale = 1.0
         self.counters = {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "lr_cuts": 0, "clipped_steps": 0,
-                         "replays": 0, "snapshots": 0}
+                         "replays": 0, "snapshots": 0, "spikes": 0}
         self.norm_history: deque[float] = deque(maxlen=200)
         self.loss_history: deque[float] = deque(maxlen=200)
         self.last_grad_norm = float("nan")
-        self._norm_ema: Optional[tuple[float, float, int]] = None  # (mean, var, count) of healthy norms
+        # prevention (stats.py): z-score clipping statistics of healthy norms, loss-spike statistics
+        self.zclip = stats.ZClip(cfg.clip.z_threshold, cfg.clip.ema_alpha, cfg.clip.warmup_steps)
+        self._state_check = checks.StateCheck()  # the per-step parameter/buffer flag, tensors collected once
+        self.spikes = stats.SpikeDetector(cfg.check.spike_z, cfg.check.spike_warmup)
         self._skip_batches_left = 0
         self._stopped = False
         self._event_index = 0
@@ -139,6 +144,16 @@ class NaNGuard(pl.Callback):
         self._pending: list[tuple[NaNEvent, Plan, diagnosis.IncidentContext, str]] = []
         self._healthy_since_snapshot = 0
         self._scaler_overflows = 0
+        self._scaler: Optional[Any] = None  # the GradScaler of this step (16-mixed), read by _read_flags
+        self.grad_scale: Optional[float] = None  # its scale, read with the step's flags (no extra sync)
+        self._flags_read = False
+        self._routine_overflow = False
+        # several processes: flags agree in one all-reduce (distributed.py); replaced in on_fit_start
+        self._sync = distributed.StepSync(norm_type=cfg.clip.norm_type)
+        self._status = ProgressStatus()  # progress-bar status, logged only when it changes
+        # anomaly.mode always / check.activations hooks (monitor.py); removed at fit end and on exception
+        self._diag_hooks = DiagnosisHooks(cfg.anomaly.mode, cfg.check.activations)
+        self._activation_bad = False
 
     @property
     def state_key(self) -> str:
@@ -150,10 +165,12 @@ class NaNGuard(pl.Callback):
             "lr_scale": self.lr_scale,
             "event_index": self._event_index,
             "ladder": self.ladder.state_dict(),
-            "norm_ema": self._norm_ema,
+            "norm_ema": self.zclip.state_dict(),
+            "loss_stats": self.spikes.state_dict(),
             "norm_history": list(self.norm_history),
             "loss_history": list(self.loss_history),
             "healthy_since_snapshot": self._healthy_since_snapshot,
+            "scaler_overflows": self._scaler_overflows,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -161,11 +178,14 @@ class NaNGuard(pl.Callback):
         self.lr_scale = float(state_dict.get("lr_scale", 1.0))
         self._event_index = int(state_dict.get("event_index", 0))
         self.ladder.load_state_dict(state_dict.get("ladder", {}))
-        ema = state_dict.get("norm_ema")
-        self._norm_ema = tuple(ema) if ema is not None else None  # type: ignore[assignment]
+        if state_dict.get("norm_ema") is not None:
+            self.zclip.load_state_dict(state_dict["norm_ema"])
+        if state_dict.get("loss_stats") is not None:
+            self.spikes.load_state_dict(state_dict["loss_stats"])
         self.norm_history.extend(state_dict.get("norm_history", []))
         self.loss_history.extend(state_dict.get("loss_history", []))
         self._healthy_since_snapshot = int(state_dict.get("healthy_since_snapshot", 0))
+        self._scaler_overflows = int(state_dict.get("scaler_overflows", 0))
         self._resumed = True
 
     # ------------------------------------------------------------------------------------ fit lifecycle
@@ -176,6 +196,7 @@ class NaNGuard(pl.Callback):
         resumed = getattr(self, "_resumed", False)
         if not resumed:
             self._reset_run_state()
+            self.events = []  # the events of this fit, numbered from 1 (a resumed fit continues the numbering)
         self._resumed = False
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -190,9 +211,14 @@ class NaNGuard(pl.Callback):
             if cfg.recovery.snapshot == "disk" and trainer.world_size > 1:
                 directory = directory / f"rank{trainer.global_rank}"
             self._store = SnapshotStore(cfg.recovery.keep_snapshots, cfg.recovery.snapshot, directory)
+        self._sync = distributed.StepSync.for_trainer(trainer, cfg.clip.norm_type)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._resumed = False  # callback state is restored before this hook on every strategy
+        self._diag_hooks.start(pl_module)  # here, inside the Trainer's own set_detect_anomaly context
+        self._status.reset()
         if self.config.check.parameters:
+            self._exempt_constant_buffers(trainer, pl_module)
             findings = self._find_nonfinite_state(pl_module)
             if findings:
                 self._initialization_incident(trainer, pl_module, findings)
@@ -203,9 +229,34 @@ class NaNGuard(pl.Callback):
         # the last steps' parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._stopped and self._find_nonfinite_state(pl_module):
             self._parameter_incident(trainer, pl_module, where="train_end")
+        self._diag_hooks.stop()
         self._flush()
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # the last training step's weights are read only with the next step's flags: read them now, so that
+        # validation (and checkpoints picked by its metrics) never runs on weights poisoned by that step
+        if self._param_bad is None or trainer.sanity_checking or self._stopped:
+            return
+        bad, self._param_bad = bool(self._param_bad), None
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if bad:
+            self._parameter_incident(trainer, pl_module, where="validation_start")
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._diag_hooks.stop()
+        found = diagnosis.parse_anomaly_error(exception) if self.config.anomaly.mode == "always" else None
+        if found is not None:  # anomaly mode raised at the op: diagnose and record it; the error propagates
+            event = self._new_event(trainer, "gradient")
+            ctx = diagnosis.IncidentContext(trainer=trainer, pl_module=pl_module, event=event,
+                                            batches=list(self._window), rng_states=list(self._rng),
+                                            replay=getattr(pl_module, "automatic_optimization", True),
+                                            frames=self.config.anomaly.frames,
+                                            float64_check=self.config.anomaly.float64_check)
+            extra = diagnosis.diagnose_anomaly_error(ctx, found)
+            self.counters["replays"] += int(ctx.replayed)
+            event.add_action("raise")
+            self._record(trainer, event, ctx, extra)
         self._flush()
 
     # ------------------------------------------------------------------------------------- batch hooks
@@ -215,6 +266,7 @@ class NaNGuard(pl.Callback):
             if self._buffers is not None:
                 self._buffers.arm()
             self._loss_bad = self._loss_sum = self._input_bad = None
+            self._diag_hooks.step_start(trainer.global_step)
         self._window.append((batch, batch_idx))
         if self.config.anomaly.mode != "off":
             self._rng.append(_rng_state())
@@ -224,59 +276,79 @@ class NaNGuard(pl.Callback):
                 self._input_bad = flag if self._input_bad is None else self._input_bad | flag
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
+        self._diag_hooks.fold()  # check.activations: outputs of this micro-batch -> one device flag
         if not self.config.check.loss:
             return
+        if self._flags_read:  # manual optimization: each optimizer step judges the losses since the last one
+            self._loss_bad = self._loss_sum = None
+            self._flags_read = False
         loss = loss.detach()
         flag = checks.nonfinite_flag(loss)
-        value = loss.float().sum()
+        value = amp.unscale_value(loss.float().sum(), amp.grad_scaler(trainer))  # 16-mixed: loss is scaled here
         self._loss_bad = flag if self._loss_bad is None else self._loss_bad | flag
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer) -> None:
         self._stepped = True
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        scaler = _grad_scaler(trainer)
+        scaler = self._scaler = amp.grad_scaler(trainer)
         if scaler is not None:
-            _ensure_unscaled(scaler, optimizer)
+            amp.ensure_unscaled(scaler, optimizer)
         if self._stopped or self._skip_batches_left > 0:
             self._skip_quietly(params)
             return
 
         grads = [p.grad for p in params if p.grad is not None]
         cfg = self.config
-        norm = checks.total_norm(grads, cfg.clip.norm_type) if (grads and cfg.check.gradients) else None
-        values = self._read_flags(norm, params)  # the one host-device sync of this step
+        norm = self._sync.grad_norm(grads) if (grads and cfg.check.gradients) else None  # sharded: local part
+        values = self._read_flags(norm, params)  # the one host-device sync of this step (and, DDP, all-reduce)
         norm_value, loss_value, loss_bad, input_bad, param_bad = values
-        local_bad = loss_bad or input_bad or param_bad
-        if trainer.world_size > 1:  # rank-local evidence must agree before anyone acts
-            any_bad = trainer.strategy.reduce_boolean_decision(local_bad, all=False)
-        else:
-            any_bad = local_bad
+        norm = self._sync.global_norm(norm, norm_value)
+        # several processes: the flags were summed over ranks and the loss is the mean over ranks, so this
+        # decision, the spike statistics and everything below are identical on every rank
+        any_bad = loss_bad or input_bad or param_bad or self._activation_bad
+        spike_z = self._observe_loss(any_bad, loss_value)  # host-side statistics, no sync
         grads_bad = not math.isfinite(norm_value)
         self.last_grad_norm = norm_value
 
         if not any_bad and grads_bad and scaler is not None:
             # a GradScaler overflow is routine: the scaler skips the step and lowers its scale
             self._scaler_overflows += 1
-            scale = float(scaler.get_scale())
-            if self._scaler_overflows < cfg.check.amp_overflow_patience and scale >= cfg.check.amp_min_scale:
+            if not amp.overflow_is_incident(self._scaler_overflows, self.grad_scale, cfg.check.amp_overflow_patience,
+                                            cfg.check.amp_min_scale):
+                self._routine_overflow = True  # logged (the scale) in on_train_batch_end
                 return
         if not any_bad and not grads_bad:
             self._scaler_overflows = 0
-            self._healthy(trainer, grads, norm, norm_value, loss_value)
+            limit = None
+            if spike_z is not None:
+                limit = self._loss_spike(trainer, pl_module, params, loss_value, spike_z, norm_value)
+                if limit is not None and limit < 0:
+                    return  # check.spike_action: skip_step
+            self._healthy(trainer, params, grads, norm, norm_value, loss_value, limit)
             return
 
-        kind = "parameter" if param_bad else "input" if input_bad else "loss" if loss_bad else "gradient"
-        self._incident(trainer, pl_module, optimizer, params, kind, norm_value, local_bad)
+        kind = ("parameter" if param_bad else "input" if input_bad else "activation" if self._activation_bad
+                else "loss" if loss_bad else "gradient")
+        self._incident(trainer, pl_module, optimizer, params, kind, norm_value, any_bad)
+        if scaler is not None and self._pending:
+            event = self._pending[-1][0]
+            event.details.update(grad_scale=self.grad_scale, scaler_overflows=self._scaler_overflows)
+            if not any_bad and event.kind == "gradient" and event.cause in (None, "unknown"):
+                event.cause = "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
+                event.suggestion = diagnosis.SUGGESTIONS["overflow"]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._stepped:
             return  # a non-final micro-batch of gradient accumulation
         self._stepped = False
+        self._diag_hooks.step_end()
         self._window.clear()
         self._rng.clear()
         if self._pending:
             self._finish_incidents(trainer, pl_module)
+            if self.config.check.parameters and not self._stopped:  # weights can go bad during a skipped step too
+                self._param_bad = self._state_check.flag(pl_module)
         elif self._healthy_step:
             self._after_healthy_step(trainer, pl_module)
         elif self._skip_batches_left > 0:
@@ -284,23 +356,31 @@ class NaNGuard(pl.Callback):
             if self._buffers is not None:
                 self._buffers.undo()
         self._healthy_step = False
+        if self._routine_overflow:  # a GradScaler overflow: log the lowered scale like a healthy step
+            self._routine_overflow = False
+            if self._logger_sink is not None and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+                self._log_scalars(trainer, trainer.global_step)
+        if self.config.logging.progress_bar:
+            self._status.update(trainer, pl_module, self.counters["incidents"], self.lr_scale)
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if not self.config.check.parameters:
             return
-        state = checkpoint.get("state_dict") or {}
-        flag = checks.any_nonfinite_flag([t for t in state.values() if isinstance(t, Tensor)])
-        if flag is None or not bool(flag):
+        bad = ckpt.nonfinite_entries(checkpoint, exempt=self._state_check.exempt)  # weights, optimizer states
+        # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision
+        if self._sync.sharded and self._sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
+            bad = [{"name": "(a shard on another rank)"}]
+        if not bad:
             return
-        # the checkpoint would carry non-finite weights: restore known-good state and save that instead
+        # the checkpoint would carry non-finite state: restore known-good state and save that instead
         self._parameter_incident(trainer, pl_module, where="checkpoint")
-        checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
-        if "optimizer_states" in checkpoint:
-            checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
-        if "lr_schedulers" in checkpoint:
-            checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
-        if "callbacks" in checkpoint and self.state_key in checkpoint["callbacks"]:
-            checkpoint["callbacks"][self.state_key] = self.state_dict()
+        ckpt.rebuild(checkpoint, trainer, self.state_key, self.state_dict())
+        still_bad = ckpt.nonfinite_entries(checkpoint, exempt=self._state_check.exempt)
+        if still_bad:  # nothing known-good to substitute (recovery.snapshot: off): refuse to write it
+            raise NaNGuardError(
+                "NaNGuard refused to write a checkpoint holding non-finite tensors "
+                f"({', '.join(f['name'] for f in still_bad[:5])}) and has no known-good snapshot to save instead "
+                "(recovery.snapshot is 'off'?).")
 
     # --------------------------------------------------------------------------------- step decisions
 
@@ -315,46 +395,121 @@ class NaNGuard(pl.Callback):
             self._input_bad.float().to(device) if self._input_bad is not None else zero,
             self._param_bad.float().to(device) if self._param_bad is not None else zero,
         ]
+        activations = self._diag_hooks.take()  # check.activations: one flag for all modules of the step
+        parts.append(activations.float().to(device) if activations is not None else zero)
         self._param_bad = None
-        norm_value, loss_value, loss_bad, input_bad, param_bad = torch.stack(parts).tolist()
+        self._flags_read = True
+        stacked = self._sync.reduce(torch.stack(parts))  # several processes: one small all-reduce, no barrier
+        read = torch.cat([stacked] + amp.scale_parts(self._scaler, device)).tolist()
+        self.grad_scale = read.pop() if self._scaler is not None and len(read) > len(parts) else None
+        *values, activation_bad = read
+        self._activation_bad = bool(activation_bad)
+        norm_value, loss_value, loss_bad, input_bad, param_bad = values
         return [norm_value, loss_value, bool(loss_bad), bool(input_bad), bool(param_bad)]
 
-    def _healthy(self, trainer: Any, grads: list[Tensor], norm: Optional[Tensor], norm_value: float,
-                 loss_value: float) -> None:
+    def _healthy(self, trainer: Any, params: list[Tensor], grads: list[Tensor], norm: Optional[Tensor],
+                 norm_value: float, loss_value: float, spike_limit: Optional[float] = None) -> None:
         self._healthy_step = True
         self._last_step_grads_finite = True
         self.ladder.healthy()
-        threshold = self._clip_threshold()
+        threshold = self._clip_threshold(spike_limit)
         if norm is not None and threshold is not None and norm_value > threshold:
-            torch.nn.utils.clip_grads_with_norm_(grads, threshold, norm)
+            # takes the parameters (it scales p.grad); given bare grad tensors it silently does nothing
+            torch.nn.utils.clip_grads_with_norm_(params, threshold, norm)
             self.counters["clipped_steps"] += 1
-        self._update_norm_stats(norm_value)
-        self.norm_history.append(norm_value)
+        if self.config.clip.agc_clip_factor is not None:  # unit-wise AGC, on device, no sync
+            stats.adaptive_grad_clip_(params, self.config.clip.agc_clip_factor)
+        if norm is not None:
+            self.zclip.update(norm_value)
+            self.norm_history.append(norm_value)
+            if self.ladder.adaptive_clip and self.zclip.streak >= stats.CLIPS_BEFORE_LR_CUT:
+                self._clipping_streak(trainer, params, norm_value, loss_value)
         if self._loss_sum is not None:
             self.loss_history.append(loss_value)
 
-    def _clip_threshold(self) -> Optional[float]:
-        cfg = self.config.clip
-        limits = []
-        if cfg.max_norm is not None:
-            limits.append(cfg.max_norm)
-        if self.ladder.adaptive_clip and self._norm_ema is not None and self._norm_ema[2] >= cfg.warmup_steps:
-            mean, var, _ = self._norm_ema
-            limits.append(mean + cfg.z_threshold * math.sqrt(max(var, 0.0)))
+    def _clip_threshold(self, extra: Optional[float] = None) -> Optional[float]:
+        limits = [x for x in (self.config.clip.max_norm, extra) if x is not None]
+        adaptive = self.zclip.threshold() if self.ladder.adaptive_clip else None
+        if adaptive is not None:
+            limits.append(adaptive)
         return min(limits) if limits else None
 
-    def _update_norm_stats(self, value: float) -> None:
-        if not math.isfinite(value):
-            return
-        alpha = self.config.clip.ema_alpha
-        if self._norm_ema is None:
-            self._norm_ema = (value, 0.0, 1)
-            return
-        mean, var, count = self._norm_ema
-        delta = value - mean
-        mean = alpha * mean + (1 - alpha) * value
-        var = alpha * (var + (1 - alpha) * delta * delta)
-        self._norm_ema = (mean, var, count + 1)
+    def _observe_loss(self, local_bad: bool, loss_value: float) -> Optional[float]:
+        """Feed the loss to the spike statistics; its z-score if it is a spike (no sync: a host float)."""
+        if local_bad or self._loss_sum is None or self.config.check.spike_action == "off":
+            return None
+        return self.spikes.observe(loss_value)
+
+    def _loss_spike(self, trainer: Any, pl_module: Any, params: list[Tensor], loss_value: float, z: float,
+                    norm_value: float) -> Optional[float]:
+        """Record a loss spike and apply ``check.spike_action``.
+
+        Returns -1 when the step is skipped, a clip limit for this step (action ``clip``: the EMA mean of
+        healthy norms), else None. A spike is not a non-finite incident: it does not climb the recovery
+        ladder (no rollback, no LR cut by count) and is counted in ``counters["spikes"]``.
+        """
+        action = self.config.check.spike_action
+        event = self._spike_event(trainer)
+        norm_z = self.zclip.zscore(norm_value)
+        event.details.update(loss=loss_value, loss_zscore=z, loss_mean=self.spikes.stats.mean,
+                             loss_std=self.spikes.stats.std, grad_norm=norm_value, grad_norm_zscore=norm_z)
+        event.cause = "exploding_gradient" if norm_z is not None and norm_z > self.zclip.z_threshold else "unknown"
+        event.suggestion = stats.SPIKE_SUGGESTION
+        limit: Optional[float] = None
+        if action == "skip_step":
+            reset_grads(params)
+            self.counters["skipped_steps"] += 1
+            if self._buffers is not None:
+                self._buffers.undo()
+            event.add_action("skip_step")
+            limit = -1.0
+        elif action == "clip":
+            limit = self.zclip.mean
+            self.ladder.adaptive_clip = True  # and z-score clipping from now on
+            event.add_action("clip")
+            event.details["clip_to"] = limit
+        window = self.config.recovery.incident_window
+        repeated = self.spikes.repeated(trainer.global_step, stats.SPIKES_BEFORE_LR_CUT, window)
+        if action == "reduce_lr" or repeated:  # repeated spikes are a divergence on its way: cut the LR
+            self._apply_plan(trainer, pl_module, event, Plan(
+                skip_step=False, reduce_lr=True,
+                reasons=[f"{stats.SPIKES_BEFORE_LR_CUT} loss spikes within {window} steps"
+                         if repeated and action != "reduce_lr" else "loss spike"]))
+        if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
+            event.add_action("warn")
+        ctx = diagnosis.IncidentContext(trainer=trainer, pl_module=pl_module, event=event,
+                                        norm_history=list(self.norm_history), loss_history=list(self.loss_history))
+        self._record(trainer, event, ctx, "")
+        return limit
+
+    def _spike_event(self, trainer: Any) -> NaNEvent:
+        self._event_index += 1
+        self.counters["spikes"] += 1
+        return NaNEvent(step=trainer.global_step, epoch=trainer.current_epoch,
+                        batch_idx=self._window[-1][1] if self._window else -1, kind="spike",
+                        rank=trainer.global_rank, index=self._event_index)
+
+    def _clipping_streak(self, trainer: Any, params: list[Tensor], norm_value: float, loss_value: float) -> None:
+        """Adaptive clipping had to act on ``CLIPS_BEFORE_LR_CUT`` steps in a row: the gradient norm grows
+        faster than its statistics can follow, a divergence that clipping slows but does not stop, and the
+        weights are already drifting. Skip this step, roll back to the newest snapshot and cut the LR, at the
+        end of the step like an incident (recorded as a ``spike`` event: abnormal, still finite; it does not
+        count towards the ladder's give-up)."""
+        event = self._spike_event(trainer)
+        event.details.update(reason=f"gradient norm clipped by the adaptive clip on {self.zclip.streak} "
+                                    "consecutive steps", grad_norm=norm_value, clip_threshold=self.zclip.threshold(),
+                             loss=loss_value)
+        event.cause, event.suggestion = "exploding_gradient", stats.SPIKE_SUGGESTION
+        event.add_action("clip")
+        event.add_action("skip_step")
+        self.zclip.streak = 0
+        reset_grads(params)
+        self.counters["skipped_steps"] += 1
+        self._healthy_step = False
+        ctx = diagnosis.IncidentContext(trainer=trainer, pl_module=trainer.lightning_module, event=event,
+                                        norm_history=list(self.norm_history), loss_history=list(self.loss_history))
+        plan = Plan(rollback=bool(self._store), reduce_lr=True, reasons=["persistent adaptive clipping"])
+        self._pending.append((event, plan, ctx, ""))
 
     def _skip_quietly(self, params: list[Tensor]) -> None:
         reset_grads(params)
@@ -366,8 +521,6 @@ class NaNGuard(pl.Callback):
         event = self._new_event(trainer, kind)
         event.details["grad_norm"] = norm_value
         event.details["lr"] = current_lrs([optimizer])
-        if trainer.world_size > 1:
-            event.rank = _first_bad_rank(trainer, local_bad)
         ctx = diagnosis.IncidentContext(
             trainer=trainer, pl_module=pl_module, event=event, batches=list(self._window), rng_states=list(self._rng),
             grad_norm=norm_value, norm_history=list(self.norm_history), loss_history=list(self.loss_history),
@@ -387,12 +540,17 @@ class NaNGuard(pl.Callback):
         if self._buffers is not None:
             self._buffers.undo()
         ctx.replay = cfg.anomaly.mode != "off" and self.counters["replays"] < cfg.anomaly.max_replays
-        if ctx.replay:
-            self.counters["replays"] += 1
-        extra = diagnosis.diagnose(ctx)
+        # a manual-optimization training_step steps the optimizers itself: replaying it would train
+        ctx.replay = ctx.replay and getattr(pl_module, "automatic_optimization", True)
+        ctx.previous = next((e for e in reversed(self.events) if "replay" in e.details), None)
+        with self._diag_hooks.paused():
+            extra = diagnosis.diagnose(ctx)
+        self.counters["replays"] += int(ctx.replayed)
+        extra = distributed.share_incident(self._sync, event, extra)  # several processes: one account for all
 
         self._last_step_grads_finite = math.isfinite(norm_value)
-        plan = self.ladder.incident(trainer.global_step, event.kind, can_roll_back=bool(self._store))
+        plan = self.ladder.incident(trainer.global_step, event.kind, can_roll_back=bool(self._store),
+                                    diverging=event.cause == "exploding_gradient")
         reset_grads(params)
         event.add_action("skip_step")
         self.counters["skipped_steps"] += 1
@@ -464,11 +622,13 @@ class NaNGuard(pl.Callback):
     def _after_healthy_step(self, trainer: Any, pl_module: Any) -> None:
         if self._buffers is not None:
             self._buffers.disarm()
-        if self.config.check.parameters:
-            state = list(pl_module.parameters()) + [b for b in pl_module.buffers()]
-            self._param_bad = checks.any_nonfinite_flag(state)  # read with the next step's flags
+        if self.config.check.parameters:  # read with the next step's flags; tensor list cached (checks.py)
+            self._param_bad = self._state_check.flag(pl_module)
         self._healthy_since_snapshot += 1
-        if self._store is not None and self._healthy_since_snapshot >= self.config.recovery.snapshot_every:
+        every = self.config.recovery.snapshot_every
+        if self.ladder.failed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
+            every = min(every, self.config.recovery.confirm_after)
+        if self._store is not None and self._healthy_since_snapshot >= every:
             self._take_snapshot(trainer, pl_module)
         if self._logger_sink is not None and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._log_scalars(trainer, trainer.global_step)
@@ -479,19 +639,29 @@ class NaNGuard(pl.Callback):
         if self.config.check.parameters and self._param_bad is not None:
             if bool(self._param_bad):  # never snapshot poisoned state; the next step handles the incident
                 return
+        if self.config.check.parameters and self._store and ckpt.optimizer_state_nonfinite(
+                trainer.optimizers, self._sync, trainer.strategy.root_device):
+            # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
+            self._parameter_incident(trainer, pl_module, where="snapshot")
+            return
         state = {
             "module": pl_module.state_dict(),
             "optimizers": [o.state_dict() for o in trainer.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "scaler": _grad_scaler(trainer).state_dict() if _grad_scaler(trainer) is not None else None,
         }
-        self._store.take(trainer.global_step, state, {"lr_scale": self.lr_scale})
+        # the running statistics belong to the known-good state: restored with it, they are not polluted by
+        # the divergence that led to the rollback (else adaptive clipping and spike detection go blind)
+        self._store.take(trainer.global_step, state, {"lr_scale": self.lr_scale, "zclip": self.zclip.state_dict(),
+                                                      "loss_stats": self.spikes.state_dict()})
+        self._state_check.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then
         self._healthy_since_snapshot = 0
         self.counters["snapshots"] += 1
         self.ladder.snapshot_taken()
 
     def _rollback(self, trainer: Any, pl_module: Any, further: bool) -> None:
         assert self._store is not None and self._store.newest is not None
+        self._state_check.refresh()
         snap = self._store.newest
         state = self._store.load(snap)
         pl_module.load_state_dict(state["module"])
@@ -501,9 +671,12 @@ class NaNGuard(pl.Callback):
             sched_cfg.scheduler.load_state_dict(sched_state)
         scaler = _grad_scaler(trainer)
         if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
+            scaler.load_state_dict(amp.restorable_scaler_state(state["scaler"], scaler, self._scaler_overflows))
         # the snapshot carries the LR scale of its time; keep the cuts made since
         snap_scale = float(snap.meta.get("lr_scale", 1.0))
+        if "zclip" in snap.meta:
+            self.zclip.load_state_dict(snap.meta["zclip"])
+            self.spikes.load_state_dict(snap.meta["loss_stats"])
         if snap_scale != self.lr_scale:
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], self.lr_scale / snap_scale)
         reset_grads(pl_module.parameters())
@@ -582,7 +755,8 @@ class NaNGuard(pl.Callback):
         }
         scaler = _grad_scaler(trainer)
         if scaler is not None:
-            values["nanguard/grad_scale"] = float(scaler.get_scale())
+            scale = self.grad_scale  # read with the step's flags: no extra sync
+            values["nanguard/grad_scale"] = scale if scale is not None else float(scaler.get_scale())
         self._logger_sink.scalars(values, step)
 
     def _flush(self) -> None:
@@ -591,13 +765,25 @@ class NaNGuard(pl.Callback):
 
     # ------------------------------------------------------------------------------------------- helpers
 
+    def _exempt_constant_buffers(self, trainer: Any, pl_module: Any) -> None:
+        """Buffers that hold NaN/Inf before training are by design (a float causal mask of -inf, a padding
+        table): leave them out of every check instead of calling the model broken. Parameters never are."""
+        named = list(pl_module.named_buffers())
+        flag = checks.any_nonfinite_flag([t for _, t in named])
+        found = checks.find_nonfinite_tensors(named, limit=len(named)) if flag is not None and bool(flag) else []
+        self._state_check.exempt = frozenset(f["name"] for f in found)
+        self._state_check.refresh()
+        if found:
+            _rank_zero_print(trainer, "[nanguard] buffers non-finite before training, taken as intentional and "
+                                      f"not checked: {', '.join(sorted(self._state_check.exempt))}")
+
     @staticmethod
     def _buffer_names(pl_module: Any) -> set[str]:
         return {n for n, _ in pl_module.named_buffers()}
 
-    @staticmethod
-    def _find_nonfinite_state(pl_module: Any) -> list[dict]:
-        named = list(pl_module.named_parameters()) + list(pl_module.named_buffers())
+    def _find_nonfinite_state(self, pl_module: Any) -> list[dict]:
+        named = [(n, t) for n, t in list(pl_module.named_parameters()) + list(pl_module.named_buffers())
+                 if n not in self._state_check.exempt]
         flag = checks.any_nonfinite_flag([t for _, t in named])
         if flag is None or not bool(flag):
             return []
@@ -615,20 +801,4 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _grad_scaler(trainer: Any) -> Optional[Any]:
-    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-    return scaler if scaler is not None and hasattr(scaler, "unscale_") and scaler.is_enabled() else None
-
-
-def _ensure_unscaled(scaler: Any, optimizer: Any) -> None:
-    """Lightning leaves a fused optimizer's grads scaled; unscale them so norms and checks are real."""
-    from torch.amp.grad_scaler import OptState
-
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if state["stage"] is OptState.READY:
-        scaler.unscale_(optimizer)
-
-
-def _first_bad_rank(trainer: Any, local_bad: bool) -> int:
-    flags = trainer.strategy.all_gather(torch.tensor([1 if local_bad else 0], device=trainer.strategy.root_device))
-    flags = flags.flatten().tolist()
-    return next((i for i, f in enumerate(flags) if f), trainer.global_rank)
+    return amp.grad_scaler(trainer)

@@ -112,6 +112,7 @@ class StateCheck:
     """
 
     def __init__(self) -> None:
+        self.exempt: frozenset[str] = frozenset()  # names never checked (e.g. a causal mask holding -inf)
         self._module: Any = None
         self._tensors: list[Tensor] = []
         self._ptrs: list[int] = []
@@ -124,8 +125,8 @@ class StateCheck:
         self._module = None
 
     def _collect(self, module: Any) -> None:
-        sources = [t for t in list(module.parameters()) + list(module.buffers())
-                   if t.is_floating_point() or t.is_complex()]
+        sources = [t for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                   if (t.is_floating_point() or t.is_complex()) and n not in self.exempt]
         tensors = [t.detach() for t in sources]
         self._module, self._tensors = module, sources  # the parameters themselves: ``.data =`` moves their pointer
         self._ptrs = [t.data_ptr() for t in sources]

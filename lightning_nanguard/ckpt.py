@@ -35,9 +35,12 @@ def iter_checkpoint_tensors(checkpoint: dict[str, Any]) -> Iterable[tuple[str, T
             yield from _walk(checkpoint[key], key)
 
 
-def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20) -> list[dict[str, Any]]:
-    """The non-finite tensors of ``checkpoint`` (weights and optimizer states); [] when all are finite."""
-    named = list(iter_checkpoint_tensors(checkpoint))
+def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20, exempt: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """The non-finite tensors of ``checkpoint`` (weights and optimizer states); [] when all are finite.
+
+    ``exempt``: state-dict names that are non-finite by design (a causal mask buffer holding -inf)."""
+    skip = {f"state_dict.{name}" for name in exempt}
+    named = [(n, t) for n, t in iter_checkpoint_tensors(checkpoint) if n not in skip]
     flag = checks.any_nonfinite_flag([t for _, t in named])
     if flag is None or not bool(flag):
         return []
