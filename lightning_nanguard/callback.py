@@ -628,10 +628,18 @@ class NaNGuard(pl.Callback):
         every = self.config.recovery.snapshot_every
         if self.ladder.failed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
             every = min(every, self.config.recovery.confirm_after)
-        if self._store is not None and self._healthy_since_snapshot >= every:
+        if self._store is not None and self._healthy_since_snapshot >= every and not self._diverging():
             self._take_snapshot(trainer, pl_module)
         if self._logger_sink is not None and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._log_scalars(trainer, trainer.global_step)
+
+    def _diverging(self) -> bool:
+        """Defer a due snapshot while the gradient norm grows geometrically or sits far above its statistics:
+        finite is not known-good, and a snapshot of a run on its way to NaN is a rollback target that cannot
+        help. Deferred until the growth stops (geometric growth cannot go on for long without overflowing)."""
+        z = self.zclip.zscore(self.last_grad_norm)
+        far_above = z is not None and z > 2 * self.zclip.z_threshold
+        return far_above or stats.norm_growth(list(self.norm_history)[-25:]) is not None
 
     def _take_snapshot(self, trainer: Any, pl_module: Any) -> None:
         if self._store is None:

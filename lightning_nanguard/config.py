@@ -149,7 +149,7 @@ class RecoveryConfig(_Section):
     min_lr_scale: float = _opt(1e-4, "floor of the cumulative LR scale", lo=0.0, hi=1.0, lo_open=True)
     snapshot: Literal["memory", "disk", "off"] = _opt(
         "memory", "where known-good state is kept: preallocated CPU memory, atomic files, or nowhere")
-    snapshot_every: int = _opt(50, "healthy optimizer steps between snapshots", lo=1)
+    snapshot_every: int = _opt(20, "healthy optimizer steps between snapshots", lo=1)
     keep_snapshots: int = _opt(2, "snapshots kept (older ones are the targets of further rollbacks)", lo=1)
     snapshot_dir: Optional[str] = _opt(None, "folder for disk snapshots (default: <log_dir>/nanguard/snapshots)")
     max_rollbacks: int = _opt(3, "rollbacks without recovery before giving up", lo=0)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import checks, replay
+from . import checks, replay, stats
 from .events import NaNEvent
 from .replay import parse_anomaly_error
 
@@ -145,11 +145,9 @@ def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
 def _history_cause(ctx: IncidentContext) -> str:
     """Exploding gradients from the healthy gradient-norm history (trend, or z-score of the last norm)."""
     details = ctx.event.details
-    recent = [h for h in ctx.norm_history[-5:] if math.isfinite(h)]
-    older = [h for h in ctx.norm_history[:-5] if math.isfinite(h)]
-    if recent and older and statistics.fmean(recent) > 10 * statistics.fmean(older):
-        details["grad_norm_trend"] = {"recent_mean": statistics.fmean(recent),
-                                      "earlier_mean": statistics.fmean(older)}
+    growth = stats.norm_growth(ctx.norm_history)
+    if growth is not None:
+        details["grad_norm_trend"] = {"recent_mean": growth[0], "earlier_mean": growth[1]}
         return "exploding_gradient"
     z = details.get("grad_norm_zscore")
     return "exploding_gradient" if z is not None and z > 6 else "unknown"

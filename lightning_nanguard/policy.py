@@ -87,7 +87,9 @@ class RecoveryLadder:
                     f"{self.cfg.max_rollbacks})" if can_roll_back else "no known-good snapshot to roll back to")
                 return plan
             plan.rollback = can_roll_back
-            plan.go_further_back = self.failed_rollbacks > 0
+            # a rollback that did not help points at the snapshot: go one further back. Not for a one-off bad
+            # parameter (a bit flip, an optimizer hiccup): the snapshot was fine, and an older one costs progress
+            plan.go_further_back = self.failed_rollbacks > 0 and kind not in ("parameter", "buffer")
             self.failed_rollbacks += 1
             self.consecutive = 0
             plan.skip_batches = self.cfg.skip_batches

@@ -23,7 +23,7 @@ is computed from all-reduced gradients, so it is identical on every rank anyway.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -102,6 +102,17 @@ class RunningStats:
         self.mean = float(state.get("mean", 0.0))
         self.var = float(state.get("var", 0.0))
         self._m2 = float(state.get("m2", self.var * self.count))
+
+
+def norm_growth(history: Sequence[float], recent: int = 5, ratio: float = 10.0) -> Optional[tuple[float, float]]:
+    """``(recent_mean, earlier_mean)`` when the last ``recent`` finite values average more than ``ratio``
+    times the earlier ones (the signature of a divergence: gradient norms growing geometrically), else None."""
+    values = [h for h in history if math.isfinite(h)]
+    late, early = values[-recent:], values[:-recent]
+    if not late or not early:
+        return None
+    late_mean, early_mean = sum(late) / len(late), sum(early) / len(early)
+    return (late_mean, early_mean) if late_mean > ratio * early_mean else None
 
 
 class ZClip:

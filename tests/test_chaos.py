@@ -26,7 +26,6 @@ STEPS_PER_EPOCH, EPOCHS = 32, 8  # 256 optimizer steps
 # two incidents in 100 steps) would only slow this run down, and a rollback to a snapshot 50 steps old costs
 # more than a snapshot every 10 steps. This is the profile the README recommends for such runs.
 NO_LR_CUTS = {"recovery": {"reduce_lr_after": 0, "reduce_lr_on_rollback": False}}
-TRANSIENT = {"recovery": dict(NO_LR_CUTS["recovery"], snapshot_every=10)}
 SEED = 3  # draws 2, 14 and 23 faults in 256 steps at 1%, 5% and 10% (the nominal 2.6, 12.8, 25.6)
 
 
@@ -91,7 +90,7 @@ def detected(injection, guard) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.01, 0.05, 0.10])
 def test_random_faults_of_every_kind(tmp_path, clean, rate):
-    guard = NaNGuard(**TRANSIENT)
+    guard = NaNGuard()  # the defaults: LR cuts only on evidence of divergence, so isolated faults cost nothing
     injector = FaultInjector.at_rate(rate, seed=SEED)
     model, trainer = fit(tmp_path / "guarded", [injector, guard])
     loss = assert_recovered(model, trainer, guard, clean)
@@ -99,6 +98,10 @@ def test_random_faults_of_every_kind(tmp_path, clean, rate):
     assert len(applied) >= max(1, int(0.5 * rate * trainer.global_step))
     if rate >= 0.05:
         assert set(Counter(i.kind for i in applied)) == set(FAULT_KINDS)
+        # isolated rollbacks are confirmed by a snapshot recovery.confirm_after healthy steps later, so they
+        # do not add up to a give-up that restores the step-0 weights (what this suite found)
+        restored = [e.details["restored_step"] for e in guard.events if "rollback" in e.actions]
+        assert len(restored) >= 2 and max(restored) > 0
     # every fault that makes anything non-finite is caught; +Inf in exp_avg_sq only freezes an element
     # (sqrt(inf) in the denominator gives a zero update), which is not a NaN/Inf the guard can see
     silent = [i for i in applied if i.kind == "optimizer_state" and i.value == "inf"]
@@ -113,22 +116,6 @@ def test_random_faults_of_every_kind(tmp_path, clean, rate):
     print(f"\nchaos rate={rate:.0%}: clean={clean:.4f} guarded={loss:.4f} ({loss / clean:.3f}x) "
           f"unguarded={val_loss(bare)} faults={dict(Counter(i.kind for i in applied))} "
           f"incidents={guard.counters['incidents']} rollbacks={guard.counters['rollbacks']}")
-
-
-@pytest.mark.parametrize("rate", [0.05, 0.10])
-def test_defaults_survive_random_faults_without_giving_up(tmp_path, clean, rate):
-    """The default guard (LR cuts on) also finishes with finite weights at high fault rates: isolated
-    rollbacks are confirmed by a snapshot recovery.confirm_after healthy steps later, so they no longer
-    add up to a give-up that restores the step-0 weights (what this suite found)."""
-    guard = NaNGuard()
-    model, trainer = fit(tmp_path, [FaultInjector.at_rate(rate, seed=SEED), guard])
-    assert trainer.global_step == STEPS_PER_EPOCH * EPOCHS and not guard._stopped
-    assert all_finite(model) and math.isfinite(val_loss(model))
-    assert guard.counters["rollbacks"] >= 2
-    restored = [e.details["restored_step"] for e in guard.events if "rollback" in e.actions]
-    assert max(restored) > 0  # later snapshots were taken and used, not only the initial one
-    print(f"\ndefaults rate={rate:.0%}: clean={clean:.4f} guarded={val_loss(model):.4f} "
-          f"({val_loss(model) / clean:.3f}x) lr_scale={guard.lr_scale:.3g}")
 
 
 # ------------------------------------------------------------------------------------------------ bursts
@@ -171,15 +158,17 @@ def test_fault_in_the_first_step_with_bad_input(tmp_path, clean):
 
 
 def test_fault_during_a_rollbacks_recovery_window(tmp_path, clean):
-    """A rollback at step 103 (after max_skips skipped steps), then bad parameters two steps later,
-    before the rollback was confirmed: the guard goes one snapshot further back (to step 50) and still
-    recovers. (The defaults' two LR cuts would leave this short run 2x worse than clean; see TRANSIENT.)"""
-    injector = FaultInjector([Fault("loss", steps=range(100, 104)), Fault("parameter", steps=[105])], seed=0)
+    """A rollback at step 103 (after max_skips skipped steps), then another burst before that rollback was
+    confirmed: the snapshot itself is suspect, so the guard goes one snapshot further back. Bad parameters
+    right after that are a one-off: back to the same snapshot, not further (it was fine). It still recovers.
+    (NO_LR_CUTS: this test is about the rollback path, not the LR.)"""
+    injector = FaultInjector([Fault("loss", steps=range(100, 104)), Fault("loss", steps=range(106, 110)),
+                              Fault("parameter", steps=[111])], seed=0)
     guard = NaNGuard(**NO_LR_CUTS)
     model, trainer = fit(tmp_path, [injector, guard])
     assert_recovered(model, trainer, guard, clean)
     rollbacks = [(e.step, e.details["restored_step"]) for e in guard.events if "rollback" in e.actions]
-    assert rollbacks == [(103, 100), (106, 50)]
+    assert rollbacks == [(103, 100), (109, 80), (112, 80)]
     assert guard.ladder.failed_rollbacks == 0  # confirmed later by a new snapshot
 
 
