@@ -88,7 +88,7 @@ def main() -> None:
     print(f"   first non-finite loss at step {plain.first_nan_step}; final loss = {loss}")
     print(f"   weights finite: {all(torch.isfinite(p).all() for p in plain.parameters())}")
 
-    print(f"\n== 2. the same run with NaNGuard() ==")
+    print("\n== 2. the same run with NaNGuard() ==")
     guard = NaNGuard()
     guarded = train(args.lr, out, "guarded", guard)
     loss = final_loss(guarded, data)
