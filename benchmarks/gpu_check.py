@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -103,7 +104,8 @@ def fit(model, callbacks, precision="32-true", steps=40, plugins=None):
     steps = steps if CUDA else min(steps, 8)
     trainer = pl.Trainer(accelerator="cuda" if CUDA else "cpu", devices=1, max_steps=steps, precision=precision if not plugins else None,
                          plugins=plugins, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tempfile.mkdtemp(prefix="nanguard-gpu-"))
     trainer.fit(model, data())
     return trainer
 
