@@ -23,12 +23,7 @@ __all__ = [
     "iter_batch_tensors",
     "find_nonfinite_tensors",
     "find_batch_nonfinite",
-    "is_finite_number",
 ]
-
-
-def is_finite_number(x: float) -> bool:
-    return math.isfinite(x)
 
 
 def nonfinite_flag(t: Tensor) -> Tensor:
