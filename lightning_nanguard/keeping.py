@@ -93,9 +93,10 @@ class StateKeeping:
 
     # ---------------------------------------------------------------------------------------- recording
 
-    def _new_event(self, trainer: Any, kind: str) -> NaNEvent:
+    def _new_event(self, trainer: Any, kind: str, counter: str = "incidents") -> NaNEvent:
+        """The next numbered event at the current step; ``counter``: which of ``counters`` it counts in."""
         self._event_index += 1
-        self.counters["incidents"] += 1
+        self.counters[counter] += 1
         return NaNEvent(step=trainer.global_step, epoch=trainer.current_epoch,
                         batch_idx=self._window[-1][1] if self._window else -1, kind=kind,
                         rank=trainer.global_rank, index=self._event_index)

@@ -61,7 +61,7 @@ class StepResponses:
         ladder (no rollback, no LR cut by count) and is counted in ``counters["spikes"]``.
         """
         action = self.config.check.spike_action
-        event = self._spike_event(trainer)
+        event = self._new_event(trainer, "spike", counter="spikes")
         norm_z = self.zclip.zscore(norm_value)
         event.details.update(loss=loss_value, loss_zscore=z, loss_mean=self.spikes.stats.mean,
                              loss_std=self.spikes.stats.std, grad_norm=norm_value, grad_norm_zscore=norm_z)
@@ -94,20 +94,13 @@ class StepResponses:
         self._record(trainer, event, ctx, "")
         return limit
 
-    def _spike_event(self, trainer: Any) -> NaNEvent:
-        self._event_index += 1
-        self.counters["spikes"] += 1
-        return NaNEvent(step=trainer.global_step, epoch=trainer.current_epoch,
-                        batch_idx=self._window[-1][1] if self._window else -1, kind="spike",
-                        rank=trainer.global_rank, index=self._event_index)
-
     def _clipping_streak(self, trainer: Any, params: list[Tensor], norm_value: float, loss_value: float) -> None:
         """Adaptive clipping had to act on ``CLIPS_BEFORE_LR_CUT`` steps in a row: the gradient norm grows
         faster than its statistics can follow, a divergence that clipping slows but does not stop, and the
         weights are already drifting. Skip this step, roll back to the newest snapshot and cut the LR, at the
         end of the step like an incident (recorded as a ``spike`` event: abnormal, still finite; it does not
         count towards the ladder's give-up)."""
-        event = self._spike_event(trainer)
+        event = self._new_event(trainer, "spike", counter="spikes")
         event.details.update(reason=f"gradient norm clipped by the adaptive clip on {self.zclip.streak} "
                                     "consecutive steps", grad_norm=norm_value, clip_threshold=self.zclip.threshold(),
                              loss=loss_value)
