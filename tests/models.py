@@ -80,6 +80,23 @@ class Classifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class EpsZeroEmbedding(pl.LightningModule):
+    """Adam with ``eps=0`` and embedding rows no batch uses: their update is 0/0, so they turn NaN after the
+    first step while every gradient stays finite (a classic silent failure)."""
+
+    def __init__(self, rows: int, dim: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim)
+        self.head = nn.Linear(dim, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, y = batch
+        return nn.functional.mse_loss(self.head(self.emb(idx)).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
+
+
 def accuracy(model: pl.LightningModule, data: TensorDataset) -> float:
     model.eval()
     x, y = data.tensors

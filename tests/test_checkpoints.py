@@ -12,28 +12,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.ckpt import iter_checkpoint_tensors
-
-
-class SparseEmbedding(pl.LightningModule):
-    """Adam with ``eps=0`` and embedding rows no batch uses: their update is 0/0, so they turn NaN after the
-    first step while every gradient stays finite (a classic silent failure)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.head = nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        idx, y = batch
-        return nn.functional.mse_loss(self.head(self.emb(idx)).squeeze(-1), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
 
 
 def sparse_data(n: int = 64) -> DataLoader:
@@ -58,7 +40,7 @@ def fit_with_checkpoints(tmp_path, callbacks: list, model: pl.LightningModule, m
 
 
 def test_no_checkpoint_holds_nonfinite_weights_or_optimizer_state(tmp_path):
-    model = SparseEmbedding()
+    model = models.EpsZeroEmbedding(rows=10)
     control = copy.deepcopy(model)
     # control: without the guard, the checkpoints are poisoned
     fit_with_checkpoints(tmp_path / "plain", [], control)

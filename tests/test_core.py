@@ -153,22 +153,6 @@ def test_skipped_step_leaves_optimizer_state_untouched(tmp_path):
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(state_a[p][name])), name  # incl. 'step'
 
 
-class EmbeddingModel(pl.LightningModule):
-    """Adam with eps=0: rows of the embedding no batch uses get 0/0 = NaN updates from finite grads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(64, 8)
-        self.head = nn.Linear(8, 1)
-
-    def training_step(self, batch, batch_idx):
-        idx, y = batch
-        return nn.functional.mse_loss(self.head(self.emb(idx)).squeeze(-1), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
-
-
 def _embedding_data() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 32, (256,), generator=g)  # rows 32..63 are never used
@@ -178,7 +162,7 @@ def _embedding_data() -> TensorDataset:
 def test_adam_eps0_parameter_incident_and_no_nan_checkpoint(tmp_path):
     guard = NaNGuard()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
-    model = EmbeddingModel()
+    model = models.EpsZeroEmbedding(rows=64, dim=8)  # rows 32..63 are never used
     models.trainer(tmp_path, [guard, ckpt], enable_checkpointing=True, max_epochs=2).fit(
         model, models.loader(_embedding_data(), 32))
     assert guard.events, "the NaN weights went unnoticed"

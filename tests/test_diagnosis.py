@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
-from models import Regression, loader, regression_data, trainer
+from models import EpsZeroEmbedding, Regression, loader, regression_data, trainer
 
 # ------------------------------------------------------------------------------------------------ models
 
@@ -80,22 +80,6 @@ class PaddedNorm(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
-
-class UnusedRows(pl.LightningModule):
-    """Embedding of 20 rows of which the data uses 10; Adam with eps=0 turns the unused rows into 0/0."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(20, 4)
-        self.head = nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        tokens, y = batch
-        return nn.functional.mse_loss(self.head(self.emb(tokens)).squeeze(-1), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
 
 
 class SideBranch(pl.LightningModule):
@@ -228,7 +212,7 @@ def test_adam_eps_zero_names_parameter_and_optimizer(tmp_path: Any) -> None:
     data = TensorDataset(tokens, torch.randn(64, generator=g))
     guard = NaNGuard()
     t = trainer(tmp_path, [guard], max_steps=3)
-    t.fit(UnusedRows(), DataLoader(data, batch_size=16))
+    t.fit(EpsZeroEmbedding(rows=20), DataLoader(data, batch_size=16))
     ev = guard.events[0]
     assert ev.kind == "parameter" and ev.cause == "optimizer"
     assert ev.culprit == "emb.weight"
