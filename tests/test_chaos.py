@@ -169,7 +169,7 @@ def test_fault_during_a_rollbacks_recovery_window(tmp_path, clean):
     assert_recovered(model, trainer, guard, clean)
     rollbacks = [(e.step, e.details["restored_step"]) for e in guard.events if "rollback" in e.actions]
     assert rollbacks == [(103, 100), (109, 80), (112, 80)]
-    assert guard.ladder.failed_rollbacks == 0  # confirmed later by a new snapshot
+    assert guard._recovery.ladder.failed_rollbacks == 0  # confirmed later by a new snapshot
 
 
 class WithValidation(models.Classifier):

@@ -113,7 +113,7 @@ def test_rollback_restores_the_scaler(tmp_path):
     # each NaN step halved the scale; the rollback restored the snapshot's scale (taken before the burst)
     assert probe.scales[6:9] == [2.0 ** 9, 2.0 ** 8, 2.0 ** 7]
     assert probe.scales[9] == probe.scales[5] == 2.0 ** 10
-    snapshot = guard._store.load(guard._store.newest)
+    snapshot = guard._recovery.store.load(guard._recovery.store.newest)
     assert snapshot["scaler"]["scale"] == 2.0 ** 10  # the snapshot holds the scaler's state
 
 

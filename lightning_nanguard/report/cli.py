@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, TextIO
 
-from .config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
+from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
 
 __all__ = ["main", "read_events", "find_event_files", "InputError"]
 

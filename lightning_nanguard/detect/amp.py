@@ -3,19 +3,21 @@
 Under ``16-mixed`` the loss the guard sees before backward is scaled, a fused optimizer's gradients are
 still scaled at ``on_before_optimizer_step``, and a non-finite gradient is usually a routine scaler
 overflow (the scaler skips the step and halves its scale), not divergence. These helpers read the scale
-without a host sync, unscale what must be unscaled, and decide when overflows stop being routine.
-``bf16-mixed`` has no scaler: every non-finite value is a real incident.
+without a host sync, unscale what must be unscaled, and decide when overflows stop being routine
+(:class:`OverflowWatch`). ``bf16-mixed`` has no scaler: every non-finite value is a real incident.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["grad_scaler", "scale_tensor", "unscale_value", "scale_parts", "ensure_unscaled", "overflow_is_incident",
-           "restorable_scaler_state"]
+from .flags import StepFlags
+
+__all__ = ["grad_scaler", "scale_tensor", "unscale_value", "scale_flag", "ensure_unscaled", "OverflowWatch"]
 
 
 def grad_scaler(trainer: Any) -> Optional[Any]:
@@ -38,10 +40,12 @@ def unscale_value(value: Tensor, scaler: Optional[Any]) -> Tensor:
     return value if scale is None else value / scale.to(value.device).float()
 
 
-def scale_parts(scaler: Optional[Any], device: torch.device) -> list[Tensor]:
-    """``[scale]`` as a 1-element tensor on ``device`` to read with the step's flags, or ``[]``."""
+def scale_flag(scaler: Optional[Any], device: torch.device) -> Tensor:
+    """The ``grad_scale`` entry of the step's :class:`StepFlags` vector: the scale, or nan without one."""
     scale = scale_tensor(scaler)
-    return [] if scale is None else [scale.detach().float().to(device).view(1)]
+    if scale is None:
+        return torch.full((), math.nan, device=device)
+    return scale.detach().float().to(device).reshape(())
 
 
 def ensure_unscaled(scaler: Any, optimizer: Any) -> None:
@@ -57,19 +61,30 @@ def ensure_unscaled(scaler: Any, optimizer: Any) -> None:
         scaler.unscale_(optimizer)
 
 
-def overflow_is_incident(consecutive: int, scale: Optional[float], patience: int, min_scale: float) -> bool:
-    """Is the ``consecutive``-th overflow in a row (at ``scale``) persistent enough to be an incident?"""
-    return consecutive >= patience or (scale is not None and scale < min_scale)
+class OverflowWatch:
+    """Counts consecutive GradScaler overflows and says when they stop being routine: after
+    ``patience`` in a row, or once the scale falls below ``min_scale``."""
 
+    def __init__(self, patience: int, min_scale: float) -> None:
+        self.patience = int(patience)
+        self.min_scale = float(min_scale)
+        self.overflows = 0  # consecutive overflow steps
+        self.scale: Optional[float] = None  # the scale read with the latest step's flags (no extra sync)
 
-def restorable_scaler_state(snapshot: dict[str, Any], scaler: Any, overflows: int) -> dict[str, Any]:
-    """The scaler state a rollback restores: the snapshot's, except while the scaler is overflowing.
+    def observe(self, flags: StepFlags, scaled: bool) -> bool:
+        """Feed one step's flags; True when this step is an overflow that persisted too long."""
+        self.scale = flags.grad_scale if scaled and math.isfinite(flags.grad_scale) else None
+        if not scaled or flags.local_bad:
+            return False
+        if not flags.grads_bad:
+            self.overflows = 0
+            return False
+        self.overflows += 1
+        scale = flags.grad_scale
+        return self.overflows >= self.patience or (math.isfinite(scale) and scale < self.min_scale)
 
-    A rollback during a streak of overflows must not raise the scale back to the snapshot's value (that
-    scale is what overflows): the scale is capped at the current one. After any other incident (a NaN
-    loss, bad inputs) the snapshot's scale is restored as it was.
-    """
-    state = dict(snapshot)
-    if overflows > 0 and "scale" in state:
-        state["scale"] = min(float(state["scale"]), float(scaler.get_scale()))
-    return state
+    def state_dict(self) -> dict[str, Any]:
+        return {"overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.overflows = int(state.get("overflows", 0))
