@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
+from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
 from .detect.amp import OverflowWatch, ensure_unscaled, grad_scaler
 from .detect.evidence import StepEvidence
@@ -78,6 +78,9 @@ class NaNGuard(pl.Callback):
         anomaly: incident replay and anomaly detection (:class:`AnomalyConfig` or mapping).
         recovery: the recovery ladder (:class:`RecoveryConfig` or mapping).
         logging: event sinks (:class:`LoggingConfig` or mapping).
+        name: only to run two guards in one Trainer: it tells their checkpoint state apart (``state_key``),
+            and this guard then writes to ``<log_dir>/nanguard/<name>/``, under ``nanguard/<name>/`` tags and
+            to ``ng_<name>_*`` progress-bar keys.
 
     Attributes:
         config: the resolved :class:`NaNGuardConfig`.
@@ -100,8 +103,12 @@ class NaNGuard(pl.Callback):
         anomaly: Union[AnomalyConfig, _Section] = None,
         recovery: Union[RecoveryConfig, _Section] = None,
         logging: Union[LoggingConfig, _Section] = None,
+        name: Optional[str] = None,
     ) -> None:
         super().__init__()
+        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+            raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+        self.name = name
         base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
         given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
         sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
@@ -124,7 +131,7 @@ class NaNGuard(pl.Callback):
         self._recovery = Recovery(cfg.recovery, cfg.clip,
                                   statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector})
         self._diagnoser = Diagnoser(cfg.anomaly)
-        self._recorder = Recorder(cfg.logging)
+        self._recorder = Recorder(cfg.logging, self.name)
         self._responder = Responder(cfg, self._evidence, self._clipper, self._losses, self._overflow,
                                     self._recovery, self._diagnoser, self._recorder)
         self._sync = StepSync()
@@ -155,7 +162,7 @@ class NaNGuard(pl.Callback):
 
     @property
     def state_key(self) -> str:
-        return "NaNGuard"
+        return self._generate_state_key(name=self.name) if self.name else "NaNGuard"
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "recorder": self._recorder.state_dict(),
@@ -190,7 +197,6 @@ class NaNGuard(pl.Callback):
         self._resumed = False  # callback state is restored before this hook on every strategy
         self._evidence.activations.start(pl_module)
         self._diagnoser.start()  # here, inside the Trainer's own set_detect_anomaly context
-        self._recorder.status.reset()
         if self.config.check.parameters:
             exempt = self._evidence.state.exempt_nonfinite_buffers(pl_module)
             if exempt:

@@ -89,16 +89,15 @@ class Responder:
                                       loss_history=list(self.losses.history), **evidence)
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
-        """The ``nanguard/`` scalars: counts, LR scale, the last gradient norm (and the GradScaler's scale)."""
-        values = {"nanguard/incidents": float(self.recorder.incidents),
-                  "nanguard/skipped_steps": float(self.recovery.skipped_steps),
-                  "nanguard/rollbacks": float(self.recovery.rollbacks),
-                  "nanguard/lr_scale": float(self.recovery.lr_scale),
-                  "nanguard/grad_norm": float(self.clipper.last_norm)}
+        """The guard's scalars (tags below ``nanguard/``): counts, LR scale, the last gradient norm (and the
+        GradScaler's scale)."""
+        values = {"incidents": float(self.recorder.incidents), "skipped_steps": float(self.recovery.skipped_steps),
+                  "rollbacks": float(self.recovery.rollbacks), "lr_scale": float(self.recovery.lr_scale),
+                  "grad_norm": float(self.clipper.last_norm)}
         scaler = grad_scaler(trainer)
         if scaler is not None:
             scale = self.overflow.scale  # read with the step's flags: no extra sync
-            values["nanguard/grad_scale"] = scale if scale is not None else float(scaler.get_scale())
+            values["grad_scale"] = scale if scale is not None else float(scaler.get_scale())
         return values
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:

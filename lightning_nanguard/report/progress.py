@@ -1,15 +1,11 @@
 """What the user sees on screen: the guard's status in the progress bar, and one-line messages.
 
 Two values, ``ng_incidents`` (incidents so far, an integer) and ``ng_lr_scale`` (cumulative learning-rate
-scale), are logged with ``pl_module.log(..., prog_bar=True, logger=False, on_step=True, on_epoch=False)``
-only when they change (and once at the start of training). Lightning keeps the last progress-bar value of
-a key until the next fit, so the status stays visible between changes, and its step-logging interval
-(``log_every_n_steps``) does not apply to the progress bar.
-
-No host-device sync: the values are host numbers logged as *CPU* tensors, so neither the logging call nor
-Lightning's per-batch conversion of progress-bar values to Python numbers touches the accelerator. The
-loggers never see these keys (``logger=False``); the ``nanguard/`` scalars are written separately at each
-incident's own step (:mod:`.sinks`).
+scale), sit in ``trainer.progress_bar_metrics`` next to what the module logs with ``prog_bar=True``. They
+are host numbers put there directly after each optimizer step: ``self.log`` would turn the count into a
+float (``ng_incidents=1.000``), send it through the loggers and reduce it; this costs nothing and never
+touches the accelerator. The loggers get the ``nanguard/`` scalars separately, at each incident's own
+step (:mod:`.sinks`).
 
 :func:`say` prints a line from global rank 0 through the active progress bar (so it lands on a line of
 its own, not on the bar's), else through Lightning's rank-zero logger. The package installs no logging
@@ -61,24 +57,22 @@ def warn(message: str) -> None:
 
 
 class ProgressStatus:
-    """Pushes the guard status into the progress bar when it changes."""
+    """Puts the guard status into the progress bar's metrics."""
 
-    def __init__(self) -> None:
-        self._shown: Optional[tuple[int, float]] = None
-
-    def reset(self) -> None:
-        """Forget what was shown (a new fit clears Lightning's progress-bar values)."""
-        self._shown = None
+    def __init__(self, name: Optional[str] = None) -> None:
+        self.keys = tuple(k.replace("ng_", f"ng_{name}_", 1) if name else k for k in (INCIDENTS_KEY, LR_SCALE_KEY))
 
     def update(self, trainer: Any, pl_module: Any, incidents: int, lr_scale: float) -> None:
-        """Call from ``on_train_batch_end``; logs only if the status changed since the last call."""
+        """Call from ``on_train_batch_end``."""
+        if getattr(trainer, "barebones", False):
+            return
         status = (int(incidents), float(lr_scale))
-        if status == self._shown or getattr(trainer, "barebones", False):
+        shown = getattr(getattr(trainer, "_logger_connector", None), "_progress_bar_metrics", None)
+        if isinstance(shown, dict):  # the dict behind trainer.progress_bar_metrics (renewed at every fit)
+            shown.update(zip(self.keys, status))
             return
         if getattr(pl_module, "_current_fx_name", None) is None:  # not inside a Trainer-managed hook
             return
-        self._shown = status
-        pl_module.log(INCIDENTS_KEY, torch.tensor(status[0], device="cpu"), prog_bar=True, logger=False,
-                      on_step=True, on_epoch=False, sync_dist=False)
-        pl_module.log(LR_SCALE_KEY, torch.tensor(status[1], device="cpu"), prog_bar=True, logger=False,
-                      on_step=True, on_epoch=False, sync_dist=False)
+        for key, value in zip(self.keys, status):  # another Lightning: log them (as floats)
+            pl_module.log(key, torch.tensor(float(value), device="cpu"), prog_bar=True, logger=False,
+                          on_step=True, on_epoch=False, sync_dist=False)

@@ -24,13 +24,14 @@ class Recorder:
         out_dir: ``<log_dir>/nanguard``, set at fit start.
     """
 
-    def __init__(self, cfg: LoggingConfig) -> None:
+    def __init__(self, cfg: LoggingConfig, name: Optional[str] = None) -> None:
         self.cfg = cfg
+        self.name = name  # a second guard in the same Trainer: its own folder, tags and progress-bar keys
         self.events: list[NaNEvent] = []
         self.incidents = 0
         self.spikes = 0
         self.out_dir: Optional[Path] = None
-        self.status = ProgressStatus()
+        self.status = ProgressStatus(name)
         self._index = 0  # the last event's number; numbering continues across a resumed fit
         self._jsonl: Optional[JsonlSink] = None
         self._loggers = LoggerSink([])
@@ -39,9 +40,12 @@ class Recorder:
     def start(self, trainer: Any) -> None:
         """Fit start: the sinks, on global rank 0 only."""
         self.out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "nanguard"
+        if self.name:
+            self.out_dir = self.out_dir / self.name
         zero = trainer.global_rank == 0
         self._jsonl = JsonlSink(self.out_dir / "events.jsonl") if self.cfg.events_file and zero else None
-        self._loggers = LoggerSink(trainer.loggers if self.cfg.loggers and zero else [])
+        self._loggers = LoggerSink(trainer.loggers if self.cfg.loggers and zero else [],
+                                   prefix=f"nanguard/{self.name}/" if self.name else "nanguard/")
         self._reports = ReportFiles(self.out_dir) if self.cfg.reports and zero else None
 
     def new_event(self, trainer: Any, kind: str, batch_idx: int) -> NaNEvent:
@@ -60,7 +64,7 @@ class Recorder:
 
     def record(self, trainer: Any, event: NaNEvent, report: str, scalars: dict[str, float]) -> None:
         """Keep ``event`` and write it to every sink; ``report`` is the incident report's text, ``scalars``
-        the guard's ``nanguard/`` scalars after the event."""
+        the guard's scalars after the event."""
         event.validate()
         self.events.append(event)
         if self._jsonl is not None:
@@ -75,7 +79,7 @@ class Recorder:
             say(trainer, event.summary())
 
     def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]]) -> None:
-        """The ``nanguard/`` scalars of a step without an event, every ``log_every_n_steps`` steps."""
+        """The guard's scalars of a step without an event, every ``log_every_n_steps`` steps."""
         if self._loggers and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._loggers.scalars(scalars(), trainer.global_step)
 

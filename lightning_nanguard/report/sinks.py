@@ -45,7 +45,8 @@ def _writer(logger: Any) -> Any:
 class LoggerSink:
     """Writes guard scalars and events through every Lightning logger, at explicit steps."""
 
-    def __init__(self, loggers: Sequence[Any]) -> None:
+    def __init__(self, loggers: Sequence[Any], prefix: str = "nanguard/") -> None:
+        self.prefix = prefix
         self.loggers = [lg for lg in loggers if lg is not None]
         self._writers = [_writer(lg) for lg in self.loggers]
 
@@ -53,6 +54,8 @@ class LoggerSink:
         return bool(self.loggers)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
+        """``values`` under ``<prefix><name>`` tags at ``step``."""
+        values = {self.prefix + name: value for name, value in values.items()}
         for logger, writer in zip(self.loggers, self._writers):
             if writer is not None:
                 for tag, value in values.items():
@@ -63,7 +66,7 @@ class LoggerSink:
     def text(self, event: NaNEvent) -> None:
         for writer in self._writers:
             if writer is not None:
-                writer.add_text(f"nanguard/incident/{event.kind}", event.markdown(), global_step=event.step)
+                writer.add_text(f"{self.prefix}incident/{event.kind}", event.markdown(), global_step=event.step)
 
     def flush(self) -> None:
         for logger, writer in zip(self.loggers, self._writers):
