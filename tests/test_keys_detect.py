@@ -142,10 +142,28 @@ def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(tmp
     assert _summary(guard)[0] == first
     assert ("grad_norm" in guard.events[0].details and math.isnan(guard.events[0].details["grad_norm"])) == (
         first[1] == "gradient")
-    if check.get("gradients") is False:  # no norm computed: none recorded, no statistics for adaptive clipping
-        assert not guard.norm_history and guard.zclip.stats.count == 0
+    if check.get("gradients") is False:  # the norm is computed only once adaptive clipping (armed by the
+        first_step = guard.events[0].step  # first incident) needs it, on the healthy steps after it
+        healthy_after = [s for s in range(first_step + 1, 8) if s not in {e.step for e in guard.events}]
+        assert len(guard.norm_history) == guard.zclip.stats.count == len(healthy_after)
     else:
         assert len(guard.norm_history) == 7
+
+
+@pytest.mark.parametrize("gradients", [True, False])
+def test_fixed_clip_acts_whether_or_not_gradients_are_checked(tmp_path: Path, gradients: bool) -> None:
+    """check.gradients: false switches off a detection, not clip.max_norm (the norm is computed for it)."""
+    norms: list[float] = []
+
+    class Probe(pl.Callback):  # after the guard: the gradient the optimizer applies
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters()])))
+
+    max_norm = 0.1
+    guard = NaNGuard(check={"gradients": gradients}, clip={"max_norm": max_norm}, logging={"verbose": False})
+    trainer(tmp_path, [guard, Probe()], max_steps=5).fit(Regression(lr=0.05), loader(regression_data(80), BATCH))
+    assert guard.events == [] and guard.counters["clipped_steps"] == 5 == len(norms)
+    assert all(n == pytest.approx(max_norm, rel=1e-5) for n in norms)  # every raw norm is > 1 at lr 0.05
 
 
 @pytest.mark.parametrize("parameters", [True, False])
