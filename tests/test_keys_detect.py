@@ -152,18 +152,27 @@ def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(tmp
 
 @pytest.mark.parametrize("gradients", [True, False])
 def test_fixed_clip_acts_whether_or_not_gradients_are_checked(tmp_path: Path, gradients: bool) -> None:
-    """check.gradients: false switches off a detection, not clip.max_norm (the norm is computed for it)."""
-    norms: list[float] = []
+    """check.gradients: false switches off a detection, not clip.max_norm: the norm is computed for the clip,
+    and a non-finite norm is still no incident (the bad update is caught in the weights one step later)."""
+    norms: dict[int, float] = {}
 
-    class Probe(pl.Callback):  # after the guard: the gradient the optimizer applies
+    class Probe(pl.Callback):  # after the guard: the gradient the optimizer applies (none on a skipped step)
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters()])))
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            if grads:
+                norms[trainer.global_step] = float(torch.nn.utils.get_total_norm(grads))
 
     max_norm = 0.1
     guard = NaNGuard(check={"gradients": gradients}, clip={"max_norm": max_norm}, logging={"verbose": False})
-    trainer(tmp_path, [guard, Probe()], max_steps=5).fit(Regression(lr=0.05), loader(regression_data(80), BATCH))
-    assert guard.events == [] and guard.counters["clipped_steps"] == 5 == len(norms)
-    assert all(n == pytest.approx(max_norm, rel=1e-5) for n in norms)  # every raw norm is > 1 at lr 0.05
+    injector = FaultInjector(Fault("gradient", steps=[3], target="linear.weight"))
+    trainer(tmp_path, [injector, guard, Probe()], max_steps=6).fit(Regression(lr=0.05),
+                                                                   loader(regression_data(6 * BATCH), BATCH))
+    assert _summary(guard) == ([(3, "gradient")] if gradients else [(4, "parameter")])
+    clipped = {s: n for s, n in norms.items() if math.isfinite(n)}
+    assert sorted(clipped) == ([0, 1, 2, 4, 5] if gradients else [0, 1, 2, 5])  # every raw norm is > 1 here
+    assert all(n == pytest.approx(max_norm, rel=1e-5) for n in clipped.values())
+    assert guard.counters["clipped_steps"] == len(clipped)
+    assert gradients or math.isnan(norms[3])  # unchecked: the NaN gradient went through, unclipped
 
 
 @pytest.mark.parametrize("parameters", [True, False])
