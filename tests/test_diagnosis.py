@@ -121,6 +121,7 @@ def _padded_data(n: int = 256, features: int = 8, zero_rows: tuple[int, ...] = (
 # ------------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_seed_case_overflow_in_submodule_matmul(tmp_path: Any) -> None:
     nodes, features = 2708, 64  # Cora's node count; fewer features than 1433 keep the test fast
     g = torch.Generator().manual_seed(0)
