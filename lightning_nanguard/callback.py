@@ -283,7 +283,9 @@ class NaNGuard(StepResponses, StateKeeping, pl.Callback):
 
         grads = [p.grad for p in params if p.grad is not None]
         cfg = self.config
-        norm = self._sync.grad_norm(grads) if (grads and cfg.check.gradients) else None  # sharded: local part
+        # clipping needs the norm even where check.gradients is off (then it only clips, never detects)
+        clipping = (cfg.clip.max_norm is not None or self.ladder.adaptive_clip or cfg.check.spike_action == "clip")
+        norm = self._sync.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
         values = self._read_flags(norm, params)  # the one host-device sync of this step (and, DDP, all-reduce)
         norm_value, loss_value, loss_bad, input_bad, param_bad = values
         norm = self._sync.global_norm(norm, norm_value)
@@ -291,7 +293,7 @@ class NaNGuard(StepResponses, StateKeeping, pl.Callback):
         # decision, the spike statistics and everything below are identical on every rank
         any_bad = loss_bad or input_bad or param_bad or self._activation_bad
         spike_z = self._observe_loss(any_bad, loss_value)  # host-side statistics, no sync
-        grads_bad = not math.isfinite(norm_value)
+        grads_bad = cfg.check.gradients and not math.isfinite(norm_value)
         self.last_grad_norm = norm_value
 
         if not any_bad and grads_bad and scaler is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,103 @@ def test_progress_bar_status_can_be_turned_off(tmp_path):
     t = trainer(tmp_path, callbacks=[guard], max_steps=4)
     t.fit(Regression(lr=0.05), poisoned_loader())
     assert INCIDENTS_KEY not in t.progress_bar_metrics and len(guard.events) == 1
+
+
+# ------------------------------------------------------------------------------- logging.* switched off
+
+
+class LoggingRegression(Regression):
+    """Logs its own loss, so the Trainer's logger writes an event file whatever the guard does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _fit_logging(tmp_path: Path, logging: dict, **trainer_kwargs) -> NaNGuard:
+    guard = NaNGuard(logging={"verbose": False, **logging})
+    trainer(tmp_path, callbacks=[guard], log_every_n_steps=1, **trainer_kwargs).fit(LoggingRegression(),
+                                                                                     poisoned_loader())
+    assert [e.step for e in guard.events] == list(BAD_BATCHES)
+    return guard
+
+
+@pytest.mark.parametrize("events_file", [True, False])
+def test_events_file_switch(tmp_path, events_file):
+    _fit_logging(tmp_path, {"events_file": events_file})
+    files = list(tmp_path.rglob("events.jsonl"))
+    assert len(files) == int(events_file)
+    assert len(list(tmp_path.rglob("incident-*.txt"))) == len(BAD_BATCHES)  # the other sinks still write
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_reports_switch(tmp_path, reports):
+    _fit_logging(tmp_path, {"reports": reports})
+    reports_written = sorted(p.name for p in tmp_path.rglob("incident-*.txt"))
+    assert reports_written == ([f"incident-{i:04d}-step{s}.txt" for i, s in enumerate(BAD_BATCHES, 1)]
+                               if reports else [])
+    assert len((tmp_path / "nanguard" / "events.jsonl").read_text().splitlines()) == len(BAD_BATCHES)
+
+
+@pytest.mark.parametrize("tensorboard", [True, False])
+def test_tensorboard_switch(tmp_path, tensorboard):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    _fit_logging(tmp_path, {"tensorboard": tensorboard}, logger=logger)
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"] + acc.Tags()["tensors"]
+    assert "train_loss" in tags  # the logger works either way
+    ours = [t for t in tags if t.startswith("nanguard/")]
+    if tensorboard:
+        assert "nanguard/incidents" in ours and any(t.startswith("nanguard/incident/") for t in ours)
+    else:
+        assert ours == []
+    assert (Path(logger.log_dir) / "nanguard" / "events.jsonl").is_file()
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_verbose_switch(tmp_path, verbose):
+    """One line per incident through the ``lightning_nanguard`` logger, or none."""
+    import logging as std_logging
+
+    records: list[str] = []
+
+    class Collect(std_logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = std_logging.getLogger("lightning_nanguard")
+    handler, level = Collect(), log.level
+    log.addHandler(handler)
+    log.setLevel(std_logging.INFO)
+    try:
+        guard = NaNGuard(logging={"verbose": verbose})
+        trainer(tmp_path, callbacks=[guard]).fit(Regression(), poisoned_loader())
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    assert len(guard.events) == len(BAD_BATCHES)
+    assert records == ([e.summary() for e in guard.events] if verbose else [])
+
+
+def test_events_file_is_flushed_and_fsynced_per_event(tmp_path, monkeypatch):
+    """SIGKILL keeps the page cache, so only counting fsync calls shows the record would survive a power loss."""
+    path = tmp_path / "nanguard" / "events.jsonl"
+    synced: list[list[dict]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if path.exists() and os.fstat(fd).st_ino == os.stat(path).st_ino:
+            text = path.read_text()  # what another reader sees now: flushed before the fsync
+            assert text.endswith("\n")
+            synced.append([json.loads(line) for line in text.splitlines()])
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    guard = _fit_logging(tmp_path, {})
+    assert len(synced) == len(guard.events)  # one fsync of the events file per event
+    assert [len(s) for s in synced] == list(range(1, len(guard.events) + 1))  # complete after every write
+    assert [s[-1] for s in synced] == [e.to_dict() for e in guard.events]
