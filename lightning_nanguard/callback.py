@@ -256,8 +256,12 @@ class NaNGuard(pl.Callback):
             self._recovery.skip(params)
             self._outcome = Outcome.SKIPPED
             return
+        cfg = self.config
+        ladder = self._recovery.ladder
         grads = [p.grad for p in params if p.grad is not None]
-        norm = self._sync.grad_norm(grads) if grads and self.config.check.gradients else None  # sharded: local
+        # clipping needs the norm even where check.gradients is off (then it only clips, never detects)
+        clipping = cfg.clip.max_norm is not None or ladder.adaptive_clip or cfg.check.spike_action == "clip"
+        norm = self._sync.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
         device = params[0].device if params else torch.device("cpu")
         flags = self._evidence.read(norm, device, scaler, self._sync)  # the one host-device sync of the step
         # several processes: the flags were reduced over ranks, so everything below is identical on every rank
@@ -265,9 +269,11 @@ class NaNGuard(pl.Callback):
         self._clipper.last_norm = flags.grad_norm
         loss = flags.loss if self._evidence.loss_checked else None
         spike_z = None if flags.local_bad else self._losses.observe(loss)
-        self._outcome = classify(flags, scaler is not None, self._overflow.observe(flags, scaler is not None))
+        grads_bad = cfg.check.gradients and flags.grads_bad
+        scaled = scaler is not None
+        self._outcome = classify(flags, grads_bad, scaled, self._overflow.observe(flags, grads_bad, scaled))
         if self._outcome is Outcome.INCIDENT:
-            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled=scaler is not None)
+            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled)
         elif self._outcome is Outcome.HEALTHY:
             self._healthy(trainer, pl_module, params, norm, flags, spike_z)
 

@@ -121,6 +121,7 @@ def _padded_data(n: int = 256, features: int = 8, zero_rows: tuple[int, ...] = (
 # ------------------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_seed_case_overflow_in_submodule_matmul(tmp_path: Any) -> None:
     nodes, features = 2708, 64  # Cora's node count; fewer features than 1433 keep the test fast
     g = torch.Generator().manual_seed(0)
@@ -287,3 +288,88 @@ def test_anomaly_always_stops_at_the_op_and_cleans_up_on_exception(tmp_path: Any
     assert ev.details["anomaly_error"]["op"] == "MulBackward0"
     assert _events(tmp_path)[-1]["actions"] == ["raise"]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------- anomaly.float64_check, max_replays, frames
+
+
+class Square(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * h
+
+
+class OverflowNet(pl.LightningModule):
+    """``depth`` identity Linears, then ``Square``: a feature of 1e20 reaches 1e40, beyond float32 (not float64)."""
+
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*[nn.Linear(8, 8) for _ in range(depth)])
+        for layer in self.body:
+            nn.init.eye_(layer.weight)
+            nn.init.zeros_(layer.bias)
+        self.square = Square()
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.square(self.body(x))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _fit_overflow(tmp_path: Any, bad_steps: tuple[int, ...], depth: int = 4, **sections: Any) -> NaNGuard:
+    x, y = (t.clone() for t in regression_data(8 * 16).tensors)
+    for s in bad_steps:
+        x[16 * s + 3, 5] = 1e20
+    guard = NaNGuard(logging={"verbose": False}, **sections)
+    trainer(tmp_path, [guard], max_epochs=1).fit(OverflowNet(depth), loader(TensorDataset(x, y), batch_size=16))
+    assert [(e.step, e.kind) for e in guard.events] == [(s, "loss") for s in bad_steps]
+    return guard
+
+
+@pytest.mark.parametrize("float64_check", [True, False])
+def test_float64_check_tells_overflow_from_a_real_nan(tmp_path: Any, float64_check: bool) -> None:
+    guard = _fit_overflow(tmp_path, (2,), anomaly={"float64_check": float64_check})
+    ev = guard.events[0]
+    assert (ev.culprit, ev.details["replay"]["reproduced"]) == ("square", True)
+    if float64_check:
+        assert ev.cause == "overflow" and ev.details["float64"]["module_out_abs_max"] == pytest.approx(1e40, rel=1e-2)
+        assert ev.details["abs_max_float64"] > torch.finfo(torch.float32).max
+    else:  # no float64 rerun: the replay names the module but cannot tell overflow from a domain error
+        assert "float64" not in ev.details and "abs_max_float64" not in ev.details
+        assert ev.cause not in ("overflow", "precision")
+
+
+@pytest.mark.parametrize("max_replays", [0, 1, 10])
+def test_max_replays_bounds_the_replays_and_reuses_the_last_diagnosis(tmp_path: Any, max_replays: int) -> None:
+    bad = (1, 3, 5)
+    guard = _fit_overflow(tmp_path, bad, anomaly={"max_replays": max_replays})
+    replayed = min(max_replays, len(bad))
+    assert guard.counters["replays"] == replayed
+    for i, ev in enumerate(guard.events):
+        assert ("replay" in ev.details) == (i < replayed)
+        if i < replayed:
+            assert (ev.culprit, ev.cause) == ("square", "overflow")
+        elif replayed:  # no replay: the diagnosis of the last replayed incident of the same kind
+            assert (ev.culprit, ev.cause) == ("square", "overflow")
+            assert ev.details["diagnosis_from"].startswith(f"incident #{replayed} ")
+        else:
+            assert ev.culprit is None and "diagnosis_from" not in ev.details
+
+
+def _frame_rows(tmp_path: Any) -> list[str]:
+    report = next(tmp_path.rglob("incident-0001-*.txt")).read_text()
+    rows = report.split("frames before the first non-finite value:\n", 1)[1].splitlines()
+    return rows[rows.index(next(r for r in rows if r.startswith("----"))) + 1:]
+
+
+@pytest.mark.parametrize("frames", [2, 21])
+def test_frames_is_the_number_of_module_frames_in_the_report(tmp_path: Any, frames: int) -> None:
+    depth = 6
+    _fit_overflow(tmp_path, (1,), depth=depth, anomaly={"frames": frames})
+    rows = _frame_rows(tmp_path)
+    calls = depth + 2  # body.0 .. body.5, body (post-order), square: the first call with a non-finite output
+    assert len(rows) == min(frames, calls)
+    assert rows[-1].split()[1:3] == ["square", "(0)"]
+    assert rows[0].split()[1] == ("body" if frames == 2 else "body.0")

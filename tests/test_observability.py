@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,93 @@ def test_progress_bar_status_can_be_turned_off(tmp_path):
     t = trainer(tmp_path, callbacks=[guard], max_steps=4)
     t.fit(Regression(lr=0.05), poisoned_loader())
     assert INCIDENTS_KEY not in t.progress_bar_metrics and len(guard.events) == 1
+
+
+# ------------------------------------------------------------------------------- logging.* switched off
+
+
+class LoggingRegression(Regression):
+    """Logs its own loss, so the Trainer's logger writes an event file whatever the guard does."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _fit_logging(tmp_path: Path, logging: dict, **trainer_kwargs) -> NaNGuard:
+    guard = NaNGuard(logging={"verbose": False, **logging})
+    trainer(tmp_path, callbacks=[guard], log_every_n_steps=1, **trainer_kwargs).fit(LoggingRegression(),
+                                                                                     poisoned_loader())
+    assert [e.step for e in guard.events] == list(BAD_BATCHES)
+    return guard
+
+
+@pytest.mark.parametrize("events_file", [True, False])
+def test_events_file_switch(tmp_path, events_file):
+    _fit_logging(tmp_path, {"events_file": events_file})
+    files = list(tmp_path.rglob("events.jsonl"))
+    assert len(files) == int(events_file)
+    assert len(list(tmp_path.rglob("incident-*.txt"))) == len(BAD_BATCHES)  # the other sinks still write
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_reports_switch(tmp_path, reports):
+    _fit_logging(tmp_path, {"reports": reports})
+    reports_written = sorted(p.name for p in tmp_path.rglob("incident-*.txt"))
+    assert reports_written == ([f"incident-{i:04d}-step{s}.txt" for i, s in enumerate(BAD_BATCHES, 1)]
+                               if reports else [])
+    assert len((tmp_path / "nanguard" / "events.jsonl").read_text().splitlines()) == len(BAD_BATCHES)
+
+
+@pytest.mark.parametrize("loggers", [True, False])
+def test_loggers_switch(tmp_path, loggers):
+    """``logging.loggers`` writes the guard's scalars to every logger of the Trainer (TensorBoard: also the
+    incident text), or to none."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, csv = TensorBoardLogger(str(tmp_path), name="tb"), CSVLogger(str(tmp_path), name="csv")
+    _fit_logging(tmp_path, {"loggers": loggers}, logger=[tb, csv])
+    acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"] + acc.Tags()["tensors"]
+    assert "train_loss" in tags  # the logger works either way
+    ours = [t for t in tags if t.startswith("nanguard/")]
+    columns = (Path(csv.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
+    if loggers:
+        assert "nanguard/incidents" in ours and any(t.startswith("nanguard/incident/") for t in ours)
+        assert "nanguard/incidents" in columns  # the second logger too, not only the first
+    else:
+        assert ours == [] and not [c for c in columns if c.startswith("nanguard/")]
+    assert (Path(tb.log_dir) / "nanguard" / "events.jsonl").is_file()
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_verbose_switch(tmp_path, caplog, verbose):
+    """One line per incident through Lightning's rank-zero logger (no progress bar here), or none."""
+    caplog.set_level("INFO")
+    guard = NaNGuard(logging={"verbose": verbose})
+    trainer(tmp_path, callbacks=[guard]).fit(Regression(), poisoned_loader())
+    assert len(guard.events) == len(BAD_BATCHES)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[nanguard] step")]
+    assert lines == ([e.summary() for e in guard.events] if verbose else [])
+
+
+def test_events_file_is_flushed_and_fsynced_per_event(tmp_path, monkeypatch):
+    """SIGKILL keeps the page cache, so only counting fsync calls shows the record would survive a power loss."""
+    path = tmp_path / "nanguard" / "events.jsonl"
+    synced: list[list[dict]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if path.exists() and os.fstat(fd).st_ino == os.stat(path).st_ino:
+            text = path.read_text()  # what another reader sees now: flushed before the fsync
+            assert text.endswith("\n")
+            synced.append([json.loads(line) for line in text.splitlines()])
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    guard = _fit_logging(tmp_path, {})
+    assert len(synced) == len(guard.events)  # one fsync of the events file per event
+    assert [len(s) for s in synced] == list(range(1, len(guard.events) + 1))  # complete after every write
+    assert [s[-1] for s in synced] == [e.to_dict() for e in guard.events]

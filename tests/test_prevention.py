@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pytorch_lightning as pl
 import math
 import random
 import statistics
@@ -434,3 +435,94 @@ def test_repeated_spikes_cut_the_lr_even_when_the_action_is_warn(tmp_path: Any) 
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025) and guard.counters["incidents"] == 0
     d = SpikeDetector()
     assert [d.repeated(s, 3, 100) for s in (0, 50, 150, 160, 170, 180)] == [False, False, False, False, True, False]
+
+
+# ------------------------------------------------------------------- spike_z, spike_warmup, skip_step + BN
+
+WARMUP = 10
+
+
+def _scripted(spike_at: int, spike_z: float = 8.0) -> list[float]:
+    """Losses alternating 1.0 / 1.2 (mean 1.1, std 0.1), then one ``spike_z`` standard deviations above."""
+    values = [1.0 if i % 2 == 0 else 1.2 for i in range(spike_at)]
+    return values + [statistics.fmean(values) + spike_z * statistics.pstdev(values)]
+
+
+class ScriptedLoss(Regression):
+    """The loss of step ``i`` is ``values[i]`` (+ ``mse_weight`` x a real MSE through Linear-BatchNorm-Linear)."""
+
+    def __init__(self, values: list[float], mse_weight: float = 0.0, nan_at: int = -1) -> None:
+        super().__init__(lr=0.05)
+        self.values, self.mse_weight, self.nan_at = values, mse_weight, nan_at
+        self.linear = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.values[self.global_step] + self.mse_weight * nn.functional.mse_loss(self(x), y)
+        return loss * float("nan") if self.global_step == self.nan_at else loss
+
+
+def _fit_scripted(tmp_path: Any, model: Any, check: dict, extra: Any = None) -> Any:
+    guard = NaNGuard(check=check, logging={"verbose": False})
+    steps = len(model.values)
+    tr = trainer(tmp_path, callbacks=[guard] + ([extra] if extra else []), max_steps=steps)
+    tr.fit(model, loader(regression_data(16 * steps), batch_size=16))
+    return guard
+
+
+def test_spike_z_is_the_detection_threshold(tmp_path: Any) -> None:
+    values = _scripted(WARMUP, spike_z=8.0)
+    f32 = [float(torch.tensor(v)) for v in values]  # the guard reads float32 losses
+    expected = (f32[-1] - statistics.fmean(f32[:-1])) / statistics.pstdev(f32[:-1])
+    assert expected == pytest.approx(8.0, rel=1e-5)
+    low = _fit_scripted(tmp_path / "low", ScriptedLoss(values), {"spike_z": 7.5, "spike_warmup": WARMUP})
+    assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["warn"])]
+    assert low.events[0].details["loss_zscore"] == pytest.approx(expected, rel=1e-6)
+    high = _fit_scripted(tmp_path / "high", ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP})
+    assert high.events == [] and high.counters["spikes"] == 0 and high._losses.detector.stats.count == WARMUP + 1
+
+
+def test_spike_warmup_is_the_number_of_losses_before_detection(tmp_path: Any) -> None:
+    values = _scripted(WARMUP, spike_z=50.0)
+    ready = _fit_scripted(tmp_path / "ready", ScriptedLoss(values), {"spike_warmup": WARMUP})
+    assert [(e.kind, e.step) for e in ready.events] == [("spike", WARMUP)]
+    warming = _fit_scripted(tmp_path / "warming", ScriptedLoss(values), {"spike_warmup": WARMUP + 1})
+    assert warming.events == [] and warming._losses.detector.stats.count == WARMUP + 1  # the spike fed the warm-up
+
+
+def test_spike_action_off_turns_detection_off(tmp_path: Any) -> None:
+    values = _scripted(WARMUP, spike_z=50.0)
+    guard = _fit_scripted(tmp_path, ScriptedLoss(values), {"spike_action": "off", "spike_warmup": WARMUP})
+    assert guard.events == [] and guard._losses.detector.stats.count == 0
+    assert guard._losses.history[-1] == pytest.approx(values[-1])  # the loss was read, just not judged
+
+
+class _StateProbe(pl.Callback):
+    """After the guard: the module state at the end of every batch."""
+
+    def __init__(self) -> None:
+        self.states: list[dict] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.states.append({k: v.clone() for k, v in pl_module.state_dict().items()})
+
+
+@pytest.mark.parametrize("case", ["spike_skip_step", "nan_incident", "spike_warn"])
+def test_skipped_spike_undoes_batchnorm_statistics_like_an_incident(tmp_path: Any, case: str) -> None:
+    values = _scripted(WARMUP, spike_z=50.0 if case != "nan_incident" else 0.0)
+    model = ScriptedLoss(values, mse_weight=1e-3, nan_at=WARMUP if case == "nan_incident" else -1)
+    probe = _StateProbe()
+    action = "warn" if case == "spike_warn" else "skip_step"
+    guard = _fit_scripted(tmp_path, model, {"spike_action": action, "spike_warmup": WARMUP}, probe)
+    assert [(e.kind, e.step) for e in guard.events] == [("loss" if case == "nan_incident" else "spike", WARMUP)]
+    def changed(a: dict, b: dict) -> set:
+        return {k for k in a if not torch.equal(a[k], b[k])}
+
+    stats = {"linear.1.running_mean", "linear.1.running_var", "linear.1.num_batches_tracked"}
+    moved = stats | {"linear.0.weight", "linear.1.weight", "linear.2.weight"}
+    assert moved <= changed(probe.states[WARMUP - 2], probe.states[WARMUP - 1])  # what a healthy step changes
+    at_event = changed(probe.states[WARMUP - 1], probe.states[WARMUP])
+    if case == "spike_warn":  # the control: the step ran, its forward moved the statistics
+        assert moved <= at_event
+    else:  # skipped: no update, and the forward's writes into the BatchNorm buffers are undone
+        assert at_event == set()

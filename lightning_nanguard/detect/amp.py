@@ -71,12 +71,13 @@ class OverflowWatch:
         self.overflows = 0  # consecutive overflow steps
         self.scale: Optional[float] = None  # the scale read with the latest step's flags (no extra sync)
 
-    def observe(self, flags: StepFlags, scaled: bool) -> bool:
-        """Feed one step's flags; True when this step is an overflow that persisted too long."""
+    def observe(self, flags: StepFlags, grads_bad: bool, scaled: bool) -> bool:
+        """Feed one step's flags (``grads_bad``: its non-finite gradients count); True when this step is an
+        overflow that persisted too long."""
         self.scale = flags.grad_scale if scaled and math.isfinite(flags.grad_scale) else None
         if not scaled or flags.local_bad:
             return False
-        if not flags.grads_bad:
+        if not grads_bad:
             self.overflows = 0
             return False
         self.overflows += 1

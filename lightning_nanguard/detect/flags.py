@@ -146,12 +146,13 @@ class Outcome(enum.Enum):
     SKIPPED = "skipped"  # not judged: the guard has stopped, or batches are skipped after a rollback
 
 
-def classify(flags: StepFlags, scaled: bool, overflow_persists: bool) -> Outcome:
-    """The step's outcome from its evidence. ``scaled``: a GradScaler is active; ``overflow_persists``:
-    the scaler's overflows went on for too long (``check.amp_overflow_patience`` / ``amp_min_scale``)."""
+def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool) -> Outcome:
+    """The step's outcome from its evidence. ``grads_bad``: a non-finite gradient norm that counts
+    (``check.gradients``); ``scaled``: a GradScaler is active; ``overflow_persists``: the scaler's overflows
+    went on for too long (``check.amp_overflow_patience`` / ``amp_min_scale``)."""
     if flags.local_bad:
         return Outcome.INCIDENT
-    if not flags.grads_bad:
+    if not grads_bad:
         return Outcome.HEALTHY
     if scaled and not overflow_persists:
         return Outcome.ROUTINE_OVERFLOW

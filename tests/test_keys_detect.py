@@ -1,0 +1,263 @@
+"""Every detection, diagnosis and logging key changes what a real Trainer run records.
+
+Each test runs the same small setup with a key on and off (or at two values) and asserts the difference
+the key is documented to make, so a key that is silently ignored fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.testing import Fault, FaultInjector
+from models import Regression, loader, regression_data, trainer
+
+BATCH = 16
+
+
+def _finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
+
+
+def _summary(guard: NaNGuard) -> list[tuple[int, str]]:
+    return [(e.step, e.kind) for e in guard.events]
+
+
+# ------------------------------------------------------------------------------------------ check.inputs
+
+
+class DictData(Dataset):
+    """Samples as dicts: ``x``, ``y`` and an ``aux`` field the model never reads."""
+
+    def __init__(self, n: int = 8 * BATCH, bad_aux: Optional[int] = None, bad_x: Optional[int] = None) -> None:
+        self.x, self.y = (t.clone() for t in regression_data(n).tensors)
+        self.aux = torch.zeros(n, 3)
+        if bad_aux is not None:
+            self.aux[bad_aux, 1] = float("nan")
+        if bad_x is not None:
+            self.x[bad_x, 2] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.y[i], "aux": self.aux[i]}
+
+
+class DictRegression(Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self(batch["x"]), batch["y"])
+
+
+def _fit_dict(tmp_path: Path, inputs: str, **data: Any) -> NaNGuard:
+    guard = NaNGuard(check={"inputs": inputs}, logging={"verbose": False})
+    trainer(tmp_path, [guard], max_epochs=1).fit(DictRegression(), DataLoader(DictData(**data), batch_size=BATCH))
+    return guard
+
+
+@pytest.mark.parametrize("inputs", ["always", "on_incident", "off"])
+def test_inputs_always_flags_a_nan_in_a_field_the_model_never_reads(tmp_path: Path, inputs: str) -> None:
+    """check.inputs: always checks every floating tensor of every batch; the other modes never look at a
+    batch whose loss and gradients are finite."""
+    guard = _fit_dict(tmp_path, inputs, bad_aux=2 * BATCH + 5)
+    if inputs != "always":
+        assert guard.events == []
+        return
+    assert _summary(guard) == [(2, "input")]
+    ev = guard.events[0]
+    assert ev.cause == "input" and ev.actions[0] == "skip_step"
+    assert [(f["field"], f["samples"], f["features"]) for f in ev.details["inputs"]] == [("batch['aux']", [5], [1])]
+
+
+@pytest.mark.parametrize("inputs", ["on_incident", "off"])
+def test_inputs_off_does_not_attribute_an_incident_to_its_inputs(tmp_path: Path, inputs: str) -> None:
+    """A NaN in a field the model reads makes the loss NaN: on_incident names the input, off leaves the
+    incident a loss incident with no input evidence."""
+    guard = _fit_dict(tmp_path, inputs, bad_x=3 * BATCH + 7)
+    ev = guard.events[0]
+    if inputs == "on_incident":
+        assert (ev.step, ev.kind, ev.cause) == (3, "input", "input")
+        assert ev.details["inputs"][0]["field"] == "batch['x']" and ev.details["inputs"][0]["samples"] == [7]
+    else:
+        assert (ev.step, ev.kind) == (3, "loss") and ev.cause != "input" and "inputs" not in ev.details
+    assert len(guard.events) == 1
+
+
+# ------------------------------------------------------------------- check.loss / gradients / parameters
+
+
+class NaNLossAt(Regression):
+    """nn.Linear + SGD whose loss is NaN at optimizer step ``at`` (so are all its gradients)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(lr=0.05)
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step == self.at else loss
+
+
+def _fit_checks(tmp_path: Path, model: pl.LightningModule, check: dict, faults: Optional[list] = None,
+                steps: int = 8) -> NaNGuard:
+    guard = NaNGuard(check=check, logging={"verbose": False})
+    callbacks = ([FaultInjector(faults)] if faults else []) + [guard]
+    trainer(tmp_path, callbacks, max_steps=steps).fit(model, loader(regression_data(steps * BATCH), BATCH))
+    return guard
+
+
+@pytest.mark.parametrize("check, first", [
+    ({}, (3, "loss")),  # caught before backward, from the loss flag
+    ({"loss": False}, (3, "gradient")),  # the same step, from the NaN gradients the loss produced
+    ({"loss": False, "gradients": False}, (4, "parameter")),  # the NaN update, one step later, in the weights
+])
+def test_loss_and_gradient_checks_decide_what_catches_a_nan_loss(tmp_path: Path, check: dict, first: tuple) -> None:
+    guard = _fit_checks(tmp_path, NaNLossAt(3), check)
+    assert _summary(guard)[0] == first
+    if check.get("loss") is False:  # no loss values: no loss statistics, no spike detection
+        assert guard._losses.detector.stats.count == 0 and not guard._losses.history
+    else:
+        assert guard._losses.detector.stats.count == 7 and len(guard._losses.history) == 7
+
+
+@pytest.mark.parametrize("check, first", [
+    ({}, (3, "gradient")),
+    ({"gradients": False}, (4, "parameter")),  # the NaN gradient reached the weights
+    ({"gradients": False, "parameters": False}, (4, "loss")),  # ... and is seen only in the next loss
+])
+def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(tmp_path: Path, check: dict,
+                                                                             first: tuple) -> None:
+    model = Regression(lr=0.05)
+    guard = _fit_checks(tmp_path, model, check, [Fault("gradient", steps=[3], target="linear.weight")])
+    assert _summary(guard)[0] == first
+    assert ("grad_norm" in guard.events[0].details and math.isnan(guard.events[0].details["grad_norm"])) == (
+        first[1] == "gradient")
+    if check.get("gradients") is False:  # the norm is computed only once adaptive clipping (armed by the
+        first_step = guard.events[0].step  # first incident) needs it, on the healthy steps after it
+        healthy_after = [s for s in range(first_step + 1, 8) if s not in {e.step for e in guard.events}]
+        assert len(guard._clipper.history) == guard._clipper.zclip.stats.count == len(healthy_after)
+    else:
+        assert len(guard._clipper.history) == 7
+
+
+@pytest.mark.parametrize("gradients", [True, False])
+def test_fixed_clip_acts_whether_or_not_gradients_are_checked(tmp_path: Path, gradients: bool) -> None:
+    """check.gradients: false switches off a detection, not clip.max_norm: the norm is computed for the clip,
+    and a non-finite norm is still no incident (the bad update is caught in the weights one step later)."""
+    norms: dict[int, float] = {}
+
+    class Probe(pl.Callback):  # after the guard: the gradient the optimizer applies (none on a skipped step)
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            if grads:
+                norms[trainer.global_step] = float(torch.nn.utils.get_total_norm(grads))
+
+    max_norm = 0.1
+    guard = NaNGuard(check={"gradients": gradients}, clip={"max_norm": max_norm}, logging={"verbose": False})
+    injector = FaultInjector(Fault("gradient", steps=[3], target="linear.weight"))
+    trainer(tmp_path, [injector, guard, Probe()], max_steps=6).fit(Regression(lr=0.05),
+                                                                   loader(regression_data(6 * BATCH), BATCH))
+    assert _summary(guard) == ([(3, "gradient")] if gradients else [(4, "parameter")])
+    clipped = {s: n for s, n in norms.items() if math.isfinite(n)}
+    assert sorted(clipped) == ([0, 1, 2, 4, 5] if gradients else [0, 1, 2, 5])  # every raw norm is > 1 here
+    assert all(n == pytest.approx(max_norm, rel=1e-5) for n in clipped.values())
+    assert guard.counters["clipped_steps"] == len(clipped)
+    assert gradients or math.isnan(norms[3])  # unchecked: the NaN gradient went through, unclipped
+
+
+@pytest.mark.parametrize("parameters", [True, False])
+def test_parameter_check_finds_a_bad_weight_before_it_spoils_a_loss(tmp_path: Path, parameters: bool) -> None:
+    model = Regression(lr=0.05)
+    guard = _fit_checks(tmp_path, model, {"parameters": parameters}, [Fault("parameter", steps=[3])])
+    ev = guard.events[0]
+    if parameters:
+        assert (ev.step, ev.kind, ev.culprit) == (4, "parameter", ev.details["nonfinite_parameters"][0]["name"])
+        assert "rollback" in ev.actions and len(guard.events) == 1
+    else:  # the NaN weight makes the next loss NaN; skipping cannot repair it, only a rollback does
+        assert (ev.step, ev.kind) == (4, "loss")
+        assert len(guard.events) > 1 and "rollback" in guard.events[-1].actions
+    assert _finite(model)
+
+
+def test_parameter_check_at_train_end_repairs_the_last_step(tmp_path: Path) -> None:
+    """A parameter fault at the very last step (no validation, no later step to read its flag): the check at
+    train end finds it, records it and restores known-good weights."""
+    steps = 6
+    for parameters in (True, False):
+        model = Regression(lr=0.05)
+        guard = _fit_checks(tmp_path / str(parameters), model, {"parameters": parameters},
+                            [Fault("parameter", steps=[steps - 1])], steps=steps)
+        if not parameters:  # the control: nothing reads the weights after the last step
+            assert guard.events == [] and not _finite(model)
+            continue
+        assert _summary(guard) == [(steps, "parameter")]
+        ev = guard.events[0]
+        assert ev.details["detected_at"] == "train_end" and "rollback" in ev.actions
+        assert ev.details["restored_step"] == 0 and _finite(model)
+        assert json.loads((tmp_path / "True" / "nanguard" / "events.jsonl").read_text())["details"][
+            "detected_at"] == "train_end"
+
+
+# ------------------------------------------------------------------ amp_overflow_patience, amp_min_scale
+
+INIT_SCALE = 2.0 ** 24  # far too high for fp16: the first steps overflow, halving the scale each time
+
+
+class _Scales(pl.Callback):
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+
+
+def _fit_fp16(tmp_path: Path, check: dict) -> tuple[NaNGuard, list[float]]:
+    guard, probe = NaNGuard(check=check, logging={"verbose": False}), _Scales()
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
+    trainer(tmp_path, [guard, probe], max_steps=12, plugins=[plugin]).fit(
+        Regression(lr=0.01), loader(regression_data(12 * BATCH), BATCH))
+    return guard, probe.scales
+
+
+def _routine_overflows(tmp_path: Path) -> int:
+    guard, scales = _fit_fp16(tmp_path, {"amp_overflow_patience": 1000, "amp_min_scale": 1e-30})
+    assert guard.events == []
+    overflows = sum(1 for a, b in zip([INIT_SCALE] + scales, scales) if b < a)
+    assert scales[:overflows] == [INIT_SCALE / 2 ** (i + 1) for i in range(overflows)]  # a streak from step 0
+    return overflows
+
+
+def test_amp_overflow_patience_is_the_streak_that_becomes_an_incident(tmp_path: Path) -> None:
+    streak = _routine_overflows(tmp_path / "control")
+    assert streak >= 4
+    for patience in (2, streak - 1):
+        guard, _ = _fit_fp16(tmp_path / str(patience), {"amp_overflow_patience": patience})
+        ev = guard.events[0]
+        assert (ev.step, ev.kind, ev.cause) == (patience - 1, "gradient", "overflow")
+        assert ev.details["scaler_overflows"] == patience
+    guard, _ = _fit_fp16(tmp_path / "longer", {"amp_overflow_patience": streak + 1})
+    assert guard.events == []
+
+
+def test_amp_min_scale_turns_an_overflow_below_it_into_an_incident(tmp_path: Path) -> None:
+    streak = _routine_overflows(tmp_path / "control")
+    for at in (1, streak - 1):  # the overflow of step `at` runs at scale INIT_SCALE / 2**at
+        floor = 1.5 * INIT_SCALE / 2 ** at
+        guard, _ = _fit_fp16(tmp_path / str(at), {"amp_min_scale": floor, "amp_overflow_patience": 1000})
+        ev = guard.events[0]
+        assert (ev.step, ev.kind, ev.cause) == (at, "gradient", "overflow")
+        assert ev.details["grad_scale"] == INIT_SCALE / 2 ** at < floor
+    # a floor under every scale of the streak: routine overflows only
+    guard, _ = _fit_fp16(tmp_path / "low", {"amp_min_scale": 0.5 * INIT_SCALE / 2 ** streak,
+                                             "amp_overflow_patience": 1000})
+    assert guard.events == []
