@@ -4,7 +4,6 @@ across rollbacks and schedulers, the LR floor, the incident window, and the snap
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Callable
 
@@ -34,10 +33,6 @@ def fit(tmp_path, model: pl.LightningModule, callbacks: list, steps: int, data=N
 def grad_norm(module: torch.nn.Module, norm_type: float = 2.0) -> float:
     return float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None],
                                                norm_type))
-
-
-def clone(obj: Any) -> Any:
-    return copy.deepcopy(obj)
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
@@ -78,24 +73,6 @@ class Norms(pl.Callback):
         self.rows.append(tuple(grad_norm(pl_module, p) for p in self.norm_types))
 
 
-class Snapshots(pl.Callback):
-    """Listed after the guard: a deep copy of the training state each time the guard takes a snapshot."""
-
-    def __init__(self, guard: NaNGuard) -> None:
-        self.guard, self.seen, self.states = guard, 0, {}
-
-    def _capture(self, trainer, pl_module):
-        if self.guard.counters["snapshots"] != self.seen:
-            self.seen = self.guard.counters["snapshots"]
-            self.states[self.guard._store.newest.step] = training_state(trainer, pl_module)
-
-    def on_train_start(self, trainer, pl_module):
-        self._capture(trainer, pl_module)
-
-    def on_train_batch_end(self, trainer, pl_module, *args):
-        self._capture(trainer, pl_module)
-
-
 class AtBatchStart(pl.Callback):
     """The training state at the start of every optimizer step (right after the previous step's rollback)."""
 
@@ -103,12 +80,7 @@ class AtBatchStart(pl.Callback):
         self.states: dict[int, dict] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.states[trainer.global_step] = training_state(trainer, pl_module)
-
-
-def training_state(trainer, pl_module) -> dict:
-    return clone({"module": pl_module.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
-                  "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]})
+        self.states[trainer.global_step] = models.training_state(trainer, pl_module)
 
 
 # --------------------------------------------------------------------------------------------- clipping
@@ -176,7 +148,7 @@ def test_rollback_loads_the_newest_snapshot_then_the_one_before(tmp_path):
     recovery = {"snapshot_every": 4, "keep_snapshots": 2, "max_skips": 3, "reduce_lr_on_rollback": False}
     burst = range(10, 10 + 2 * (recovery["max_skips"] + 1))  # two rollbacks, the second before any new snapshot
     guard = NaNGuard(recovery=recovery, logging=QUIET)
-    snaps, starts = Snapshots(guard), AtBatchStart()
+    snaps, starts = models.SnapshotSpy(guard), AtBatchStart()
     model = models.Classifier(scheduler="cosine")
     fit(tmp_path, model, [FaultInjector(Fault("loss", steps=burst)), guard, snaps, starts], steps=24,
         data=models.classification_data(n=1024), batch_size=32)
@@ -307,7 +279,7 @@ def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, mode):
     folder = tmp_path / "my-snapshots"
     recovery = {"snapshot": mode, "snapshot_every": every, "keep_snapshots": keep, "snapshot_dir": str(folder)}
     guard = NaNGuard(recovery=recovery, logging=QUIET)
-    snaps = Snapshots(guard)
+    snaps = models.SnapshotSpy(guard)
     fit(tmp_path, models.Regression(), [guard, snaps], steps=steps)
     expected = list(range(0, steps + 1, every))
     assert sorted(snaps.states) == expected and guard.counters["snapshots"] == len(expected)
@@ -323,7 +295,7 @@ def test_confirm_after_takes_the_confirming_snapshot_sooner(tmp_path):
     """After a rollback, a snapshot confirms it after confirm_after healthy steps (not snapshot_every)."""
     recovery = {"snapshot_every": 20, "confirm_after": 3, "max_skips": 1}
     guard = NaNGuard(recovery=recovery, logging=QUIET)
-    snaps = Snapshots(guard)
+    snaps = models.SnapshotSpy(guard)
     burst = [25, 26]
     fit(tmp_path, models.Regression(), [FaultInjector(Fault("loss", steps=burst)), guard, snaps], steps=52)
     rollback = burst[-1]
