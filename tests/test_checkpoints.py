@@ -74,11 +74,13 @@ def test_nonfinite_optimizer_state_never_reaches_a_checkpoint(tmp_path, every, f
     model = models.Regression(lr=0.01, optimizer="adamw")
     guard = NaNGuard(recovery={"snapshot_every": every})
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    trainer = models.trainer(tmp_path, [PoisonAdamState(3), guard, ckpt], max_steps=6, enable_checkpointing=True)
+    bad, steps = 3, 6
+    trainer = models.trainer(tmp_path, [PoisonAdamState(bad), guard, ckpt], max_steps=steps, enable_checkpointing=True)
     trainer.fit(model, models.loader(models.regression_data(n=64), batch_size=8))
     files = sorted((tmp_path / "ckpts").glob("*.ckpt"))
-    assert len(files) == 6 and all(nonfinite_in(p) == [] for p in files)
-    assert [(e.step, e.details.get("detected_at")) for e in guard.events] == [(4, found_at)]
+    assert len(files) == steps and all(nonfinite_in(p) == [] for p in files)
+    # seen after the step that used the poisoned state, when global_step has moved on
+    assert [(e.step, e.details.get("detected_at")) for e in guard.events] == [(bad + 1, found_at)]
     assert all(torch.isfinite(v).all() for s in trainer.optimizers[0].state.values() for v in s.values())
 
 
