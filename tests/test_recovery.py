@@ -120,6 +120,22 @@ def test_smaller_of_fixed_and_adaptive_limit_wins(tmp_path):
     assert {"adaptive", "fixed"} <= set(winners), winners  # each limit was the smaller one at some clipped step
 
 
+@pytest.mark.parametrize("adaptive", ["on_incident", "off"])
+def test_adaptive_on_incident_arms_after_an_incident_and_off_never(tmp_path, adaptive):
+    """clip.adaptive: on_incident clips a later finite spike once an incident has armed it; off never clips."""
+    guard = NaNGuard(clip={"adaptive": adaptive, "warmup_steps": 4}, logging=QUIET)
+    before, after = Norms(), Norms()
+    spike = 12
+    fit(tmp_path, Spiky(steps=(spike,)), [FaultInjector(Fault("loss", steps=[2])), before, guard, after], steps=16)
+    assert [e.step for e in guard.events] == [2]
+    clipped = [s for s, ((a,), (b,)) in enumerate(zip(before.rows, after.rows)) if b < a * (1 - 1e-6)]
+    if adaptive == "off":
+        assert clipped == [] and not guard.ladder.adaptive_clip and guard.counters["clipped_steps"] == 0
+    else:
+        assert "clip" in guard.events[0].actions and guard.ladder.adaptive_clip
+        assert spike in clipped and guard.counters["clipped_steps"] == len(clipped)
+
+
 @pytest.mark.parametrize("norm_type", [math.inf, 1.0])
 def test_norm_type_is_the_norm_that_is_clipped(tmp_path, norm_type):
     """clip.norm_type: the p-norm of the applied gradient is min(p-norm, max_norm); clipping the 2-norm
