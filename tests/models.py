@@ -115,3 +115,29 @@ def trainer(tmp_path: Any, callbacks: Optional[list] = None, **kwargs: Any) -> p
                     default_root_dir=str(tmp_path), deterministic=True)
     defaults.update(kwargs)
     return pl.Trainer(callbacks=callbacks or [], **defaults)
+
+
+def training_state(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+    """A deep copy of what a rollback restores: module, optimizer and scheduler state."""
+    import copy
+
+    return copy.deepcopy({"module": pl_module.state_dict(), "optimizers": [o.state_dict() for o in trainer.optimizers],
+                          "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]})
+
+
+class SnapshotSpy(pl.Callback):
+    """Listed after a NaNGuard: ``states[step]`` is the training state each time the guard took a snapshot."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard, self.seen, self.states = guard, 0, {}
+
+    def _capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.guard.counters["snapshots"] != self.seen:
+            self.seen = self.guard.counters["snapshots"]
+            self.states[self.guard._recovery.store.newest.step] = training_state(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._capture(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._capture(trainer, pl_module)

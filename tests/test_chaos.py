@@ -129,9 +129,12 @@ def test_burst_of_five_poisoned_steps(tmp_path, clean):
     model, trainer = fit(tmp_path, [injector, guard])
     assert_recovered(model, trainer, guard, clean)
     assert [e.step for e in guard.events] == burst
-    # max_skips (3) skipped steps, then a rollback to the newest snapshot, then a plain skip
-    assert ["rollback" in e.actions for e in guard.events] == [False, False, False, True, False]
-    assert guard.events[3].details["restored_step"] == 100
+    # max_skips skipped steps, then a rollback to the newest snapshot (the last one of the healthy run: every
+    # snapshot_every steps), then plain skips
+    recovery = guard.config.recovery
+    assert ["rollback" in e.actions for e in guard.events] == [i == recovery.max_skips for i in range(len(burst))]
+    newest = burst[0] // recovery.snapshot_every * recovery.snapshot_every
+    assert guard.events[recovery.max_skips].details["restored_step"] == newest
 
 
 def test_fault_in_the_very_first_step(tmp_path, clean):
@@ -158,17 +161,24 @@ def test_fault_in_the_first_step_with_bad_input(tmp_path, clean):
 
 
 def test_fault_during_a_rollbacks_recovery_window(tmp_path, clean):
-    """A rollback at step 103 (after max_skips skipped steps), then another burst before that rollback was
-    confirmed: the snapshot itself is suspect, so the guard goes one snapshot further back. Bad parameters
-    right after that are a one-off: back to the same snapshot, not further (it was fine). It still recovers.
+    """A rollback after max_skips skipped steps, then another burst before that rollback was confirmed: the
+    snapshot itself is suspect, so the guard goes one snapshot further back. Bad parameters right after that
+    are a one-off: back to the same snapshot, not further (it was fine). It still recovers.
     (NO_LR_CUTS: this test is about the rollback path, not the LR.)"""
-    injector = FaultInjector([Fault("loss", steps=range(100, 104)), Fault("loss", steps=range(106, 110)),
-                              Fault("parameter", steps=[111])], seed=0)
     guard = NaNGuard(**NO_LR_CUTS)
+    recovery = guard.config.recovery
+    every, n = recovery.snapshot_every, recovery.max_skips + 1  # n incidents in a row force a rollback
+    first = range(5 * every, 5 * every + n)
+    second = range(first[-1] + 3, first[-1] + 3 + n)  # fewer than confirm_after healthy steps in between
+    bad_param = second[-1] + 2
+    assert second[0] - first[-1] - 1 < recovery.confirm_after
+    injector = FaultInjector([Fault("loss", steps=first), Fault("loss", steps=second),
+                              Fault("parameter", steps=[bad_param])], seed=0)
     model, trainer = fit(tmp_path, [injector, guard])
     assert_recovered(model, trainer, guard, clean)
     rollbacks = [(e.step, e.details["restored_step"]) for e in guard.events if "rollback" in e.actions]
-    assert rollbacks == [(103, 100), (109, 80), (112, 80)]
+    newest = first[0]  # a multiple of snapshot_every: the newest snapshot when the first burst starts
+    assert rollbacks == [(first[-1], newest), (second[-1], newest - every), (bad_param + 1, newest - every)]
     assert guard._recovery.ladder.failed_rollbacks == 0  # confirmed later by a new snapshot
 
 

@@ -74,11 +74,13 @@ def test_nonfinite_optimizer_state_never_reaches_a_checkpoint(tmp_path, every, f
     model = models.Regression(lr=0.01, optimizer="adamw")
     guard = NaNGuard(recovery={"snapshot_every": every})
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-    trainer = models.trainer(tmp_path, [PoisonAdamState(3), guard, ckpt], max_steps=6, enable_checkpointing=True)
+    bad, steps = 3, 6
+    trainer = models.trainer(tmp_path, [PoisonAdamState(bad), guard, ckpt], max_steps=steps, enable_checkpointing=True)
     trainer.fit(model, models.loader(models.regression_data(n=64), batch_size=8))
     files = sorted((tmp_path / "ckpts").glob("*.ckpt"))
-    assert len(files) == 6 and all(nonfinite_in(p) == [] for p in files)
-    assert [(e.step, e.details.get("detected_at")) for e in guard.events] == [(4, found_at)]
+    assert len(files) == steps and all(nonfinite_in(p) == [] for p in files)
+    # seen after the step that used the poisoned state, when global_step has moved on
+    assert [(e.step, e.details.get("detected_at")) for e in guard.events] == [(bad + 1, found_at)]
     assert all(torch.isfinite(v).all() for s in trainer.optimizers[0].state.values() for v in s.values())
 
 
@@ -110,29 +112,42 @@ def test_disk_snapshots_roll_back_like_memory_ones(tmp_path):
     assert len(files) <= runs["disk"][1].config.recovery.keep_snapshots
 
 
+class FirstStep(pl.Callback):
+    """The step and learning rates of the first optimizer step of a fit."""
+
+    def __init__(self) -> None:
+        self.seen = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.seen is None:
+            self.seen = (trainer.global_step, [g["lr"] for g in optimizer.param_groups])
+
+
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
-def test_resume_keeps_counters_lr_scale_and_event_numbering(tmp_path):
+def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_path):
+    lr, steps_per_epoch = 0.02, 10
     model = BurstModel(bad={2, 5})
     guard = NaNGuard(recovery={"reduce_lr_after": 2})
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
-    data = models.loader(models.regression_data(n=80), batch_size=8)  # 10 steps per epoch
+    data = models.loader(models.regression_data(n=8 * steps_per_epoch), batch_size=8)
     trainer = models.trainer(tmp_path / "run1", [guard, ckpt], max_epochs=1, enable_checkpointing=True)
     trainer.fit(model, data)
     assert [e.index for e in guard.events] == [1, 2] and guard.lr_scale == 0.5
-    lr_after_run1 = trainer.optimizers[0].param_groups[0]["lr"]
 
-    resumed_model = BurstModel(bad={7})  # epoch 2: batch 7 is step 17
-    guard2 = NaNGuard(recovery={"reduce_lr_after": 2})
-    trainer2 = models.trainer(tmp_path / "run2", [guard2], max_epochs=2)
+    resumed_model = BurstModel(bad={7})  # epoch 2: batch 7
+    guard2, first = NaNGuard(recovery={"reduce_lr_after": 2}), FirstStep()
+    trainer2 = models.trainer(tmp_path / "run2", [guard2, first], max_epochs=2)
     trainer2.fit(resumed_model, data, ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
-    assert [(e.index, e.step) for e in guard2.events] == [(3, 17)]  # numbering continues
+    # the second fit's first optimizer step runs at the LR the guard had cut to
+    assert first.seen == (steps_per_epoch, [pytest.approx(lr * 0.5)])
+    bad_step = steps_per_epoch + 7
+    assert [(e.index, e.step) for e in guard2.events] == [(3, bad_step)]  # numbering continues
     assert guard2.counters["incidents"] == 3 and guard2.counters["skipped_steps"] == 3
-    assert guard2.counters["lr_cuts"] >= 1 and guard2.lr_scale <= 0.5
+    # one incident in the window since the cut (which cleared the count): no further cut
+    assert guard2.counters["lr_cuts"] == 1 and guard2.lr_scale == 0.5
     lines = [json.loads(x) for x in (tmp_path / "run2" / "nanguard" / "events.jsonl").read_text().splitlines()]
     assert [e["index"] for e in lines] == [3]
-    assert (tmp_path / "run2" / "nanguard" / "incident-0003-step17.txt").exists()
-    # the LR the first run left (cut by the guard) is where the second run started
-    assert lr_after_run1 == 0.02 * 0.5
+    assert (tmp_path / "run2" / "nanguard" / f"incident-0003-step{bad_step}.txt").exists()
     # a later, fresh fit with the same guard starts from a clean state
     trainer3 = models.trainer(tmp_path / "run3", [guard2], max_epochs=1)
     trainer3.fit(models.Regression(lr=0.01), data)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_nanguard import NaNGuard, NaNGuardError
+from lightning_nanguard.testing import Fault, FaultInjector
 
 
 def _all_finite(module: nn.Module) -> bool:
@@ -58,10 +59,19 @@ def test_too_high_lr_is_rescued(tmp_path):
         results[name] = (_final_mse(model, data), guard)
     assert not math.isfinite(results["unguarded"][0])  # the failure is real
     loss, guard = results["guarded"]
-    assert math.isfinite(loss) and loss < 10 * results["sane"][0], (loss, results["sane"][0])
-    actions = {a for e in guard.events for a in e.actions}
-    assert {"reduce_lr", "rollback"} & actions
-    assert guard.lr_scale < 1.0
+    # measured: the sane run ends at ~1.03x the label-noise floor (0.1**2), the rescued one at ~1.15x the sane run
+    assert math.isfinite(loss) and loss < 1.5 * results["sane"][0], (loss, results["sane"][0])
+    # the policy: the first incident is diagnosed as exploding gradients (skip, arm adaptive clipping, cut the
+    # LR); the weights are already too far gone, so max_skips skips later it rolls back to a snapshot taken
+    # before the divergence and cuts again; after that the run is healthy
+    recovery = guard.config.recovery
+    assert guard.events[0].cause == "exploding_gradient"
+    assert [e.actions for e in guard.events] == [["skip_step", "clip", "reduce_lr"]] + [["skip_step"]] * (
+        recovery.max_skips - 1) + [["skip_step", "rollback", "reduce_lr"]]
+    first = guard.events[0].step
+    assert [e.step for e in guard.events] == list(range(first, first + recovery.max_skips + 1))
+    assert guard.events[-1].details["restored_step"] < first
+    assert guard.lr_scale == recovery.lr_factor ** 2
     # events.jsonl holds the same events, one flushed line each
     lines = (tmp_path / "guarded" / "nanguard" / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [e.step for e in guard.events]
@@ -109,10 +119,11 @@ def test_inf_input_through_batchnorm_leaves_buffers_finite(tmp_path):
     model = models.Classifier(dropout=0.0)
     guard = NaNGuard()
     models.trainer(tmp_path, [guard]).fit(model, models.loader(poisoned, 32))
-    assert [e.step for e in guard.events] == [1, 4]
+    bad_steps = sorted({r // 32 for r in (40, 41, 130)})
+    assert [e.step for e in guard.events] == bad_steps
     bn = model.net[1]
     assert torch.isfinite(bn.running_mean).all() and torch.isfinite(bn.running_var).all()
-    assert int(bn.num_batches_tracked) == 8 - 2  # the two bad forwards' updates were undone
+    assert int(bn.num_batches_tracked) == len(data) // 32 - len(bad_steps)  # the bad forwards' updates were undone
     model.eval()
     with torch.no_grad():
         assert torch.isfinite(model(data.tensors[0])).all()
@@ -185,37 +196,45 @@ def test_adam_eps0_parameter_incident_and_no_nan_checkpoint(tmp_path):
     assert _all_finite(model)
 
 
+@pytest.mark.parametrize("poison", ["loss", "parameter"])
 @pytest.mark.parametrize("on_give_up", ["stop", "raise"])
-def test_every_batch_poisoned_ends_bounded_with_finite_weights(tmp_path, on_give_up):
-    data = models.regression_data(n=4096)
-    poisoned = TensorDataset(data.tensors[0] * float("nan"), data.tensors[1])
+def test_every_batch_poisoned_ends_bounded_with_the_last_good_weights(tmp_path, on_give_up, poison):
+    """Healthy for a while, then every step poisoned: the run ends within the ladder's bound, and the weights
+    are those of the snapshot the guard fell back to (taken during the healthy part), not the initial ones.
+    With poisoned parameters the weights are NaN when it gives up: the give-up itself restores them."""
+    recovery = {"max_skips": 2, "max_rollbacks": 2, "snapshot_every": 5, "keep_snapshots": 2, "on_give_up": on_give_up}
+    healthy = 12
+    guard = NaNGuard(recovery=recovery)
+    snaps = models.SnapshotSpy(guard)
+    injector = FaultInjector(Fault(poison, steps=range(healthy, 10_000)))
     model = models.Regression()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    guard = NaNGuard(recovery={"max_skips": 2, "max_rollbacks": 2, "on_give_up": on_give_up})
-    trainer = models.trainer(tmp_path, [guard], max_epochs=1)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = models.trainer(tmp_path, [injector, guard, snaps], max_steps=200, max_epochs=-1)
     if on_give_up == "raise":
         with pytest.raises(NaNGuardError, match=r"gave up.*Report: .*incident-"):
-            trainer.fit(model, models.loader(poisoned, 16))
+            trainer.fit(model, models.loader(models.regression_data(n=256), 16))
     else:
-        trainer.fit(model, models.loader(poisoned, 16))
-    bound = (2 + 1) * (2 + 1)
-    assert trainer.global_step <= bound
-    assert len(guard.events) <= bound
-    assert guard.events[-1].actions[-1] == on_give_up
-    assert guard.counters["rollbacks"] == 2 + 1  # two failed rollbacks, then the give-up restore
+        trainer.fit(model, models.loader(models.regression_data(n=256), 16))
+    bound = (recovery["max_skips"] + 1) * (recovery["max_rollbacks"] + 1)  # policy.py's promise
+    assert healthy < trainer.global_step <= healthy + bound
+    assert len(guard.events) == (bound if poison == "loss" else recovery["max_rollbacks"] + 1)
+    assert guard.events[-1].actions[-1] == on_give_up and guard.counters["incidents"] == len(guard.events)
+    assert guard.counters["rollbacks"] == recovery["max_rollbacks"] + 1  # the failed ones, then the give-up restore
+    taken = sorted(s for s in snaps.states if s <= healthy)
+    assert taken == list(range(0, healthy + 1, recovery["snapshot_every"]))
+    # loss: the second rollback went one snapshot further back; a bad parameter never does (the snapshot was fine)
+    restored = taken[-2] if poison == "loss" else taken[-1]
+    assert guard.events[-1].details["restored_step"] == restored > 0
+    good = snaps.states[restored]["module"]
     for k, v in model.state_dict().items():
-        assert torch.equal(v, before[k])  # every step was bad: back to the initial, known-good weights
+        assert torch.equal(v, good[k]), k
+    assert any(not torch.equal(v, initial[k]) for k, v in good.items())
     report = Path(guard._recorder.report_path(guard.events[-1]))
     assert report.exists() and "cause" in report.read_text()
 
 
 def test_rollback_goes_further_back_when_it_does_not_help(tmp_path):
     data = models.regression_data(n=2048)
-
-    def poison_from(step):
-        def hook(batch, batch_idx, module):
-            return batch
-        return hook
 
     class Poisoned(models.Regression):
         def training_step(self, batch, batch_idx):
@@ -232,22 +251,39 @@ def test_rollback_goes_further_back_when_it_does_not_help(tmp_path):
     assert guard.events[-1].actions[-1] == "stop"
 
 
+class WeightsAtStart(pl.Callback):
+    def __init__(self) -> None:
+        self.weights: dict[int, dict] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.weights[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
 def test_skip_batches_after_rollback(tmp_path):
+    """recovery.skip_batches: the steps of exactly that many batches after the rollback do not train."""
     data = models.regression_data(n=1024)
+    burst = range(10, 13)
+    recovery = {"max_skips": 2, "skip_batches": 3, "snapshot_every": 5}
 
     class Burst(models.Regression):
         def training_step(self, batch, batch_idx):
             x, y = batch
-            if 10 <= batch_idx < 13:
+            if batch_idx in burst:
                 x = x * float("nan")
             return nn.functional.mse_loss(self(x), y)
 
-    guard = NaNGuard(recovery={"max_skips": 2, "skip_batches": 3, "snapshot_every": 5})
-    models.trainer(tmp_path, [guard], max_epochs=1).fit(Burst(), models.loader(data, 32))
+    guard, starts = NaNGuard(recovery=recovery), WeightsAtStart()
+    models.trainer(tmp_path, [guard, starts], max_epochs=1).fit(Burst(), models.loader(data, 32))
     rollback = [e for e in guard.events if "rollback" in e.actions]
-    assert len(rollback) == 1 and "skip_batches" in rollback[0].actions
-    assert guard.counters["skipped_steps"] == 3 + 3  # the burst, then the three batches after the rollback
-    assert guard.events[-1].step == 12
+    assert [e.step for e in rollback] == [burst[0] + recovery["max_skips"]] == [burst[-1]]
+    assert "skip_batches" in rollback[0].actions and guard.events[-1] is rollback[0]  # skipped quietly
+    assert guard.counters["skipped_steps"] == len(burst) + recovery["skip_batches"]
+    skipped = range(burst[-1] + 1, burst[-1] + 1 + recovery["skip_batches"])
+    w = starts.weights
+    for step in skipped:  # these steps leave the restored weights as they are...
+        assert all(torch.equal(w[step][k], w[step + 1][k]) for k in w[step])
+    after = skipped[-1] + 1  # ...and the next one trains again
+    assert not all(torch.equal(w[after][k], w[after + 1][k]) for k in w[after])
 
 
 def test_lr_cut_survives_onecycle_schedule(tmp_path):

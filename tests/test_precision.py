@@ -87,16 +87,24 @@ def test_routine_overflow_is_not_an_incident_and_scale_is_logged(tmp_path):
     assert logged[-1] == trainer.precision_plugin.scaler.get_scale()
 
 
-@pytest.mark.parametrize("check, first", [({"amp_overflow_patience": 3}, 2),  # the 3rd overflow in a row
-                                          ({"amp_min_scale": 2.0 ** 21 + 1}, 3)])  # scale below the floor
-def test_persistent_overflow_is_an_incident(tmp_path, check, first):
+INIT_SCALE = 2.0 ** 24  # overflows for the first ~10 steps of this run
+BACKOFF = torch.amp.GradScaler("cpu").get_backoff_factor()  # each overflow multiplies the scale by this
+
+
+@pytest.mark.parametrize("key, first", [("amp_overflow_patience", 2), ("amp_min_scale", 3)])
+def test_persistent_overflow_is_an_incident(tmp_path, key, first):
+    """Overflow at every step from the start: step ``first`` (0-based) is the ``first + 1``-th overflow in a
+    row, run at scale INIT_SCALE * BACKOFF**first; either key is set to make exactly that step the incident."""
+    scale_at = [INIT_SCALE * BACKOFF ** i for i in range(first + 1)]
+    # patience: the (first+1)-th overflow; floor: between the scale of step first and that of the step before
+    check = {key: first + 1 if key == "amp_overflow_patience" else (scale_at[-1] + scale_at[-2]) / 2}
     guard, probe = NaNGuard(check=check), ScaleProbe()
     model = models.Regression(lr=0.01)
-    trainer = fit(tmp_path, model, guard, steps=20, plugins=[fp16(2.0 ** 24)], extra=[probe])
+    trainer = fit(tmp_path, model, guard, steps=20, plugins=[fp16(INIT_SCALE)], extra=[probe])
     assert guard.events and guard.events[0].step == first
     event = guard.events[0]
     assert (event.kind, event.cause) == ("gradient", "overflow")
-    assert event.details["scaler_overflows"] == first + 1 and event.details["grad_scale"] == 2.0 ** (24 - first)
+    assert event.details["scaler_overflows"] == first + 1 and event.details["grad_scale"] == scale_at[-1]
     # rollbacks during overflows keep the lowered scale, so the run calibrates and recovers
     assert probe.scales == sorted(probe.scales, reverse=True)
     assert guard.events[-1].step < 19 and not trainer.should_stop
@@ -104,17 +112,20 @@ def test_persistent_overflow_is_an_incident(tmp_path, check, first):
 
 
 def test_rollback_restores_the_scaler(tmp_path):
-    guard = NaNGuard(recovery={"max_skips": 3, "snapshot_every": 2, "reduce_lr_on_rollback": False,
-                               "reduce_lr_after": 0})
+    recovery = {"max_skips": 3, "snapshot_every": 2, "reduce_lr_on_rollback": False, "reduce_lr_after": 0}
+    guard = NaNGuard(recovery=recovery)
     probe = ScaleProbe()
-    model = Poisoned(bad=(6, 7, 8, 9))
-    fit(tmp_path, model, guard, steps=12, plugins=[fp16(2.0 ** 10)], extra=[probe])
-    assert [e.step for e in guard.events] == [6, 7, 8, 9] and guard.events[-1].actions[-1] == "rollback"
-    # each NaN step halved the scale; the rollback restored the snapshot's scale (taken before the burst)
-    assert probe.scales[6:9] == [2.0 ** 9, 2.0 ** 8, 2.0 ** 7]
-    assert probe.scales[9] == probe.scales[5] == 2.0 ** 10
+    init = 2.0 ** 10  # no overflow at this scale: it stays constant until the burst
+    bad = list(range(6, 6 + recovery["max_skips"] + 1))  # the last one forces the rollback
+    model = Poisoned(bad=tuple(bad))
+    fit(tmp_path, model, guard, steps=12, plugins=[fp16(init)], extra=[probe])
+    assert [e.step for e in guard.events] == bad and guard.events[-1].actions[-1] == "rollback"
+    # each NaN step backed the scale off; the rollback restored the snapshot's scale (taken before the burst)
+    assert probe.scales[:bad[0]] == [init] * bad[0]
+    assert probe.scales[bad[0]:bad[-1]] == [init * BACKOFF ** (i + 1) for i in range(len(bad) - 1)]
+    assert probe.scales[bad[-1]] == init
     snapshot = guard._recovery.store.load(guard._recovery.store.newest)
-    assert snapshot["scaler"]["scale"] == 2.0 ** 10  # the snapshot holds the scaler's state
+    assert snapshot["scaler"]["scale"] == init  # the snapshot holds the scaler's state
 
 
 def test_fused_adamw_is_unscaled_before_the_checks(tmp_path):
