@@ -73,7 +73,7 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
     values = {key: map_leaves(child, fn) for key, _, child in children}
     if isinstance(obj, Mapping):
         try:
-            return type(obj)(values)  # dict, OrderedDict, defaultdict-free mappings
+            return type(obj)(values)  # type: ignore[call-arg]  # dict, OrderedDict and their kin
         except TypeError:
             return dict(values)
     if _is_namedtuple(obj):

@@ -115,13 +115,14 @@ class StepEvidence:
         def part(t: Optional[Tensor]) -> Tensor:
             return zero if t is None else t.float().to(device)
 
-        parts = StepFlags(grad_norm=part(norm), loss=part(self._loss_sum), loss_bad=part(self._loss_bad),
-                          input_bad=part(self._input_bad), param_bad=part(self._state_bad),
-                          activation_bad=part(self.activations.take()),
-                          grad_scale=scale_flag(scaler, device) if scaler is not None else nan)
+        parts = {"grad_norm": part(norm), "loss": part(self._loss_sum), "loss_bad": part(self._loss_bad),
+                 "input_bad": part(self._input_bad), "param_bad": part(self._state_bad),
+                 "activation_bad": part(self.activations.take()),
+                 "grad_scale": scale_flag(scaler, device) if scaler is not None else nan}
         self._state_bad = None
         self._read = True
-        return StepFlags.from_values(sync.reduce(torch.stack(list(parts))).tolist())
+        vec = torch.stack([parts[name] for name in StepFlags._fields])
+        return StepFlags.from_values(sync.reduce(vec).tolist())
 
     def step_end(self) -> None:
         self.activations.step_end()

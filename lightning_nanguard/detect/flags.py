@@ -92,7 +92,8 @@ def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
 class StepFlags(NamedTuple):
     """One optimizer step's evidence, in the order of the device vector the guard reads once per step.
 
-    Built on the device as ``torch.stack(StepFlags(...))`` and read back with :meth:`from_values`. Under DDP
+    Built on the device as a vector in the order of ``StepFlags._fields`` and read back with
+    :meth:`from_values`. Under DDP
     :class:`~lightning_nanguard.detect.sync.StepSync` reduces the vector field by field: the gradient norm
     is already global (sharded: completed from the local powers), the loss becomes the mean over ranks, the
     ``*_bad`` flags become counts of ranks, and the grad scale (identical everywhere) is left alone.

@@ -41,10 +41,10 @@ def suggest(ev: NaNEvent, cause: str, input_findings: Optional[list[dict]] = Non
     base = SUGGESTIONS[cause]
     if cause == "input" and input_findings:
         f = input_findings[0]
-        feats = f" features {f['features'][:10]}" if f.get("features") else ""
-        return f"{f['field']} holds NaN/Inf at samples {f.get('samples', [])[:10]}{feats}. " + base
+        columns = f" features {f['features'][:10]}" if f.get("features") else ""
+        return f"{f['field']} holds NaN/Inf at samples {f.get('samples', [])[:10]}{columns}. " + base
     if cause in ("overflow", "precision"):
-        feats = d.get("extreme_features")
+        feats: Optional[list[dict]] = d.get("extreme_features")
         hint = (f"normalise feature(s) {feats[0]['features']} of {feats[0]['field']} (abs-max "
                 f"{max(feats[0]['abs_max']):.3g} vs median {feats[0]['median_abs_max']:.3g}), or compute it in float64"
                 if feats else "normalise or scale the inputs, or compute it in float64")

@@ -63,7 +63,7 @@ def rebuild(checkpoint: dict[str, Any], trainer: Any, guard_key: str, guard_stat
         checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
     plugin = getattr(trainer, "precision_plugin", None)
     key = type(plugin).__qualname__ if plugin is not None else None
-    if key is not None and key in checkpoint:
+    if plugin is not None and key in checkpoint:
         checkpoint[key] = plugin.state_dict()
     if "callbacks" in checkpoint and guard_key in checkpoint["callbacks"]:
         checkpoint["callbacks"][guard_key] = guard_state

@@ -124,7 +124,7 @@ class Recovery:
             "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "scaler": scaler.state_dict() if scaler is not None else None,
         }
-        meta = {"lr_scale": self.lr_scale}
+        meta: dict[str, Any] = {"lr_scale": self.lr_scale}
         meta.update({name: obj.state_dict() for name, obj in self.statistics.items()})
         self.store.take(trainer.global_step, state, meta)
         self.healthy_since_snapshot = 0

@@ -45,7 +45,7 @@ def say(trainer: Any, message: str) -> None:
     if getattr(trainer, "global_rank", 0) != 0:
         return
     bar = getattr(trainer, "progress_bar_callback", None)
-    if _bar_on_screen(bar):
+    if bar is not None and _bar_on_screen(bar):
         bar.print(message)
     else:
         rank_zero_info(message)
