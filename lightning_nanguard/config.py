@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,15 @@ def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[fl
     """A dataclass field with a one-line ``help`` and an optional numeric range."""
     meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open}
     return field(default=default, metadata=meta)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def _show(value: Any) -> str:
+    """A bounded one-line repr for messages (a 5,000-deep list must not raise RecursionError)."""
+    return _REPR.repr(value)
 
 
 @dataclass
@@ -209,7 +219,7 @@ class NaNGuardConfig:
             return cls.from_mapping(data["nanguard"], where=(where + ": nanguard") if where else "nanguard")
         unknown = [k for k in data if k not in SECTIONS]
         if unknown:
-            raise ConfigError(_unknown(str(unknown[0]), list(SECTIONS), prefix=""))
+            raise ConfigError(_unknown(unknown[0], list(SECTIONS), prefix=""))
         return cls(**{k: v for k, v in data.items()})
 
     @classmethod
@@ -233,15 +243,16 @@ def _section(name: str, cls: type, value: Any) -> Any:
         value = dataclasses.asdict(value)
     if not isinstance(value, Mapping):
         raise ConfigError(f"{name}: expected a mapping of {sorted(f.name for f in dataclasses.fields(cls))}, "
-                          f"got {type(value).__name__} {value!r}")
+                          f"got {type(value).__name__} {_show(value)}")
     known = [f.name for f in dataclasses.fields(cls)]
     for key in value:
         if key not in known:
-            raise ConfigError(_unknown(str(key), known, prefix=f"{name}."))
+            raise ConfigError(_unknown(key, known, prefix=f"{name}."))
     return cls(**value)
 
 
-def _unknown(key: str, known: list[str], prefix: str) -> str:
+def _unknown(key: Any, known: list[str], prefix: str) -> str:
+    key = key if isinstance(key, str) and key.isprintable() and len(key) <= 60 else _show(key)
     msg = f"{prefix}{key}: unknown key; allowed: {', '.join(known)}"
     close = difflib.get_close_matches(key, known, n=1)
     if close:
@@ -268,7 +279,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 return _coerce(path, value, arm)
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(f"{path}: got {value!r}; allowed: {_describe(tp)}")
+        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -295,7 +306,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{path}: got {value!r} ({type(value).__name__}); allowed: {_describe(tp)}")
+    raise ConfigError(f"{path}: got {_show(value)} ({type(value).__name__}); allowed: {_describe(tp)}")
 
 
 def _check_range(path: str, value: Any, meta: Mapping[str, Any]) -> None:
@@ -320,15 +331,27 @@ def load_yaml(path: Union[str, Path]) -> Any:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: a NUL byte in the path
         raise ConfigError(f"{p}: cannot read config file ({getattr(err, 'strerror', None) or err})") from None
     try:
         return yaml.load(text, Loader=_strict_loader())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        problem = getattr(err, "problem", None) or _first_line(err)
         raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+    except MemoryError:
+        raise
+    except RecursionError:  # PyYAML recurses once per nesting level
+        raise ConfigError(f"{p}: malformed YAML: nested too deeply") from None
+    except Exception as err:  # PyYAML's constructors raise plain errors, e.g. ValueError for "\U00110000"
+        raise ConfigError(f"{p}: malformed YAML: cannot construct a value ({type(err).__name__}: "
+                          f"{_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def _strict_loader() -> Any:
