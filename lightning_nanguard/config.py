@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import reprlib
 import typing
 from dataclasses import dataclass, field
@@ -35,9 +36,13 @@ class ConfigError(ValueError):
 
 
 def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,
-         lo_open: bool = False, hi_open: bool = False) -> Any:
-    """A dataclass field with a one-line ``help`` and an optional numeric range."""
-    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open}
+         lo_open: bool = False, hi_open: bool = False, inf_ok: bool = False) -> Any:
+    """A dataclass field with a one-line ``help`` and an optional numeric range.
+
+    Numbers must be finite unless ``inf_ok`` (an infinite clip, z-score or factor means nothing; ``null``
+    or ``off`` is how a feature is turned off).
+    """
+    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "inf_ok": inf_ok}
     return field(default=default, metadata=meta)
 
 
@@ -65,7 +70,7 @@ class _Section:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             path = f"{self._section}.{f.name}"
             value = _coerce(path, getattr(self, f.name), hints[f.name])
-            _check_range(path, value, f.metadata)
+            _check_range(path, value, f.metadata, nullable=type(None) in typing.get_args(hints[f.name]))
             object.__setattr__(self, f.name, value)
         self._validate()
 
@@ -115,7 +120,8 @@ class ClipConfig(_Section):
     _section = "clip"
     max_norm: Optional[float] = _opt(None, "fixed clip of the total gradient norm; null for none", lo=0.0,
                                      lo_open=True)
-    norm_type: float = _opt(2.0, "p of the p-norm used for the total gradient norm", lo=0.0, lo_open=True)
+    norm_type: float = _opt(2.0, "p of the p-norm used for the total gradient norm", lo=0.0, lo_open=True,
+                            inf_ok=True)
     adaptive: Literal["off", "on_incident", "always"] = _opt(
         "on_incident", "z-score clipping on an EMA of healthy gradient norms: never, after the first "
                        "incident, or from the start")
@@ -309,19 +315,21 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{path}: got {_show(value)} ({type(value).__name__}); allowed: {_describe(tp)}")
 
 
-def _check_range(path: str, value: Any, meta: Mapping[str, Any]) -> None:
+def _check_range(path: str, value: Any, meta: Mapping[str, Any], nullable: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     lo, hi = meta.get("lo"), meta.get("hi")
     if value != value:  # NaN
         raise ConfigError(f"{path}: got nan; allowed: a finite number")
-    bad = (lo is not None and (value <= lo if meta.get("lo_open") else value < lo)) or (
+    infinite = math.isinf(value) and not meta.get("inf_ok")
+    bad = infinite or (lo is not None and (value <= lo if meta.get("lo_open") else value < lo)) or (
         hi is not None and (value >= hi if meta.get("hi_open") else value > hi))
     if bad:
         left = "(" if meta.get("lo_open") else "["
-        right = ")" if meta.get("hi_open") else "]"
+        right = ")" if meta.get("hi_open") or (hi is None and not meta.get("inf_ok")) else "]"
         rng = f"{left}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{right}"
-        raise ConfigError(f"{path}: got {value!r}; allowed: a number in {rng}")
+        kind = "a number" if meta.get("inf_ok") else "a finite number"
+        raise ConfigError(f"{path}: got {value!r}; allowed: {kind} in {rng}{' or null' if nullable else ''}")
 
 
 def load_yaml(path: Union[str, Path]) -> Any:
