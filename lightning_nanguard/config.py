@@ -285,7 +285,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 return _coerce(path, value, arm)
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}")
+        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}{_bool_hint(value, tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -312,7 +312,17 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{path}: got {_show(value)} ({type(value).__name__}); allowed: {_describe(tp)}")
+    raise ConfigError(f"{path}: got {_show(value)} ({type(value).__name__}); allowed: {_describe(tp)}"
+                      f"{_bool_hint(value, tp)}")
+
+
+def _bool_hint(value: Any, tp: Any) -> str:
+    """YAML 1.1 (PyYAML, jsonargparse) reads an unquoted ``off`` as false: say so where 'off' is allowed."""
+    arms = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+    choices = {a for arm in arms if typing.get_origin(arm) is Literal for a in typing.get_args(arm)}
+    if value is False and "off" in choices:
+        return " (YAML reads an unquoted off or no as false: write 'off' in quotes)"
+    return ""
 
 
 def _check_range(path: str, value: Any, meta: Mapping[str, Any], nullable: bool = False) -> None:
