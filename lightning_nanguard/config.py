@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +36,23 @@ class ConfigError(ValueError):
 
 
 def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,
-         lo_open: bool = False, hi_open: bool = False) -> Any:
-    """A dataclass field with a one-line ``help`` and an optional numeric range."""
-    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open}
+         lo_open: bool = False, hi_open: bool = False, inf_ok: bool = False) -> Any:
+    """A dataclass field with a one-line ``help`` and an optional numeric range.
+
+    Numbers must be finite unless ``inf_ok`` (an infinite clip, z-score or factor means nothing; ``null``
+    or ``off`` is how a feature is turned off).
+    """
+    meta = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "inf_ok": inf_ok}
     return field(default=default, metadata=meta)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def _show(value: Any) -> str:
+    """A bounded one-line repr for messages (a 5,000-deep list must not raise RecursionError)."""
+    return _REPR.repr(value)
 
 
 @dataclass
@@ -55,7 +70,7 @@ class _Section:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             path = f"{self._section}.{f.name}"
             value = _coerce(path, getattr(self, f.name), hints[f.name])
-            _check_range(path, value, f.metadata)
+            _check_range(path, value, f.metadata, nullable=type(None) in typing.get_args(hints[f.name]))
             object.__setattr__(self, f.name, value)
         self._validate()
 
@@ -105,7 +120,8 @@ class ClipConfig(_Section):
     _section = "clip"
     max_norm: Optional[float] = _opt(None, "fixed clip of the total gradient norm; null for none", lo=0.0,
                                      lo_open=True)
-    norm_type: float = _opt(2.0, "p of the p-norm used for the total gradient norm", lo=0.0, lo_open=True)
+    norm_type: float = _opt(2.0, "p of the p-norm used for the total gradient norm", lo=0.0, lo_open=True,
+                            inf_ok=True)
     adaptive: Literal["off", "on_incident", "always"] = _opt(
         "on_incident", "z-score clipping on an EMA of healthy gradient norms: never, after the first "
                        "incident, or from the start")
@@ -210,7 +226,7 @@ class NaNGuardConfig:
             return cls.from_mapping(data["nanguard"], where=(where + ": nanguard") if where else "nanguard")
         unknown = [k for k in data if k not in SECTIONS]
         if unknown:
-            raise ConfigError(_unknown(str(unknown[0]), list(SECTIONS), prefix=""))
+            raise ConfigError(_unknown(unknown[0], list(SECTIONS), prefix=""))
         return cls(**{k: v for k, v in data.items()})
 
     @classmethod
@@ -234,15 +250,16 @@ def _section(name: str, cls: type, value: Any) -> Any:
         value = dataclasses.asdict(value)
     if not isinstance(value, Mapping):
         raise ConfigError(f"{name}: expected a mapping of {sorted(f.name for f in dataclasses.fields(cls))}, "
-                          f"got {type(value).__name__} {value!r}")
+                          f"got {type(value).__name__} {_show(value)}")
     known = [f.name for f in dataclasses.fields(cls)]
     for key in value:
         if key not in known:
-            raise ConfigError(_unknown(str(key), known, prefix=f"{name}."))
+            raise ConfigError(_unknown(key, known, prefix=f"{name}."))
     return cls(**value)
 
 
-def _unknown(key: str, known: list[str], prefix: str) -> str:
+def _unknown(key: Any, known: list[str], prefix: str) -> str:
+    key = key if isinstance(key, str) and key.isprintable() and len(key) <= 60 else _show(key)
     msg = f"{prefix}{key}: unknown key; allowed: {', '.join(known)}"
     close = difflib.get_close_matches(key, known, n=1)
     if close:
@@ -269,7 +286,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 return _coerce(path, value, arm)
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(f"{path}: got {value!r}; allowed: {_describe(tp)}")
+        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}{_bool_hint(value, tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -296,22 +313,34 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{path}: got {value!r} ({type(value).__name__}); allowed: {_describe(tp)}")
+    raise ConfigError(f"{path}: got {_show(value)} ({type(value).__name__}); allowed: {_describe(tp)}"
+                      f"{_bool_hint(value, tp)}")
 
 
-def _check_range(path: str, value: Any, meta: Mapping[str, Any]) -> None:
+def _bool_hint(value: Any, tp: Any) -> str:
+    """YAML 1.1 (PyYAML, jsonargparse) reads an unquoted ``off`` as false: say so where 'off' is allowed."""
+    arms = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+    choices = {a for arm in arms if typing.get_origin(arm) is Literal for a in typing.get_args(arm)}
+    if value is False and "off" in choices:
+        return " (YAML reads an unquoted off or no as false: write 'off' in quotes)"
+    return ""
+
+
+def _check_range(path: str, value: Any, meta: Mapping[str, Any], nullable: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     lo, hi = meta.get("lo"), meta.get("hi")
     if value != value:  # NaN
         raise ConfigError(f"{path}: got nan; allowed: a finite number")
-    bad = (lo is not None and (value <= lo if meta.get("lo_open") else value < lo)) or (
+    infinite = math.isinf(value) and not meta.get("inf_ok")
+    bad = infinite or (lo is not None and (value <= lo if meta.get("lo_open") else value < lo)) or (
         hi is not None and (value >= hi if meta.get("hi_open") else value > hi))
     if bad:
         left = "(" if meta.get("lo_open") else "["
-        right = ")" if meta.get("hi_open") else "]"
+        right = ")" if meta.get("hi_open") or (hi is None and not meta.get("inf_ok")) else "]"
         rng = f"{left}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{right}"
-        raise ConfigError(f"{path}: got {value!r}; allowed: a number in {rng}")
+        kind = "a number" if meta.get("inf_ok") else "a finite number"
+        raise ConfigError(f"{path}: got {value!r}; allowed: {kind} in {rng}{' or null' if nullable else ''}")
 
 
 def load_yaml(path: Union[str, Path]) -> Any:
@@ -321,15 +350,27 @@ def load_yaml(path: Union[str, Path]) -> Any:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: a NUL byte in the path
         raise ConfigError(f"{p}: cannot read config file ({getattr(err, 'strerror', None) or err})") from None
     try:
         return yaml.load(text, Loader=_strict_loader())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        problem = getattr(err, "problem", None) or _first_line(err)
         raise ConfigError(f"{p}: malformed YAML{where}: {problem}") from None
+    except MemoryError:
+        raise
+    except RecursionError:  # PyYAML recurses once per nesting level
+        raise ConfigError(f"{p}: malformed YAML: nested too deeply") from None
+    except Exception as err:  # PyYAML's constructors raise plain errors, e.g. ValueError for "\U00110000"
+        raise ConfigError(f"{p}: malformed YAML: cannot construct a value ({type(err).__name__}: "
+                          f"{_first_line(err)})") from None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def _strict_loader() -> Any:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.cli import main
+from lightning_nanguard.config import SECTIONS
 from models import Regression, loader, regression_data, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
@@ -100,20 +103,38 @@ def test_report_malformed_jsonl_exits_2(capsys, tmp_path, content, expected):
 def test_report_binary_file_and_empty_folder_exit_2(capsys, tmp_path):
     binary = tmp_path / "events.jsonl"
     binary.write_bytes(b"\xff\xfe\x00garbage")
-    assert cli(capsys, "report", str(binary))[0] == 2
+    code, out, err = cli(capsys, "report", str(binary))
+    assert code == 2 and out == ""
+    assert err == f"nanguard report: error: {binary}: not a UTF-8 text file (expected JSON lines)\n"
     empty = tmp_path / "empty"
     empty.mkdir()
     code, _, err = cli(capsys, "report", str(empty))
     assert code == 2 and "no events.jsonl found" in err
 
 
-def test_python_m_missing_path_exits_2_with_one_line_and_no_traceback(tmp_path):
+@pytest.mark.slow  # three real processes, each importing torch and Lightning
+def test_python_m_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path):
+    """The real command: a missing path, and the two YAML files that once escaped as ValueError (an escape
+    beyond U+10FFFF) and RecursionError (5,000 nested lists) with a traceback and exit status 1."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     missing = tmp_path / "missing"
-    result = subprocess.run([sys.executable, "-m", "lightning_nanguard", "report", str(missing)], capture_output=True,
-                            text=True, env=env, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
-    assert result.stderr.strip().splitlines() == [f"nanguard report: error: {missing}: no such file or directory"]
+    escape = tmp_path / "escape.yaml"
+    escape.write_text('recovery:\n  lr_factor: "\\U100010000"\n')
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("recovery: " + "[" * 5000 + "]" * 5000 + "\n")
+    runs = {
+        ("report", missing): f"nanguard report: error: {missing}: no such file or directory",
+        ("validate", escape): f"nanguard validate: error: {escape}: malformed YAML",
+        ("validate", deep): f"nanguard validate: error: {deep}: malformed YAML",
+    }
+    procs = {argv: subprocess.Popen([sys.executable, "-m", "lightning_nanguard", argv[0], str(argv[1])], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in runs}  # concurrently: each pays for importing torch and Lightning
+    for argv, expected in runs.items():
+        out, err = procs[argv].communicate(timeout=120)
+        assert procs[argv].returncode == 2 and "Traceback" not in err and out == "", (argv, err[-2000:])
+        (line,) = err.strip().splitlines()
+        assert line.startswith(expected), (argv, line)
 
 
 def test_malformed_inputs_exit_2_without_raising(capsys, tmp_path):
@@ -124,7 +145,8 @@ def test_malformed_inputs_exit_2_without_raising(capsys, tmp_path):
     broken_yaml.write_text("recovery:\n  lr_factor: [0.5\n")
     for argv, expected in ((["report", str(bad)], "events.jsonl:2: malformed event line: invalid JSON"),
                            (["validate", str(broken_yaml)], "broken.yaml: malformed YAML at line 3"),
-                           (["validate", str(tmp_path)], "not a file")):
+                           (["validate", str(tmp_path)], "not a file"),
+                           (["validate", str(tmp_path / "missing.yaml")], "missing.yaml: no such file")):
         code, out, err = cli(capsys, *argv)
         assert code == 2 and out == "" and expected in err and len(err.strip().splitlines()) == 1, err
 
@@ -142,26 +164,66 @@ def test_validate_prints_the_resolved_config(capsys, tmp_path):
 
 
 def test_validate_reads_the_nanguard_entry_of_a_lightning_cli_config(capsys):
-    code, out, _ = cli(capsys, "validate", str(ROOT / "configs" / "lightning_cli.yaml"))
     import yaml
 
-    assert code == 0 and yaml.safe_load(out)["recovery"]["lr_factor"] == 0.25
+    path = ROOT / "configs" / "lightning_cli.yaml"
+    code, out, err = cli(capsys, "validate", str(path))
+    assert code == 0, err
+    (entry,) = [c for c in yaml.safe_load(path.read_text())["trainer"]["callbacks"]
+                if c["class_path"] == "lightning_nanguard.NaNGuard"]
+    expected = NaNGuard(**entry["init_args"]).config.to_dict()
+    assert yaml.safe_load(out) == expected and expected != NaNGuard().config.to_dict()
 
 
 @pytest.mark.parametrize("text, named", [
     ("recovery:\n  lr_factor: 2\n", "recovery.lr_factor: got 2"),
+    ("recovery:\n  lr_factor: 1.0\n", "recovery.lr_factor: got 1.0"),  # exactly at the open bound
+    ("recovery:\n  lr_factor: .inf\n", "recovery.lr_factor: got inf"),
+    ("clip:\n  max_norm: .inf\n", "clip.max_norm: got inf"),
+    ("clip:\n  ema_alpha: 0.0\n", "clip.ema_alpha: got 0.0"),
+    ("recovery:\n  max_skips: true\n", "recovery.max_skips: got True"),
+    ("check:\n  activations: 0\n", "check.activations: got 0"),
+    ("anomaly:\n  mode: off\n", "anomaly.mode: got False"),  # YAML 1.1: unquoted off is false
+    ("nanguard:\n  recovery:\n    min_lr_scale: 0\n", "recovery.min_lr_scale: got 0"),
     ("recovery:\n  lr_factr: 0.3\n", "did you mean 'recovery.lr_factor'"),
     ("recovery: [1]\n", "recovery: expected a mapping"),
+    ('"rec\\novery": {}\n', "'rec\\novery': unknown key"),  # a key with a newline: still one line
+    ("recovery: {\"lr\\n\\nfactor\": 0.5}\n", "recovery.'lr\\n\\nfactor': unknown key"),
     ("trainer:\n  callbacks:\n    - class_path: lightning_nanguard.NaNGuard\n      init_args:\n"
-     "        recovery: {max_rollbacks: -1}\n", "recovery.max_rollbacks"),
+     "        recovery: {max_rollbacks: -1}\n", "recovery.max_rollbacks: got -1"),
 ])
 def test_validate_bad_config_exits_2_naming_the_key(capsys, tmp_path, text, named):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     code, out, err = cli(capsys, "validate", str(path))
     assert code == 2 and out == ""
-    assert named in err and len(err.strip().splitlines()) == 1
-    assert cli(capsys, "validate", str(tmp_path / "missing.yaml"))[0] == 2
+    assert err.startswith("nanguard validate: error: ") and named in err and len(err.strip().splitlines()) == 1, err
+
+
+def _out_of_range() -> list:
+    """For every key with a declared range: the nearest refused value at each bound."""
+    cases = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            lo, hi = f.metadata.get("lo"), f.metadata.get("hi")
+            is_int = hints[f.name] is int
+            if lo is not None:
+                below = lo if f.metadata["lo_open"] else lo - 1 if is_int else lo - 0.5
+                cases.append((f"{section}.{f.name}", below))
+            if hi is not None:
+                cases.append((f"{section}.{f.name}", hi if f.metadata["hi_open"] else hi + 1))
+    return cases
+
+
+@pytest.mark.parametrize("key, value", _out_of_range(), ids=lambda v: str(v))
+def test_validate_refuses_every_key_just_out_of_range(capsys, tmp_path, key, value):
+    section, name = key.split(".")
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"{section}:\n  {name}: {value!r}\n")
+    code, out, err = cli(capsys, "validate", str(path))
+    assert code == 2 and out == "" and err.startswith(f"nanguard validate: error: {key}: got "), err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_usage_errors_exit_2(capsys):
