@@ -1,7 +1,7 @@
 """What does one incident diagnosis cost, in training steps? Side by side, in one process, single-threaded.
 
 On the small transformer LM of ``common.py`` (2 pre-LN layers, d=64, batch 16 x 32 tokens, AdamW) two
-incidents are replayed with :func:`lightning_nanguard.replay.replay_window`, the machinery
+incidents are replayed with :func:`lightning_nanguard.diagnose.replay.replay_window`, the machinery
 ``diagnose(ctx)`` runs on an incident:
 
   backward  a zero padding row under ``sqrt(sum(h*h))``: forward finite, backward NaN. The most expensive
@@ -32,7 +32,7 @@ import common  # noqa: F401  (sets up sys.path, threads and warnings first)
 import torch
 
 from common import RESULTS, TinyLM, machine, markov_tokens
-from lightning_nanguard.replay import replay_window
+from lightning_nanguard.diagnose.replay import replay_window
 
 
 class PaddedLM(TinyLM):

@@ -34,7 +34,7 @@ from torch import nn
 from common import RESULTS, machine
 
 from lightning_nanguard.config import RecoveryConfig
-from lightning_nanguard.recovery import SnapshotStore
+from lightning_nanguard.recover.snapshots import SnapshotStore
 
 SIZES = {"1M": (512, 4), "10M": (1024, 10), "50M": (2048, 12)}  # width, Linear layers (width x width)
 

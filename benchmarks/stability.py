@@ -102,7 +102,7 @@ def run(case: dict[str, Any], setup: str, lr: float, root: Path) -> dict[str, An
     if guard is not None:
         row.update({k: guard.counters.get(k, 0) for k in
                     ("incidents", "spikes", "skipped_steps", "rollbacks", "lr_cuts", "clipped_steps")})
-        row["gave_up"] = bool(guard._stopped)
+        row["gave_up"] = bool(guard.stopped)
         row["lr_scale"] = guard.lr_scale
     return row
 

@@ -1,26 +1,29 @@
-"""The NaNGuard callback: wires checks, the recovery ladder, snapshots, diagnosis and sinks into Lightning."""
+"""The NaNGuard callback: Lightning's hooks, each delegating to the parts of the guard."""
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import amp, checks, ckpt, diagnosis, distributed, stats
-from .monitor import DiagnosisHooks
-from .config import (AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig, RecoveryConfig,
-                     SECTIONS)
-from .events import JsonlSink, LoggerSink, NaNEvent
-from .policy import Plan, RecoveryLadder
-from .recovery import BufferUndo, SnapshotStore
-from .status import ProgressStatus
-from .messages import NaNGuardError
-from .responses import StepResponses
-from .keeping import StateKeeping
+from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
+                     RecoveryConfig)
+from .detect.amp import OverflowWatch, ensure_unscaled, grad_scaler
+from .detect.evidence import StepEvidence
+from .detect.flags import Outcome, StepFlags, classify
+from .detect.spikes import LossWatch
+from .detect.sync import StepSync
+from .diagnose.diagnoser import Diagnoser
+from .errors import NaNGuardError
+from .incidents import Responder
+from .recover.checkpoint import nonfinite_entries, optimizer_state_nonfinite, rebuild
+from .recover.clipping import Clipper
+from .recover.recovery import Recovery
+from .report.events import NaNEvent
+from .report.progress import say
+from .report.recorder import Recorder
 
 try:  # the callback works in both packages' Trainers; it subclasses the classic one
     import pytorch_lightning as pl
@@ -29,24 +32,37 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["NaNGuard", "NaNGuardError"]
 
-class NaNGuard(StepResponses, StateKeeping, pl.Callback):
+_Section = Union[Mapping[str, Any], None]
+_STATE_VERSION = 2
+
+
+class NaNGuard(pl.Callback):
     """Keep a training run alive through NaN/Inf, and explain where they came from.
 
-    Every optimizer step, NaNGuard checks the loss (per micro-batch, before backward), one fused total
-    gradient norm, and the parameters and buffers written by the previous step, all folded into a single
-    host read. While training is healthy it changes nothing: the trained weights are bitwise identical to
-    a run without it. On an incident it climbs a recovery ladder:
+    One optimizer step, as the guard sees it:
 
-    1. skip the step without touching optimizer state (grads set to ``None``) and undo the forward pass's
-       writes into buffers (BatchNorm statistics);
-    2. clip (a fixed ``clip.max_norm``, and adaptive clipping from healthy norms after an incident);
-    3. cut the learning rate by ``recovery.lr_factor`` in a way LR schedulers keep;
-    4. roll back to a known-good snapshot (module, optimizers, schedulers, grad scaler), further back if a
-       rollback does not help;
-    5. give up after ``recovery.max_rollbacks``: restore the last good weights, then stop or raise.
+    1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers are backed
+       up, and with ``check.inputs: always`` its floating tensors become a device flag;
+    2. ``on_before_backward``: the loss of each micro-batch becomes a device flag and a device sum;
+    3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss flags and sum, the
+       flag over the parameters and buffers written by the previous step, and the activation flag are
+       stacked and read at once, the step's one host-device sync (after one small all-reduce under DDP);
+       the step's :class:`~.detect.flags.Outcome` follows:
 
-    Each incident is diagnosed (cause, culprit module, autograd op, suggestion), recorded in
-    ``guard.events``, appended to ``<log_dir>/nanguard/events.jsonl`` and logged under ``nanguard/``.
+       - healthy: clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
+         loss spike is recorded and acted on (``check.spike_action``);
+       - routine overflow (16-mixed): the GradScaler skips the step by itself;
+       - incident: the step is skipped without touching optimizer state (grads set to ``None``), its
+         buffer writes are undone, the bad micro-batch is replayed to name the module, op and cause, and
+         the recovery ladder plans what follows;
+    4. ``on_train_batch_end``: the plan is carried out (clip from now on, cut the LR in a way schedulers
+       keep, roll back to a known-good snapshot, skip the next batches, give up: restore, then stop or
+       raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file);
+       after a healthy step the parameters and buffers become a device flag for the next read, and a
+       snapshot is taken every ``recovery.snapshot_every`` healthy steps.
+
+    While training is healthy nothing changes: the trained weights are bitwise identical to a run without
+    the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more.
 
     Example::
 
@@ -62,6 +78,17 @@ class NaNGuard(StepResponses, StateKeeping, pl.Callback):
         anomaly: incident replay and anomaly detection (:class:`AnomalyConfig` or mapping).
         recovery: the recovery ladder (:class:`RecoveryConfig` or mapping).
         logging: event sinks (:class:`LoggingConfig` or mapping).
+        name: only to run two guards in one Trainer: it tells their checkpoint state apart (``state_key``),
+            and this guard then writes to ``<log_dir>/nanguard/<name>/``, under ``nanguard/<name>/`` tags and
+            to ``ng_<name>_*`` progress-bar keys.
+
+    Attributes:
+        config: the resolved :class:`NaNGuardConfig`.
+        events: one :class:`NaNEvent` per event of the current fit, in order.
+        counters: counts of this fit (incidents, spikes, skipped steps, rollbacks, LR cuts, clipped steps,
+            replays, snapshots).
+        lr_scale: the cumulative learning-rate scale the guard applied (1.0: untouched).
+        stopped: the guard gave up; it skips every remaining step.
 
     Raises:
         ConfigError: on an unknown key, a wrong type or an out-of-range value, naming the key.
@@ -70,333 +97,282 @@ class NaNGuard(StepResponses, StateKeeping, pl.Callback):
     def __init__(
         self,
         *,
-        config: Optional[NaNGuardConfig] = None,
-        check: Optional[CheckConfig] = None,
-        clip: Optional[ClipConfig] = None,
-        anomaly: Optional[AnomalyConfig] = None,
-        recovery: Optional[RecoveryConfig] = None,
-        logging: Optional[LoggingConfig] = None,
+        config: Union[NaNGuardConfig, _Section] = None,
+        check: Union[CheckConfig, _Section] = None,
+        clip: Union[ClipConfig, _Section] = None,
+        anomaly: Union[AnomalyConfig, _Section] = None,
+        recovery: Union[RecoveryConfig, _Section] = None,
+        logging: Union[LoggingConfig, _Section] = None,
+        name: Optional[str] = None,
     ) -> None:
         super().__init__()
+        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+            raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+        self.name = name
         base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
         given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
         sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
         self.config = NaNGuardConfig(**sections)
-        self.events: list[NaNEvent] = []
-        self._reset_run_state()
+        self._build()
+        self._resumed = False
 
     @classmethod
     def from_yaml(cls, path: Union[str, Path]) -> "NaNGuard":
         """Build from a YAML file of sections (optionally nested under ``nanguard:``)."""
         return cls(config=NaNGuardConfig.from_yaml(path))
 
-    # ------------------------------------------------------------------------------------------- state
-
-    def _reset_run_state(self) -> None:
+    def _build(self) -> None:
+        """The parts of the guard, fresh for a new fit."""
         cfg = self.config
-        self.ladder = RecoveryLadder(cfg.recovery, cfg.clip)
-        self.lr_scale = 1.0
-        self.counters = {"incidents": 0, "skipped_steps": 0, "rollbacks": 0, "lr_cuts": 0, "clipped_steps": 0,
-                         "replays": 0, "snapshots": 0, "spikes": 0}
-        self.norm_history: deque[float] = deque(maxlen=200)
-        self.loss_history: deque[float] = deque(maxlen=200)
-        self.last_grad_norm = float("nan")
-        # prevention (stats.py): z-score clipping statistics of healthy norms, loss-spike statistics
-        self.zclip = stats.ZClip(cfg.clip.z_threshold, cfg.clip.ema_alpha, cfg.clip.warmup_steps)
-        self._state_check = checks.StateCheck()  # the per-step parameter/buffer flag, tensors collected once
-        self.spikes = stats.SpikeDetector(cfg.check.spike_z, cfg.check.spike_warmup)
-        self._skip_batches_left = 0
-        self._stopped = False
-        self._event_index = 0
-        # per-run objects, built in on_fit_start
-        self._store: Optional[SnapshotStore] = None
-        self._buffers: Optional[BufferUndo] = None
-        self._jsonl: Optional[JsonlSink] = None
-        self._logger_sink: Optional[LoggerSink] = None
-        self._out_dir: Optional[Path] = None
-        # per-step scratch
-        self._window: list[tuple[Any, int]] = []
-        self._rng: list[Any] = []
-        self._loss_bad: Optional[Tensor] = None
-        self._loss_sum: Optional[Tensor] = None
-        self._input_bad: Optional[Tensor] = None
-        self._param_bad: Optional[Tensor] = None
-        self._last_step_grads_finite = True
-        self._stepped = False
-        self._healthy_step = False
-        self._pending: list[tuple[NaNEvent, Plan, diagnosis.IncidentContext, str]] = []
-        self._healthy_since_snapshot = 0
-        self._scaler_overflows = 0
-        self._scaler: Optional[Any] = None  # the GradScaler of this step (16-mixed), read by _read_flags
-        self.grad_scale: Optional[float] = None  # its scale, read with the step's flags (no extra sync)
-        self._flags_read = False
-        self._routine_overflow = False
-        # several processes: flags agree in one all-reduce (distributed.py); replaced in on_fit_start
-        self._sync = distributed.StepSync(norm_type=cfg.clip.norm_type)
-        self._status = ProgressStatus()  # progress-bar status, logged only when it changes
-        # anomaly.mode always / check.activations hooks (monitor.py); removed at fit end and on exception
-        self._diag_hooks = DiagnosisHooks(cfg.anomaly.mode, cfg.check.activations)
-        self._activation_bad = False
+        self._evidence = StepEvidence(cfg.check)
+        self._clipper = Clipper(cfg.clip)
+        self._losses = LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)
+        self._overflow = OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale)
+        self._recovery = Recovery(cfg.recovery, cfg.clip,
+                                  statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector})
+        self._diagnoser = Diagnoser(cfg.anomaly)
+        self._recorder = Recorder(cfg.logging, self.name)
+        self._responder = Responder(cfg, self._evidence, self._clipper, self._losses, self._overflow,
+                                    self._recovery, self._diagnoser, self._recorder)
+        self._sync = StepSync()
+        self._outcome: Optional[Outcome] = None  # set by the optimizer step, consumed at the batch's end
+
+    # ------------------------------------------------------------------------------------------- views
+
+    @property
+    def events(self) -> list[NaNEvent]:
+        return self._recorder.events
+
+    @property
+    def lr_scale(self) -> float:
+        return self._recovery.lr_scale
+
+    @property
+    def stopped(self) -> bool:
+        return self._recovery.stopped
+
+    @property
+    def counters(self) -> dict[str, int]:
+        rec, recovery = self._recorder, self._recovery
+        return {"incidents": rec.incidents, "skipped_steps": recovery.skipped_steps, "rollbacks": recovery.rollbacks,
+                "lr_cuts": recovery.lr_cuts, "clipped_steps": self._clipper.clipped_steps,
+                "replays": self._diagnoser.replays, "snapshots": recovery.snapshots, "spikes": rec.spikes}
+
+    # ------------------------------------------------------------------------------------ persistence
 
     @property
     def state_key(self) -> str:
-        return "NaNGuard"
+        return self._generate_state_key(name=self.name) if self.name else "NaNGuard"
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "counters": dict(self.counters),
-            "lr_scale": self.lr_scale,
-            "event_index": self._event_index,
-            "ladder": self.ladder.state_dict(),
-            "norm_ema": self.zclip.state_dict(),
-            "loss_stats": self.spikes.state_dict(),
-            "norm_history": list(self.norm_history),
-            "loss_history": list(self.loss_history),
-            "healthy_since_snapshot": self._healthy_since_snapshot,
-            "scaler_overflows": self._scaler_overflows,
-        }
+        return {"version": _STATE_VERSION, "recorder": self._recorder.state_dict(),
+                "recovery": self._recovery.state_dict(), "clipper": self._clipper.state_dict(),
+                "losses": self._losses.state_dict(), "overflow": self._overflow.state_dict(),
+                "diagnoser": self._diagnoser.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.counters.update(state_dict.get("counters", {}))
-        self.lr_scale = float(state_dict.get("lr_scale", 1.0))
-        self._event_index = int(state_dict.get("event_index", 0))
-        self.ladder.load_state_dict(state_dict.get("ladder", {}))
-        if state_dict.get("norm_ema") is not None:
-            self.zclip.load_state_dict(state_dict["norm_ema"])
-        if state_dict.get("loss_stats") is not None:
-            self.spikes.load_state_dict(state_dict["loss_stats"])
-        self.norm_history.extend(state_dict.get("norm_history", []))
-        self.loss_history.extend(state_dict.get("loss_history", []))
-        self._healthy_since_snapshot = int(state_dict.get("healthy_since_snapshot", 0))
-        self._scaler_overflows = int(state_dict.get("scaler_overflows", 0))
+        state = state_dict if state_dict.get("version", 1) >= 2 else _upgrade_v1(state_dict)
+        self._recorder.load_state_dict(state.get("recorder", {}))
+        self._recovery.load_state_dict(state.get("recovery", {}))
+        self._clipper.load_state_dict(state.get("clipper", {}))
+        self._losses.load_state_dict(state.get("losses", {}))
+        self._overflow.load_state_dict(state.get("overflow", {}))
+        self._diagnoser.load_state_dict(state.get("diagnoser", {}))
         self._resumed = True
 
-    # ------------------------------------------------------------------------------------ fit lifecycle
+    # ---------------------------------------------------------------------------------- fit lifecycle
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit":
-            return
-        resumed = getattr(self, "_resumed", False)
-        if not resumed:
-            self._reset_run_state()
-            self.events = []  # the events of this fit, numbered from 1 (a resumed fit continues the numbering)
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit" and not self._resumed:
+            self._build()  # a new fit starts afresh (a resumed one continues counters and event numbering)
         self._resumed = False
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        cfg = self.config
-        self._out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "nanguard"
-        is_zero = trainer.global_rank == 0
-        self._jsonl = JsonlSink(self._out_dir / "events.jsonl") if cfg.logging.events_file and is_zero else None
-        self._logger_sink = LoggerSink(trainer.logger) if cfg.logging.tensorboard and is_zero else None
-        self._buffers = BufferUndo(pl_module)
-        if cfg.recovery.snapshot != "off":
-            directory = Path(cfg.recovery.snapshot_dir) if cfg.recovery.snapshot_dir else self._out_dir / "snapshots"
-            if cfg.recovery.snapshot == "disk" and trainer.world_size > 1:
-                directory = directory / f"rank{trainer.global_rank}"
-            self._store = SnapshotStore(cfg.recovery.keep_snapshots, cfg.recovery.snapshot, directory)
-        self._sync = distributed.StepSync.for_trainer(trainer, cfg.clip.norm_type)
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._recorder.start(trainer)
+        assert self._recorder.out_dir is not None
+        self._recovery.start(trainer, pl_module, self._recorder.out_dir)
+        self._sync = self._responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type)
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._resumed = False  # callback state is restored before this hook on every strategy
-        self._diag_hooks.start(pl_module)  # here, inside the Trainer's own set_detect_anomaly context
-        self._status.reset()
+        self._evidence.activations.start(pl_module)
+        self._diagnoser.start()  # here, inside the Trainer's own set_detect_anomaly context
         if self.config.check.parameters:
-            self._exempt_constant_buffers(trainer, pl_module)
-            findings = self._find_nonfinite_state(pl_module)
+            exempt = self._evidence.state.exempt_nonfinite_buffers(pl_module)
+            if exempt:
+                say(trainer, "[nanguard] buffers non-finite before training, taken as intentional and not "
+                             f"checked: {', '.join(exempt)}")
+            findings = self._evidence.state.find(pl_module)
             if findings:
-                self._initialization_incident(trainer, pl_module, findings)
+                self._responder.initialization_incident(trainer, pl_module, findings)
                 return
-        self._take_snapshot(trainer, pl_module)
+        self._snapshot(trainer, pl_module)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        # the last steps' parameters have not been read yet: never leave a non-finite weight behind
-        if self.config.check.parameters and not self._stopped and self._find_nonfinite_state(pl_module):
-            self._parameter_incident(trainer, pl_module, where="train_end")
-        self._diag_hooks.stop()
-        self._flush()
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # the last step's parameters have not been read yet: never leave a non-finite weight behind
+        if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
+            self._responder.parameter_incident(trainer, pl_module, where="train_end")
+        self._stop_hooks()
+        self._recorder.flush()
 
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # the last training step's weights are read only with the next step's flags: read them now, so that
         # validation (and checkpoints picked by its metrics) never runs on weights poisoned by that step
-        if self._param_bad is None or trainer.sanity_checking or self._stopped:
+        if trainer.sanity_checking or self._recovery.stopped:
             return
-        bad, self._param_bad = bool(self._param_bad), None
-        if trainer.world_size > 1:
+        bad = self._evidence.state_bad(consume=True)
+        if bad is not None and trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if bad:
-            self._parameter_incident(trainer, pl_module, where="validation_start")
+            self._responder.parameter_incident(trainer, pl_module, where="validation_start")
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._diag_hooks.stop()
-        found = diagnosis.parse_anomaly_error(exception) if self.config.anomaly.mode == "always" else None
-        if found is not None:  # anomaly mode raised at the op: diagnose and record it; the error propagates
-            event = self._new_event(trainer, "gradient")
-            ctx = diagnosis.IncidentContext(trainer=trainer, pl_module=pl_module, event=event,
-                                            batches=list(self._window), rng_states=list(self._rng),
-                                            replay=getattr(pl_module, "automatic_optimization", True),
-                                            frames=self.config.anomaly.frames,
-                                            float64_check=self.config.anomaly.float64_check)
-            extra = diagnosis.diagnose_anomaly_error(ctx, found)
-            self.counters["replays"] += int(ctx.replayed)
-            event.add_action("raise")
-            self._record(trainer, event, ctx, extra)
-        self._flush()
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._stop_hooks()
+        self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
+        self._recorder.flush()
 
-    # ------------------------------------------------------------------------------------- batch hooks
+    def _stop_hooks(self) -> None:
+        self._evidence.activations.stop()
+        self._diagnoser.stop()
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if not self._window:  # first micro-batch of an optimizer step
-            if self._buffers is not None:
-                self._buffers.arm()
-            self._loss_bad = self._loss_sum = self._input_bad = None
-            self._diag_hooks.step_start(trainer.global_step)
-        self._window.append((batch, batch_idx))
-        if self.config.anomaly.mode != "off":
-            self._rng.append(_rng_state())
-        if self.config.check.inputs == "always":
-            flag = checks.any_nonfinite_flag([t for _, t in checks.iter_batch_tensors(batch)])
-            if flag is not None:
-                self._input_bad = flag if self._input_bad is None else self._input_bad | flag
+    # ------------------------------------------------------------------------------------- the step
 
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
-        self._diag_hooks.fold()  # check.activations: outputs of this micro-batch -> one device flag
-        if not self.config.check.loss:
-            return
-        if self._flags_read:  # manual optimization: each optimizer step judges the losses since the last one
-            self._loss_bad = self._loss_sum = None
-            self._flags_read = False
-        loss = loss.detach()
-        flag = checks.nonfinite_flag(loss)
-        value = amp.unscale_value(loss.float().sum(), amp.grad_scaler(trainer))  # 16-mixed: loss is scaled here
-        self._loss_bad = flag if self._loss_bad is None else self._loss_bad | flag
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):
+            self._recovery.step_start()
+        self._diagnoser.micro_batch()
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: torch.optim.Optimizer) -> None:
-        self._stepped = True
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
+        self._evidence.loss(loss, grad_scaler(trainer))  # 16-mixed: the loss is scaled here
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        scaler = self._scaler = amp.grad_scaler(trainer)
+        scaler = grad_scaler(trainer)
         if scaler is not None:
-            amp.ensure_unscaled(scaler, optimizer)
-        if self._stopped or self._skip_batches_left > 0:
-            self._skip_quietly(params)
+            ensure_unscaled(scaler, optimizer)
+        if self._recovery.stopped or self._recovery.skip_batches_left > 0:
+            self._recovery.skip(params)
+            self._outcome = Outcome.SKIPPED
             return
-
-        grads = [p.grad for p in params if p.grad is not None]
         cfg = self.config
+        ladder = self._recovery.ladder
+        grads = [p.grad for p in params if p.grad is not None]
         # clipping needs the norm even where check.gradients is off (then it only clips, never detects)
-        clipping = (cfg.clip.max_norm is not None or self.ladder.adaptive_clip or cfg.check.spike_action == "clip")
+        clipping = cfg.clip.max_norm is not None or ladder.adaptive_clip or cfg.check.spike_action == "clip"
         norm = self._sync.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
-        values = self._read_flags(norm, params)  # the one host-device sync of this step (and, DDP, all-reduce)
-        norm_value, loss_value, loss_bad, input_bad, param_bad = values
-        norm = self._sync.global_norm(norm, norm_value)
-        # several processes: the flags were summed over ranks and the loss is the mean over ranks, so this
-        # decision, the spike statistics and everything below are identical on every rank
-        any_bad = loss_bad or input_bad or param_bad or self._activation_bad
-        spike_z = self._observe_loss(any_bad, loss_value)  # host-side statistics, no sync
-        grads_bad = cfg.check.gradients and not math.isfinite(norm_value)
-        self.last_grad_norm = norm_value
+        device = params[0].device if params else torch.device("cpu")
+        flags = self._evidence.read(norm, device, scaler, self._sync)  # the one host-device sync of the step
+        # several processes: the flags were reduced over ranks, so everything below is identical on every rank
+        norm = self._sync.global_norm(norm, flags.grad_norm)
+        self._clipper.last_norm = flags.grad_norm
+        loss = flags.loss if self._evidence.loss_checked else None
+        spike_z = None if flags.local_bad else self._losses.observe(loss)
+        grads_bad = cfg.check.gradients and flags.grads_bad
+        scaled = scaler is not None
+        self._outcome = classify(flags, grads_bad, scaled, self._overflow.observe(flags, grads_bad, scaled))
+        if self._outcome is Outcome.INCIDENT:
+            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled)
+        elif self._outcome is Outcome.HEALTHY:
+            self._healthy(trainer, pl_module, params, norm, flags, spike_z)
 
-        if not any_bad and grads_bad and scaler is not None:
-            # a GradScaler overflow is routine: the scaler skips the step and lowers its scale
-            self._scaler_overflows += 1
-            if not amp.overflow_is_incident(self._scaler_overflows, self.grad_scale, cfg.check.amp_overflow_patience,
-                                            cfg.check.amp_min_scale):
-                self._routine_overflow = True  # logged (the scale) in on_train_batch_end
+    def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
+                 norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float]) -> None:
+        clip_to = None
+        if spike_z is not None:
+            spike = self._responder.spike(trainer, pl_module, params, flags, spike_z)
+            if spike.skip:
+                self._outcome = Outcome.SKIPPED
                 return
-        if not any_bad and not grads_bad:
-            self._scaler_overflows = 0
-            limit = None
-            if spike_z is not None:
-                limit = self._loss_spike(trainer, pl_module, params, loss_value, spike_z, norm_value)
-                if limit is not None and limit < 0:
-                    return  # check.spike_action: skip_step
-            self._healthy(trainer, params, grads, norm, norm_value, loss_value, limit)
-            return
+            clip_to = spike.clip_to
+        self._evidence.grads_were_finite = True
+        ladder = self._recovery.ladder
+        ladder.healthy()
+        self._clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
+        if norm is not None and self._clipper.clipping_persists(ladder.adaptive_clip):
+            self._responder.clipping_persists(trainer, params, flags)
+            self._outcome = Outcome.INCIDENT
+        self._losses.healthy(flags.loss if self._evidence.loss_checked else None)
 
-        kind = ("parameter" if param_bad else "input" if input_bad else "activation" if self._activation_bad
-                else "loss" if loss_bad else "gradient")
-        self._incident(trainer, pl_module, optimizer, params, kind, norm_value, any_bad)
-        if scaler is not None and self._pending:
-            event = self._pending[-1][0]
-            event.details.update(grad_scale=self.grad_scale, scaler_overflows=self._scaler_overflows)
-            if not any_bad and event.kind == "gradient" and event.cause in (None, "unknown"):
-                event.cause = "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
-                event.suggestion = diagnosis.SUGGESTIONS["overflow"]
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self._stepped:
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        outcome, self._outcome = self._outcome, None
+        if outcome is None:
             return  # a non-final micro-batch of gradient accumulation
-        self._stepped = False
-        self._diag_hooks.step_end()
-        self._window.clear()
-        self._rng.clear()
-        if self._pending:
-            self._finish_incidents(trainer, pl_module)
-            if self.config.check.parameters and not self._stopped:  # weights can go bad during a skipped step too
-                self._param_bad = self._state_check.flag(pl_module)
-        elif self._healthy_step:
-            self._after_healthy_step(trainer, pl_module)
-        elif self._skip_batches_left > 0:
-            self._skip_batches_left -= 1
-            if self._buffers is not None:
-                self._buffers.undo()
-        self._healthy_step = False
-        if self._routine_overflow:  # a GradScaler overflow: log the lowered scale like a healthy step
-            self._routine_overflow = False
-            if self._logger_sink is not None and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
-                self._log_scalars(trainer, trainer.global_step)
+        self._evidence.step_end()
+        self._diagnoser.step_end()
+        if self._responder.pending:
+            self._responder.finish(trainer, pl_module)
+            if not self._recovery.stopped:  # weights can go bad during a skipped step too
+                self._evidence.after_step(pl_module)
+        elif outcome is Outcome.HEALTHY:
+            self._after_healthy(trainer, pl_module)
+        elif outcome is Outcome.SKIPPED and self._recovery.skip_batches_left > 0:
+            self._recovery.skip_batches_left -= 1
+            self._recovery.undo_buffers()
+        if outcome is Outcome.ROUTINE_OVERFLOW:  # log the lowered scale like a healthy step
+            self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
         if self.config.logging.progress_bar:
-            self._status.update(trainer, pl_module, self.counters["incidents"], self.lr_scale)
+            self._recorder.status.update(trainer, pl_module, self._recorder.incidents, self._recovery.lr_scale)
 
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+    def _after_healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._recovery.healthy_step()
+        self._evidence.after_step(pl_module)  # read with the next step's flags
+        # never snapshot a run whose gradient norm is running away: finite is not known-good
+        if self._recovery.snapshot_due() and not self._clipper.diverging():
+            self._snapshot(trainer, pl_module)
+        self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
+
+    def _snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._recovery.store is None:
+            return
+        if self.config.check.parameters:
+            if self._evidence.state_bad(consume=False):  # never snapshot poisoned state: the next step rolls back
+                return
+            if optimizer_state_nonfinite(trainer.optimizers, self._sync, trainer.strategy.root_device):
+                # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
+                self._responder.parameter_incident(trainer, pl_module, where="snapshot")
+                return
+        self._recovery.take_snapshot(trainer, pl_module)
+        self._evidence.state.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then
+
+    # ----------------------------------------------------------------------------------- checkpoints
+
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           checkpoint: dict[str, Any]) -> None:
         if not self.config.check.parameters:
             return
-        bad = ckpt.nonfinite_entries(checkpoint, exempt=self._state_check.exempt)  # weights, optimizer states
+        exempt = self._evidence.state.exempt
+        bad = nonfinite_entries(checkpoint, exempt=exempt)  # weights and optimizer states
         # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision
         if self._sync.sharded and self._sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
             bad = [{"name": "(a shard on another rank)"}]
         if not bad:
             return
         # the checkpoint would carry non-finite state: restore known-good state and save that instead
-        self._parameter_incident(trainer, pl_module, where="checkpoint")
-        ckpt.rebuild(checkpoint, trainer, self.state_key, self.state_dict())
-        still_bad = ckpt.nonfinite_entries(checkpoint, exempt=self._state_check.exempt)
+        self._responder.parameter_incident(trainer, pl_module, where="checkpoint")
+        rebuild(checkpoint, trainer, self.state_key, self.state_dict())
+        still_bad = nonfinite_entries(checkpoint, exempt=exempt)
         if still_bad:  # nothing known-good to substitute (recovery.snapshot: off): refuse to write it
             raise NaNGuardError(
                 "NaNGuard refused to write a checkpoint holding non-finite tensors "
                 f"({', '.join(f['name'] for f in still_bad[:5])}) and has no known-good snapshot to save instead "
                 "(recovery.snapshot is 'off'?).")
 
-    # --------------------------------------------------------------------------------- step decisions
 
-    def _read_flags(self, norm: Optional[Tensor], params: list[Tensor]) -> list[float]:
-        """Fold every device flag of this step into one tensor and read it once."""
-        device = params[0].device if params else torch.device("cpu")
-        zero = torch.zeros((), device=device)
-        parts = [
-            norm.float().to(device) if norm is not None else zero,
-            self._loss_sum.to(device) if self._loss_sum is not None else zero,
-            self._loss_bad.float().to(device) if self._loss_bad is not None else zero,
-            self._input_bad.float().to(device) if self._input_bad is not None else zero,
-            self._param_bad.float().to(device) if self._param_bad is not None else zero,
-        ]
-        activations = self._diag_hooks.take()  # check.activations: one flag for all modules of the step
-        parts.append(activations.float().to(device) if activations is not None else zero)
-        self._param_bad = None
-        self._flags_read = True
-        stacked = self._sync.reduce(torch.stack(parts))  # several processes: one small all-reduce, no barrier
-        read = torch.cat([stacked] + amp.scale_parts(self._scaler, device)).tolist()
-        self.grad_scale = read.pop() if self._scaler is not None and len(read) > len(parts) else None
-        *values, activation_bad = read
-        self._activation_bad = bool(activation_bad)
-        norm_value, loss_value, loss_bad, input_bad, param_bad = values
-        return [norm_value, loss_value, bool(loss_bad), bool(input_bad), bool(param_bad)]
-
-# ----------------------------------------------------------------------------------------- module helpers
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def _upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 state dict (one flat dict of counters and statistics) in the version-2 layout."""
+    counters = state.get("counters", {})
+    return {
+        "recorder": {"index": state.get("event_index", 0), "incidents": counters.get("incidents", 0),
+                     "spikes": counters.get("spikes", 0)},
+        "recovery": {"lr_scale": state.get("lr_scale", 1.0), "ladder": state.get("ladder", {}),
+                     "healthy_since_snapshot": state.get("healthy_since_snapshot", 0),
+                     **{k: counters.get(k, 0) for k in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots")}},
+        "clipper": {"zclip": state.get("norm_ema") or {}, "history": state.get("norm_history", []),
+                    "clipped_steps": counters.get("clipped_steps", 0)},
+        "losses": {"spikes": state.get("loss_stats") or {}, "history": state.get("loss_history", [])},
+        "overflow": {"overflows": state.get("scaler_overflows", 0)},
+        "diagnoser": {"replays": counters.get("replays", 0)},
+    }

@@ -184,7 +184,8 @@ class LoggingConfig(_Section):
 
     _section = "logging"
     events_file: bool = _opt(True, "append every event to <log_dir>/nanguard/events.jsonl (flushed, fsynced)")
-    tensorboard: bool = _opt(True, "write nanguard/ scalars and incident text to the Trainer's logger")
+    loggers: bool = _opt(True, "write nanguard/ scalars (and, to TensorBoard, incident text) to every logger of "
+                               "the Trainer")
     reports: bool = _opt(True, "write a human-readable incident report next to events.jsonl")
     progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar")
     verbose: bool = _opt(True, "print one line per incident and action (rank 0)")

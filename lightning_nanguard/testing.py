@@ -56,7 +56,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .checks import iter_batch_tensors
+from .tree import iter_tensors, map_tensors
 
 try:
     import pytorch_lightning as pl
@@ -157,7 +157,7 @@ def _element(t: Tensor, rng: random.Random) -> tuple[int, ...]:
 
 
 def _first_float(out: Any) -> Optional[Tensor]:
-    return next((t for _, t in iter_batch_tensors(out) if t.is_floating_point() and t.numel()), None)
+    return next((t for _, t in iter_tensors(out) if t.is_floating_point() and t.numel()), None)
 
 
 class FaultInjector(pl.Callback):
@@ -318,7 +318,7 @@ class FaultInjector(pl.Callback):
         return index
 
     def _poison_input(self, p: _Planned, batch: Any) -> None:
-        named = [(path, t) for path, t in iter_batch_tensors(batch)]
+        named = [(path, t) for path, t in iter_tensors(batch)]
         where, tensor = self._pick(p, named)
         if tensor is None:
             self._mark(p, None, None, "the batch has no floating tensor")
@@ -348,7 +348,7 @@ class FaultInjector(pl.Callback):
                 record.index = list(_element(out, p.rng))
             poisoned = out.clone()
             poisoned[tuple(record.index)] = _NUMBERS[p.value]
-            return poisoned if isinstance(output, Tensor) else _replace(output, out, poisoned)
+            return poisoned if isinstance(output, Tensor) else map_tensors(output, lambda t: poisoned if t is out else t)
 
         self._handles.append(modules[name].register_forward_hook(hook))
         self._mark(p, name, ())  # the element is filled in by the hook at the first forward
@@ -356,15 +356,3 @@ class FaultInjector(pl.Callback):
 
 def _named(p: _Planned) -> str:
     return f" for {p.fault.target!r}" if p.fault.target is not None else ""
-
-
-def _replace(output: Any, old: Tensor, new: Tensor) -> Any:
-    if output is old:
-        return new
-    if isinstance(output, tuple) and not hasattr(output, "_fields"):
-        return tuple(_replace(o, old, new) for o in output)
-    if isinstance(output, list):
-        return [_replace(o, old, new) for o in output]
-    if isinstance(output, dict):
-        return {k: _replace(v, old, new) for k, v in output.items()}
-    return output

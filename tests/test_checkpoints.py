@@ -15,7 +15,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.ckpt import iter_checkpoint_tensors
+from lightning_nanguard.recover.checkpoint import iter_checkpoint_tensors
 
 
 def sparse_data(n: int = 64) -> DataLoader:

@@ -229,7 +229,7 @@ def test_every_batch_poisoned_ends_bounded_with_the_last_good_weights(tmp_path, 
     for k, v in model.state_dict().items():
         assert torch.equal(v, good[k]), k
     assert any(not torch.equal(v, initial[k]) for k, v in good.items())
-    report = Path(guard._report_path(guard.events[-1]))
+    report = Path(guard._recorder.report_path(guard.events[-1]))
     assert report.exists() and "cause" in report.read_text()
 
 
@@ -330,5 +330,5 @@ def test_intentional_inf_buffer_is_not_an_incident(tmp_path):
     trainer = models.trainer(tmp_path, [guard, ckpt], enable_checkpointing=True, max_epochs=1)
     trainer.fit(MaskedAttention(), models.loader(data, 8))
     assert guard.events == [] and trainer.global_step == 8
-    assert guard._state_check.exempt == {"mask"}
+    assert guard._evidence.state.exempt == {"mask"}
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 4  # checkpoints with the mask are written

@@ -78,7 +78,7 @@ def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
         assert len(steady) == len(per_step) - 1 - len(BAD_STEPS)
         for batch_idx, step_calls in steady:
             guard = [(name, numel) for name, from_guard, numel in step_calls if from_guard]
-            assert guard == [("all_reduce", 5)], (batch_idx, step_calls)  # one all-reduce of 5 numbers
+            assert guard == [("all_reduce", 5)], (batch_idx, step_calls)  # one all-reduce: the loss and 4 flags
         for batch_idx, step_calls in per_step:
             if batch_idx in BAD_STEPS:  # on an incident only: the evidence of every rank is gathered
                 names = [name for name, from_guard, _ in step_calls if from_guard]
@@ -107,7 +107,7 @@ def test_fsdp_single_device_skips_and_rolls_back(tmp_path):
 
     import models
     from lightning_nanguard import NaNGuard
-    from lightning_nanguard.distributed import shards_gradients
+    from lightning_nanguard.detect.sync import shards_gradients
 
     class Burst(models.Regression):
         def training_step(self, batch, batch_idx):

@@ -17,7 +17,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.status import INCIDENTS_KEY, LR_SCALE_KEY
+from lightning_nanguard.report.progress import INCIDENTS_KEY, LR_SCALE_KEY
 from models import Regression, loader, regression_data, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
@@ -115,11 +115,12 @@ def test_progress_bar_shows_guard_status_while_training(tmp_path):
     t.fit(Regression(lr=6.0), loader(regression_data(512), batch_size=32))
     assert len(probe.seen) == 32
     for step, shown_incidents, shown_scale, incidents, scale in probe.seen:
-        assert (shown_incidents, shown_scale) == (float(incidents), pytest.approx(scale)), step
+        assert (shown_incidents, shown_scale) == (incidents, pytest.approx(scale)), step
+        assert type(shown_incidents) is int  # shown as "ng_incidents=2", not "2.000"
     assert guard.counters["incidents"] > 0 and guard.lr_scale < 1.0
-    assert probe.seen[-1][1] == float(guard.counters["incidents"])  # still shown in the 2nd epoch
-    # host values logged as CPU tensors: no device sync to display them
-    assert t.callback_metrics[INCIDENTS_KEY].device == torch.device("cpu")
+    assert probe.seen[-1][1] == guard.counters["incidents"]  # still shown in the 2nd epoch
+    # host numbers for the bar only: never sent to the loggers, never a device tensor to sync
+    assert INCIDENTS_KEY not in t.callback_metrics and INCIDENTS_KEY not in t.logged_metrics
 
 
 def test_progress_bar_status_can_be_turned_off(tmp_path):
@@ -166,47 +167,37 @@ def test_reports_switch(tmp_path, reports):
     assert len((tmp_path / "nanguard" / "events.jsonl").read_text().splitlines()) == len(BAD_BATCHES)
 
 
-@pytest.mark.parametrize("tensorboard", [True, False])
-def test_tensorboard_switch(tmp_path, tensorboard):
+@pytest.mark.parametrize("loggers", [True, False])
+def test_loggers_switch(tmp_path, loggers):
+    """``logging.loggers`` writes the guard's scalars to every logger of the Trainer (TensorBoard: also the
+    incident text), or to none."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = TensorBoardLogger(str(tmp_path), name="tb")
-    _fit_logging(tmp_path, {"tensorboard": tensorboard}, logger=logger)
-    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    tb, csv = TensorBoardLogger(str(tmp_path), name="tb"), CSVLogger(str(tmp_path), name="csv")
+    _fit_logging(tmp_path, {"loggers": loggers}, logger=[tb, csv])
+    acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     tags = acc.Tags()["scalars"] + acc.Tags()["tensors"]
     assert "train_loss" in tags  # the logger works either way
     ours = [t for t in tags if t.startswith("nanguard/")]
-    if tensorboard:
+    columns = (Path(csv.log_dir) / "metrics.csv").read_text().splitlines()[0].split(",")
+    if loggers:
         assert "nanguard/incidents" in ours and any(t.startswith("nanguard/incident/") for t in ours)
+        assert "nanguard/incidents" in columns  # the second logger too, not only the first
     else:
-        assert ours == []
-    assert (Path(logger.log_dir) / "nanguard" / "events.jsonl").is_file()
+        assert ours == [] and not [c for c in columns if c.startswith("nanguard/")]
+    assert (Path(tb.log_dir) / "nanguard" / "events.jsonl").is_file()
 
 
 @pytest.mark.parametrize("verbose", [True, False])
-def test_verbose_switch(tmp_path, verbose):
-    """One line per incident through the ``lightning_nanguard`` logger, or none."""
-    import logging as std_logging
-
-    records: list[str] = []
-
-    class Collect(std_logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    log = std_logging.getLogger("lightning_nanguard")
-    handler, level = Collect(), log.level
-    log.addHandler(handler)
-    log.setLevel(std_logging.INFO)
-    try:
-        guard = NaNGuard(logging={"verbose": verbose})
-        trainer(tmp_path, callbacks=[guard]).fit(Regression(), poisoned_loader())
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+def test_verbose_switch(tmp_path, caplog, verbose):
+    """One line per incident through Lightning's rank-zero logger (no progress bar here), or none."""
+    caplog.set_level("INFO")
+    guard = NaNGuard(logging={"verbose": verbose})
+    trainer(tmp_path, callbacks=[guard]).fit(Regression(), poisoned_loader())
     assert len(guard.events) == len(BAD_BATCHES)
-    assert records == ([e.summary() for e in guard.events] if verbose else [])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[nanguard] step")]
+    assert lines == ([e.summary() for e in guard.events] if verbose else [])
 
 
 def test_events_file_is_flushed_and_fsynced_per_event(tmp_path, monkeypatch):

@@ -124,7 +124,7 @@ def test_rollback_restores_the_scaler(tmp_path):
     assert probe.scales[:bad[0]] == [init] * bad[0]
     assert probe.scales[bad[0]:bad[-1]] == [init * BACKOFF ** (i + 1) for i in range(len(bad) - 1)]
     assert probe.scales[bad[-1]] == init
-    snapshot = guard._store.load(guard._store.newest)
+    snapshot = guard._recovery.store.load(guard._recovery.store.newest)
     assert snapshot["scaler"]["scale"] == init  # the snapshot holds the scaler's state
 
 

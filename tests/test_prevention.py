@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.stats import (CLIPS_BEFORE_LR_CUT, SPIKES_BEFORE_LR_CUT, RunningStats, SpikeDetector,
-                                      ZClip, adaptive_grad_clip_, unitwise_norms)
+from lightning_nanguard.detect.spikes import RunningStats, SpikeDetector
+from lightning_nanguard.incidents import SPIKES_BEFORE_LR_CUT
+from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
 from models import Classifier, Regression, classification_data, loader, regression_data, trainer
 
 
@@ -39,7 +40,7 @@ def test_running_stats_exact_during_warmup_then_ema() -> None:
     assert s.count == 6 and math.isfinite(s.mean)
 
 
-def test_running_stats_state_dict_round_trip_and_legacy_tuple() -> None:
+def test_running_stats_state_dict_round_trip() -> None:
     s = RunningStats(0.97, 3)
     for v in (1.0, 2.0, 4.0, 8.0):
         s.update(v)
@@ -49,9 +50,6 @@ def test_running_stats_state_dict_round_trip_and_legacy_tuple() -> None:
         s.update(x)
         t.update(x)
     assert t.state_dict() == s.state_dict()
-    legacy = RunningStats(0.97, 3)
-    legacy.load_state_dict((2.0, 0.5, 7))  # the callback's former (mean, var, count)
-    assert (legacy.mean, legacy.var, legacy.count) == (2.0, 0.5, 7)
     with pytest.raises(ValueError, match="alpha"):
         RunningStats(alpha=1.0)
 
@@ -191,8 +189,8 @@ def test_healthy_adamw_onecycle_dropout_run_has_no_events_and_identical_weights(
     guard = NaNGuard()
     _fit(tmp_path / "guarded", guarded, guard, epochs=8, data=data)
 
-    assert guard.spikes.stats.count == 128 and guard.spikes.stats.ready  # detection was live for 78 steps
-    assert guard.zclip.threshold() is not None
+    assert guard._losses.detector.stats.count == 128 and guard._losses.detector.stats.ready  # detection was live for 78 steps
+    assert guard._clipper.zclip.threshold() is not None
     assert guard.events == [] and guard.counters["spikes"] == 0 and guard.counters["clipped_steps"] == 0
     assert _same_weights(plain, guarded)
 
@@ -247,7 +245,7 @@ def test_reduce_lr_spike_cuts_the_lr_without_climbing_the_ladder(tmp_path: Any) 
     assert event.details["lr_before"] == [0.05] and event.details["lr_after"] == [pytest.approx(0.0125)]
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0125)
     assert guard.lr_scale == 0.25 and guard.counters["lr_cuts"] == 1
-    assert guard.counters["incidents"] == 0 and guard.ladder.consecutive == 0 and not guard.ladder.adaptive_clip
+    assert guard.counters["incidents"] == 0 and guard._recovery.ladder.consecutive == 0 and not guard._recovery.ladder.adaptive_clip
 
 
 def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clipping(tmp_path: Any) -> None:
@@ -269,7 +267,7 @@ def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clippin
     assert spikes and spikes[0].step == 30 and spikes[0].actions == ["clip"]
     assert seen == [pytest.approx(spikes[0].details["clip_to"], rel=1e-4)]
     assert spikes[0].details["clip_to"] < spikes[0].details["grad_norm"] / 100
-    assert guard.ladder.adaptive_clip and guard.counters["clipped_steps"] >= 1
+    assert guard._recovery.ladder.adaptive_clip and guard.counters["clipped_steps"] >= 1
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
@@ -301,8 +299,8 @@ def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it
     class Probe(pl.Callback):  # after the guard: the gradient the optimizer will apply
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            used = guard.zclip.stats.state_dict()
-            steps.append((trainer.global_step, guard.last_grad_norm, float(torch.nn.utils.get_total_norm(grads)),
+            used = guard._clipper.zclip.stats.state_dict()
+            steps.append((trainer.global_step, guard._clipper.last_norm, float(torch.nn.utils.get_total_norm(grads)),
                           used))
 
     guard = NaNGuard(clip={"adaptive": "always", "warmup_steps": 10}, check={"spike_action": "off"})
@@ -336,21 +334,25 @@ def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it
 def test_guard_state_dict_carries_the_statistics() -> None:
     a = NaNGuard()
     for v in range(1, 40):
-        a.zclip.update(float(v))
-        a.spikes.observe(float(v % 5))
+        a._clipper.zclip.update(float(v))
+        a._losses.detector.observe(float(v % 5))
     b = NaNGuard()
     b.load_state_dict(a.state_dict())
-    assert b.zclip.state_dict() == a.zclip.state_dict() and b.spikes.state_dict() == a.spikes.state_dict()
-    c = NaNGuard()
-    c.load_state_dict({"norm_ema": (2.0, 0.25, 30)})  # a checkpoint from before stats.py
-    assert c.zclip.threshold() == pytest.approx(2.0 + 2.5 * 0.5)
+    assert b._clipper.zclip.state_dict() == a._clipper.zclip.state_dict() and b._losses.detector.state_dict() == a._losses.detector.state_dict()
+    c = NaNGuard()  # a version-1 state dict: one flat dict of counters and statistics
+    c.load_state_dict({"counters": {"incidents": 3, "rollbacks": 1}, "lr_scale": 0.25, "event_index": 4,
+                       "norm_ema": {"count": 30, "mean": 2.0, "var": 0.25}})
+    assert c._clipper.zclip.threshold() == pytest.approx(2.0 + 2.5 * 0.5)
+    assert c.lr_scale == 0.25 and c.counters["incidents"] == 3 and c.counters["rollbacks"] == 1
+    assert c._recorder.state_dict()["index"] == 4
 
 
 # ------------------------------------------------------------------------- hot-path helpers (checks.py)
 
 
 def test_total_norm_is_bitwise_get_total_norm() -> None:
-    from lightning_nanguard import checks
+    from lightning_nanguard.detect import flags as checks
+    from lightning_nanguard.detect.state import StateCheck
 
     torch.manual_seed(0)
     grads = [torch.randn(s) * 3 for s in [(16, 8), (16,), (4, 3, 3), ()]]
@@ -361,10 +363,11 @@ def test_total_norm_is_bitwise_get_total_norm() -> None:
 
 
 def test_state_check_sees_in_place_writes_new_storage_and_huge_finite_values() -> None:
-    from lightning_nanguard import checks
+    from lightning_nanguard.detect import flags as checks
+    from lightning_nanguard.detect.state import StateCheck
 
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1), nn.Linear(1100, 1000))
-    check = checks.StateCheck()
+    check = StateCheck()
     assert not bool(check.flag(model))
     weight = model[0].weight
     with torch.no_grad():
@@ -407,13 +410,13 @@ def test_rollback_restores_the_running_statistics_of_the_snapshot(tmp_path: Any)
     class Probe(pl.Callback):  # after the guard's on_train_batch_end, i.e. after the rollback
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             if guard.counters["rollbacks"] and not seen:
-                meta = guard._store.newest.meta
-                seen.append((meta["zclip"], guard.zclip.state_dict(), meta["loss_stats"], guard.spikes.state_dict()))
+                meta = guard._recovery.store.newest.meta
+                seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"], guard._losses.detector.state_dict()))
 
     guard = NaNGuard()  # snapshot every 50 steps; 4 NaN losses in a row: skip x3, then roll back
     tr = trainer(tmp_path, callbacks=[guard, Probe()], max_epochs=5)
     tr.fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), loader(regression_data(), shuffle=True))
-    assert guard.counters["rollbacks"] == 1 and guard._store.newest.step >= 50
+    assert guard.counters["rollbacks"] == 1 and guard._recovery.store.newest.step >= 50
     (zclip_snap, zclip_now, loss_snap, loss_now), = seen
     assert zclip_now == zclip_snap and loss_now == loss_snap and zclip_now["count"] >= 50
 
@@ -476,7 +479,7 @@ def test_spike_z_is_the_detection_threshold(tmp_path: Any) -> None:
     assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["warn"])]
     assert low.events[0].details["loss_zscore"] == pytest.approx(expected, rel=1e-6)
     high = _fit_scripted(tmp_path / "high", ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP})
-    assert high.events == [] and high.counters["spikes"] == 0 and high.spikes.stats.count == WARMUP + 1
+    assert high.events == [] and high.counters["spikes"] == 0 and high._losses.detector.stats.count == WARMUP + 1
 
 
 def test_spike_warmup_is_the_number_of_losses_before_detection(tmp_path: Any) -> None:
@@ -484,14 +487,14 @@ def test_spike_warmup_is_the_number_of_losses_before_detection(tmp_path: Any) ->
     ready = _fit_scripted(tmp_path / "ready", ScriptedLoss(values), {"spike_warmup": WARMUP})
     assert [(e.kind, e.step) for e in ready.events] == [("spike", WARMUP)]
     warming = _fit_scripted(tmp_path / "warming", ScriptedLoss(values), {"spike_warmup": WARMUP + 1})
-    assert warming.events == [] and warming.spikes.stats.count == WARMUP + 1  # the spike fed the warm-up
+    assert warming.events == [] and warming._losses.detector.stats.count == WARMUP + 1  # the spike fed the warm-up
 
 
 def test_spike_action_off_turns_detection_off(tmp_path: Any) -> None:
     values = _scripted(WARMUP, spike_z=50.0)
     guard = _fit_scripted(tmp_path, ScriptedLoss(values), {"spike_action": "off", "spike_warmup": WARMUP})
-    assert guard.events == [] and guard.spikes.stats.count == 0
-    assert guard.loss_history[-1] == pytest.approx(values[-1])  # the loss was read, just not judged
+    assert guard.events == [] and guard._losses.detector.stats.count == 0
+    assert guard._losses.history[-1] == pytest.approx(values[-1])  # the loss was read, just not judged
 
 
 class _StateProbe(pl.Callback):

@@ -16,7 +16,7 @@ from torch.optim import lr_scheduler as S
 
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
-from lightning_nanguard.policy import RecoveryLadder
+from lightning_nanguard.recover.ladder import RecoveryLadder
 from lightning_nanguard.stats import ZClip
 from lightning_nanguard.testing import Fault, FaultInjector
 
@@ -130,9 +130,9 @@ def test_adaptive_on_incident_arms_after_an_incident_and_off_never(tmp_path, ada
     assert [e.step for e in guard.events] == [2]
     clipped = [s for s, ((a,), (b,)) in enumerate(zip(before.rows, after.rows)) if b < a * (1 - 1e-6)]
     if adaptive == "off":
-        assert clipped == [] and not guard.ladder.adaptive_clip and guard.counters["clipped_steps"] == 0
+        assert clipped == [] and not guard._recovery.ladder.adaptive_clip and guard.counters["clipped_steps"] == 0
     else:
-        assert "clip" in guard.events[0].actions and guard.ladder.adaptive_clip
+        assert "clip" in guard.events[0].actions and guard._recovery.ladder.adaptive_clip
         assert spike in clipped and guard.counters["clipped_steps"] == len(clipped)
 
 
@@ -151,7 +151,7 @@ def test_norm_type_is_the_norm_that_is_clipped(tmp_path, norm_type):
             clipped += 1
             assert abs(two_post - max_norm) > 0.05 * max_norm, two_post
     assert guard.counters["clipped_steps"] == clipped > 0
-    assert guard.last_grad_norm == pytest.approx(before.rows[-1][0], rel=1e-6)
+    assert guard._clipper.last_norm == pytest.approx(before.rows[-1][0], rel=1e-6)
 
 
 # --------------------------------------------------------------------------------------------- rollback
@@ -180,7 +180,7 @@ def test_rollback_loads_the_newest_snapshot_then_the_one_before(tmp_path):
     assert opt_state and all({"exp_avg", "exp_avg_sq", "step"} <= s.keys() for s in opt_state.values())
     assert snaps.states[expected[0]]["schedulers"][0]["last_epoch"] == expected[0]
     assert "net.1.running_mean" in snaps.states[expected[0]]["module"]
-    assert guard.ladder.failed_rollbacks == 0  # a snapshot after the second rollback confirmed it
+    assert guard._recovery.ladder.failed_rollbacks == 0  # a snapshot after the second rollback confirmed it
 
 
 class Scheduled(models.Regression):
@@ -299,7 +299,7 @@ def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, mode):
     fit(tmp_path, models.Regression(), [guard, snaps], steps=steps)
     expected = list(range(0, steps + 1, every))
     assert sorted(snaps.states) == expected and guard.counters["snapshots"] == len(expected)
-    assert [s.step for s in guard._store.ring] == expected[-keep:]
+    assert [s.step for s in guard._recovery.store.ring] == expected[-keep:]
     if mode == "disk":
         assert sorted(p.name for p in folder.iterdir()) == sorted(f"snapshot-step{s}.pt" for s in expected[-keep:])
         assert not (tmp_path / "nanguard" / "snapshots").exists()
@@ -319,7 +319,7 @@ def test_confirm_after_takes_the_confirming_snapshot_sooner(tmp_path):
     confirming = rollback + 1 + recovery["confirm_after"]
     after = [s for s in sorted(snaps.states) if s > rollback]
     assert after[:2] == [confirming, confirming + recovery["snapshot_every"]]  # then the usual interval again
-    assert guard.ladder.failed_rollbacks == 0
+    assert guard._recovery.ladder.failed_rollbacks == 0
 
 
 def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path):
@@ -335,7 +335,7 @@ def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path):
         if mode == "off":
             with pytest.raises(NaNGuardError):
                 run()
-            assert guard.counters["snapshots"] == 0 and guard._store is None
+            assert guard.counters["snapshots"] == 0 and guard._recovery.store is None
         else:
             run()
             assert guard.counters["rollbacks"] == 1

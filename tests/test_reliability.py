@@ -138,7 +138,7 @@ class Probe(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         g = self.guard
-        self.at_start = (dict(g.counters), g.lr_scale, g._event_index, trainer.global_step)
+        self.at_start = (dict(g.counters), g.lr_scale, g._recorder.state_dict()["index"], trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.first_step is None:  # the LR the first step of this fit really uses
@@ -154,10 +154,10 @@ def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path):
     _, trainer = fit(root, [FaultInjector(faults), first, ckpt], max_steps=45, enable_checkpointing=True)
     assert [e.step for e in first.events] == detected_steps(faults)
     assert first.lr_scale == 0.5 and first.counters["rollbacks"] == 1
-    saved = (dict(first.counters), first.lr_scale, first._event_index)
+    saved = (dict(first.counters), first.lr_scale, first._recorder.state_dict()["index"])
     path = tmp_path / "ckpt" / f"epoch={40 // (len(DATA) // 32)}-step=40.ckpt"
     assert path.exists(), sorted(os.listdir(tmp_path / "ckpt"))
-    assert torch.load(path, weights_only=False)["callbacks"]["NaNGuard"]["event_index"] == 3
+    assert torch.load(path, weights_only=False)["callbacks"]["NaNGuard"]["recorder"]["index"] == 3
 
     # resumed by a new process' objects: a new guard, model and Trainer
     second = NaNGuard(logging={"verbose": False}, recovery={"reduce_lr_after": 2})

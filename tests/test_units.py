@@ -11,10 +11,11 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler as S
 
-from lightning_nanguard import checks
+from lightning_nanguard.detect import find, flags
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
-from lightning_nanguard.policy import RecoveryLadder
-from lightning_nanguard.recovery import BufferUndo, SnapshotStore, scale_lr
+from lightning_nanguard.recover.ladder import RecoveryLadder
+from lightning_nanguard.recover.actions import BufferUndo, scale_lr
+from lightning_nanguard.recover.snapshots import SnapshotStore
 
 NAN, INF = float("nan"), float("inf")
 
@@ -23,23 +24,23 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.mark.parametrize("value,bad", [(1.0, False), (NAN, True), (INF, True), (-INF, True), (3e38, False)])
 def test_nonfinite_flag(value, bad):
-    assert bool(checks.nonfinite_flag(torch.tensor([0.0, value]))) is bad
+    assert bool(flags.nonfinite_flag(torch.tensor([0.0, value]))) is bad
 
 
 def test_any_nonfinite_flag_mixed_dtypes_and_no_false_positive_on_huge_values():
     ts = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float64), torch.arange(3)]
-    assert not bool(checks.any_nonfinite_flag(ts))  # a 2-norm would overflow here; the inf-norm does not
+    assert not bool(flags.any_nonfinite_flag(ts))  # a 2-norm would overflow here; the inf-norm does not
     ts.append(torch.tensor([1.0, NAN], dtype=torch.bfloat16))
-    assert bool(checks.any_nonfinite_flag(ts))
-    assert checks.any_nonfinite_flag([torch.arange(4)]) is None
+    assert bool(flags.any_nonfinite_flag(ts))
+    assert flags.any_nonfinite_flag([torch.arange(4)]) is None
 
 
 def test_total_norm_matches_reference_and_flags_nonfinite():
     g = [torch.randn(5, 3), torch.randn(7)]
     ref = torch.sqrt(sum((t ** 2).sum() for t in g))
-    assert torch.allclose(checks.total_norm(g), ref)
-    assert not math.isfinite(float(checks.total_norm(g + [torch.tensor([INF])])))
-    assert float(checks.total_norm([])) == 0.0
+    assert torch.allclose(flags.total_norm(g), ref)
+    assert not math.isfinite(float(flags.total_norm(g + [torch.tensor([INF])])))
+    assert float(flags.total_norm([])) == 0.0
 
 
 Point = collections.namedtuple("Point", "x y")
@@ -56,18 +57,18 @@ def test_find_batch_nonfinite_walks_any_nesting():
     x[2, 1] = NAN
     x[3, 0] = INF
     batch = {"a": [Point(torch.ones(2), x)], "b": (Item(torch.zeros(2, 2), 1), "text"), "c": torch.arange(3)}
-    found = checks.find_batch_nonfinite(batch)
+    found = find.find_batch_nonfinite(batch)
     assert len(found) == 1
     f = found[0]
     assert f["field"] == "batch['a'][0].y"
     assert f["samples"] == [2, 3] and f["features"] == [0, 1] and f["nan"] == 1 and f["inf"] == 1
     batch["b"][0].feats[1, 1] = -INF
-    assert [f["field"] for f in checks.find_batch_nonfinite(batch)] == ["batch['a'][0].y", "batch['b'][0].feats"]
+    assert [f["field"] for f in find.find_batch_nonfinite(batch)] == ["batch['a'][0].y", "batch['b'][0].feats"]
 
 
 def test_find_nonfinite_tensors_names_and_counts():
     named = [("ok", torch.ones(3)), ("bad", torch.tensor([NAN, INF, 1.0])), ("int", torch.arange(2))]
-    assert checks.find_nonfinite_tensors(named) == [
+    assert find.find_nonfinite_tensors(named) == [
         {"name": "bad", "nan": 1, "inf": 1, "numel": 3, "shape": [3]}]
 
 
@@ -139,7 +140,6 @@ def test_ladder_skips_then_rolls_back_then_gives_up():
     assert rollbacks == [2, 5]
     assert [p.go_further_back for p in plans if p.rollback] == [False, True]
     assert plans[8].give_up and not any(p.give_up for p in plans[:8])
-    assert all(p.skip_step for p in plans)
 
 
 def test_ladder_snapshot_confirms_recovery_and_healthy_resets_skips():

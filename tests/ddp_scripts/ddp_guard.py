@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_nanguard
 from lightning_nanguard import NaNGuard
-from lightning_nanguard import distributed as nd
+from lightning_nanguard.detect import sync as nd
 
 STEPS = 24
 BAD = {3: "const", 8: "mul", 13: "const", 14: "const", 15: "const", 16: "const", 20: "input"}  # rank 1 only
@@ -104,7 +104,7 @@ class Probe(pl.Callback):
         for p in (2.0, float("inf")):
             sync = nd.StepSync(world_size=2, sharded=True, norm_type=p)
             vec = torch.stack([sync.grad_norm(mine), torch.tensor(float(rank + 1)), torch.tensor(float(rank == 1)),
-                               torch.tensor(0.0), torch.tensor(0.0)])
+                               torch.tensor(0.0), torch.tensor(0.0), torch.tensor(0.0), torch.tensor(float("nan"))])
             out = sync.reduce(vec).tolist()
             self.sharded[str(p)] = {"reduced": out, "expected_norm": float(torch.nn.utils.get_total_norm(full, p))}
 
@@ -116,7 +116,7 @@ def main(out: Path) -> None:
     y = x.sum(dim=1, keepdim=True)
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     guard = NaNGuard(recovery={"max_skips": 3, "snapshot_every": 4, "confirm_after": 4},
-                     logging={"tensorboard": False})
+                     logging={"loggers": False})
     probe = Probe()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -30,10 +30,11 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from . import checks
-from .frames import FirstBadOp, FrameRecorder, GraphWatch, format_frames, forward_trace
+from ..detect.flags import any_nonfinite_flag
+from ..tree import map_tensors
+from .recorders import FirstBadOp, FrameRecorder, GraphWatch, format_frames, forward_trace
 
-__all__ = ["ReplayResult", "replay_window", "preserved_state", "parse_anomaly_error"]
+__all__ = ["ReplayResult", "replay_window", "preserved_state", "parse_anomaly_error", "rng_state", "set_rng_state"]
 
 _ANOMALY_RE = re.compile(r"Function '(\w+)' returned (nan|inf) values in its (\d+)(?:st|nd|rd|th) output")
 
@@ -57,14 +58,15 @@ class ReplayResult:
     frames_text: str = ""
 
 
-def _rng_get() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """The CPU and (initialised) CUDA RNG states, to replay a micro-batch with the same dropout masks."""
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _rng_set(state: Optional[dict[str, Any]]) -> None:
+def set_rng_state(state: Optional[dict[str, Any]]) -> None:
     if not state:
         return
     torch.set_rng_state(state["cpu"])
@@ -79,7 +81,7 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 @contextmanager
 def preserved_state(module: nn.Module) -> Iterator[None]:
     """Restore RNG, buffers, train modes and ``log``/``log_dict`` of ``module`` on exit."""
-    rng = _rng_get()
+    rng = rng_state()
     modes = {m: m.training for m in module.modules()}
     buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
     shadowed = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
@@ -100,7 +102,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
                 buf.copy_(saved)
         for m, mode in modes.items():
             m.training = mode
-        _rng_set(rng)
+        set_rng_state(rng)
 
 
 def _loss_of(output: Any) -> Optional[Tensor]:
@@ -112,7 +114,7 @@ def _loss_of(output: Any) -> Optional[Tensor]:
 
 
 def _run(module: Any, batch: Any, batch_idx: int, rng: Any, ctx: Any) -> Optional[Tensor]:
-    _rng_set(rng)
+    set_rng_state(rng)
     with ctx, torch.enable_grad():
         return _loss_of(module.training_step(batch, batch_idx))
 
@@ -238,15 +240,7 @@ def parse_anomaly_error(error: BaseException) -> Optional[dict]:
 
 
 def _to_double(obj: Any) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.double() if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_double(v)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_double(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_double(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.double() if t.is_floating_point() else t)
 
 
 def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: ReplayResult) -> dict:
@@ -264,7 +258,7 @@ def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: Replay
     finally:
         torch.set_default_dtype(previous)
     rec.read()
-    grad_flag = checks.any_nonfinite_flag([g for g in grads if g is not None])
+    grad_flag = any_nonfinite_flag([g for g in grads if g is not None])
     out: dict[str, Any] = {"loss_finite": loss is not None and bool(torch.isfinite(loss.detach()).all()),
                            "grads_finite": grad_flag is None or not bool(grad_flag)}
     out["finite"] = out["loss_finite"] and out["grads_finite"]

@@ -1,4 +1,4 @@
-"""Evidence recorders used by the incident replay (:mod:`lightning_nanguard.replay`); nothing here runs
+"""Evidence recorders used by the incident replay (:mod:`.replay`); nothing here runs
 while training is healthy.
 
 - :class:`FrameRecorder`: forward pre/post and full backward hooks on every module. Per module call it keeps
@@ -26,9 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",
-           "tensors_of", "user_frame"]
+from ..tree import iter_tensors
 
+__all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",
+           "floats_of", "user_frame"]
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -49,17 +50,9 @@ def _is_library(filename: str) -> bool:
     return filename.startswith(_LIBRARY_DIRS) or (filename.startswith(_STDLIB) and "-packages" not in filename)
 
 
-def tensors_of(obj: Any, depth: int = 0) -> list[Tensor]:
-    """Floating tensors in a nested output/input structure."""
-    if isinstance(obj, Tensor):
-        return [obj] if obj.is_floating_point() and obj.numel() else []
-    if depth > 3:
-        return []
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in tensors_of(o, depth + 1)]
-    return []
+def floats_of(obj: Any) -> list[Tensor]:
+    """The non-empty floating tensors of a nested input/output structure."""
+    return [t for _, t in iter_tensors(obj) if t.is_floating_point() and t.numel()]
 
 
 def _stats(tensors: list[Tensor]) -> Optional[Tensor]:
@@ -136,11 +129,11 @@ class FrameRecorder:
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         name, call = self.stack.pop() if self.stack else (self.names[module], 0)
-        self._add(self.forward_frames, name, call, tensors_of(args), tensors_of(output))
+        self._add(self.forward_frames, name, call, floats_of(args), floats_of(output))
 
     def _bwd(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
         # for gradients, "in" is what flows into the module's backward (grad_output), "out" what it produces
-        self._add(self.backward_frames, self.names[module], 0, tensors_of(grad_output), tensors_of(grad_input))
+        self._add(self.backward_frames, self.names[module], 0, floats_of(grad_output), floats_of(grad_input))
 
     def _add(self, frames: list[Frame], name: str, call: int, ins: list[Tensor], outs: list[Tensor]) -> None:
         if not outs:
@@ -189,8 +182,8 @@ class FirstBadOp(TorchFunctionMode):
         if self.found is None:
             where = self.recorder.stack[-1] if self.recorder.stack else None
             if self.module is None or where == self.module:
-                outs = tensors_of(out)
-                if outs and not all_finite(outs) and all_finite(tensors_of([args, kwargs or {}])):
+                outs = floats_of(out)
+                if outs and not all_finite(outs) and all_finite(floats_of([args, kwargs or {}])):
                     grad_fn = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
                     self.found = {"op": grad_fn.name() if grad_fn is not None else None,
                                   "function": getattr(func, "__name__", str(func)),
@@ -215,9 +208,9 @@ class GraphWatch:
 
     def _hook(self, node: Any) -> Any:
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-            if self.found is None and not all_finite(tensors_of(list(grad_inputs))) \
-                    and all_finite(tensors_of(list(grad_outputs))):
-                bad = tensors_of(list(grad_inputs))
+            if self.found is None and not all_finite(floats_of(list(grad_inputs))) \
+                    and all_finite(floats_of(list(grad_outputs))):
+                bad = floats_of(list(grad_inputs))
                 self.found = {"op": node.name(), "nan": any(bool(torch.isnan(t).any()) for t in bad),
                               "traceback": forward_trace(node.metadata.get("traceback_"))}
         return hook

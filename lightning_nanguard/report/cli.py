@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, TextIO
 
-from .config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
+from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
 
 __all__ = ["main", "read_events", "find_event_files", "InputError"]
 
@@ -167,6 +167,7 @@ def _from_lightning_cli(data: Mapping[str, Any], where: str) -> NaNGuardConfig:
             if not isinstance(init, Mapping):
                 raise ConfigError(f"{prefix}: expected a mapping of sections, got {type(init).__name__}")
             init = dict(init)
+            init.pop("name", None)  # NaNGuard's own argument, not a configuration section
             base = NaNGuardConfig.from_mapping(init.pop("config", None), where=f"{prefix}.config")
             given = NaNGuardConfig.from_mapping(init, where=prefix)  # validates names and values
             sections = {name: getattr(given if init.get(name) is not None else base, name) for name in SECTIONS}

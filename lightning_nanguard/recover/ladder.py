@@ -29,16 +29,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ClipConfig, RecoveryConfig
+from ..config import ClipConfig, RecoveryConfig
 
 __all__ = ["Plan", "RecoveryLadder"]
 
 
 @dataclass
 class Plan:
-    """What the callback must do about one incident, in this order."""
+    """What the callback must do about one incident, in this order (the step itself is always skipped)."""
 
-    skip_step: bool = True
     enable_adaptive_clip: bool = False
     rollback: bool = False
     go_further_back: bool = False
@@ -56,12 +55,15 @@ class RecoveryLadder:
         self.failed_rollbacks = 0  # rollbacks not yet confirmed by a new snapshot
         self.adaptive_clip = clip.adaptive == "always"
         self._recent: deque[int] = deque()  # steps of recent non-input incidents
-        self.gave_up = False
 
     # ------------------------------------------------------------------------------------ transitions
 
     def healthy(self) -> None:
         self.consecutive = 0
+
+    def arm_adaptive_clip(self) -> None:
+        """Adaptive clipping from now on (a loss spike with ``check.spike_action: clip``)."""
+        self.adaptive_clip = True
 
     def snapshot_taken(self) -> None:
         """A snapshot after healthy training confirms the last rollback worked."""
@@ -81,7 +83,6 @@ class RecoveryLadder:
             if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and kind in (
                     "parameter", "buffer"):
                 plan.give_up = True
-                self.gave_up = True
                 plan.reasons.append(
                     f"{self.failed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
                     f"{self.cfg.max_rollbacks})" if can_roll_back else "no known-good snapshot to roll back to")
@@ -115,11 +116,10 @@ class RecoveryLadder:
 
     def state_dict(self) -> dict[str, Any]:
         return {"consecutive": self.consecutive, "failed_rollbacks": self.failed_rollbacks,
-                "adaptive_clip": self.adaptive_clip, "recent": list(self._recent), "gave_up": self.gave_up}
+                "adaptive_clip": self.adaptive_clip, "recent": list(self._recent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive = int(state.get("consecutive", 0))
         self.failed_rollbacks = int(state.get("failed_rollbacks", 0))
         self.adaptive_clip = bool(state.get("adaptive_clip", self.adaptive_clip))
         self._recent = deque(int(s) for s in state.get("recent", []))
-        self.gave_up = bool(state.get("gave_up", False))

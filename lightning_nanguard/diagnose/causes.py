@@ -1,45 +1,41 @@
 """Diagnosis: from the evidence of an incident to a cause, a culprit and a suggestion.
 
-:func:`diagnose` is called by the callback on an incident, before any state changes, with an
-:class:`IncidentContext`. It fills ``cause``, ``culprit``, ``op``, ``details`` and ``suggestion`` of the
-event and returns extra text for the incident report (e.g. the module frames of a replay), which
-:func:`render_report` appends once the event's actions are final.
+:func:`diagnose` is called on an incident, before any state changes, with an :class:`IncidentContext`. It
+fills ``cause``, ``culprit``, ``op``, ``details`` and ``suggestion`` of the event and returns extra text for
+the incident report (e.g. the module frames of a replay), which :func:`~.report.render_report` appends
+once the event's actions are final.
+
+The rules, in order:
+
+1. non-finite parameters at fit start: ``initialization``;
+2. non-finite inputs (samples and features found in the batch): ``input``;
+3. non-finite parameters or buffers after a step with finite gradients: ``optimizer`` (e.g. Adam ``eps=0``);
+4. otherwise the micro-batch is replayed (:mod:`.replay`): a forward value finite in float64 is ``overflow``
+   (beyond the dtype's max) or ``precision``; a NaN/Inf first appearing in backward is ``backward_op``
+   (``precision`` if the float64 backward is finite);
+5. the healthy gradient-norm history growing geometrically, or the incident's norm far above it, is
+   ``exploding_gradient``; it also wins over an overflow/precision finding that no extreme input
+   feature explains (the overflow is then a symptom, kept in ``details.symptom``);
+6. GradScaler overflows that persisted past ``check.amp_overflow_patience`` with nothing else known:
+   ``overflow``; anything else is ``unknown``.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from . import checks, replay, stats
-from .events import NaNEvent
-from .replay import parse_anomaly_error
+from ..detect.find import nonfinite_rows
+from ..detect.spikes import history_zscore, norm_growth
+from ..report.events import NaNEvent
+from ..tree import iter_tensors
+from . import replay
+from .suggestions import suggest
 
-__all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "parse_anomaly_error", "SUGGESTIONS"]
-
-SUGGESTIONS = {
-    "input": "Bad input data: fix or drop these samples (check the data pipeline, normalisation and "
-             "division by zero in feature engineering), or filter non-finite batches in the dataset.",
-    "overflow": "Values exceed the dtype's range: normalise or scale the features, reorder the computation "
-                "so large sums are not formed, or compute this op in float64 / float32 instead of half.",
-    "precision": "Precision loss in the working dtype: compute this op in float64 (or float32 under AMP), "
-                 "add an epsilon, or rescale the inputs.",
-    "backward_op": "An op has an infinite or undefined derivative at these inputs (sqrt/norm at 0, log at 0, "
-                   "pow with fractional exponent at 0): add an epsilon (e.g. sqrt(x + 1e-12)) or mask the rows.",
-    "exploding_gradient": "Gradients are exploding: lower the learning rate, add warm-up, or clip the "
-                          "gradient norm (clip.max_norm).",
-    "optimizer": "The optimizer update made parameters non-finite from finite gradients: set Adam's eps to "
-                 "1e-8 (not 0), lower the learning rate, or check weight decay and momentum settings.",
-    "initialization": "Parameters were non-finite or badly scaled before training: re-initialise with "
-                      "Xavier/He (nn.init.xavier_uniform_ / kaiming_normal_) and check loaded checkpoints.",
-    "unknown": "Lower the learning rate, enable clipping, and rerun with NaNGuard(anomaly={'mode': 'always'}, "
-               "check={'activations': 'always'}) to localise the first non-finite value.",
-}
-
+__all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error"]
 
 @dataclass
 class IncidentContext:
@@ -62,16 +58,9 @@ class IncidentContext:
     float64_check: bool = True
     replayed: bool = False  # set by diagnose() when it replayed the window
     previous: Optional[NaNEvent] = None  # the last replayed incident, reused once anomaly.max_replays is spent
-    replay_result: Any = None
-
-
-def _zscore(value: float, history: list[float]) -> Optional[float]:
-    finite = [h for h in history if math.isfinite(h)]
-    if len(finite) < 5 or not math.isfinite(value):
-        return None
-    mean = statistics.fmean(finite)
-    std = statistics.pstdev(finite) or 1e-12
-    return (value - mean) / std
+    scaler_overflows: Optional[int] = None  # 16-mixed: consecutive GradScaler overflows up to this step
+    grad_scale: Optional[float] = None  # 16-mixed: the scaler's scale at this step
+    only_gradients: bool = False  # the gradients were the only non-finite evidence of the step
 
 
 def diagnose(ctx: IncidentContext) -> str:
@@ -84,7 +73,7 @@ def diagnose(ctx: IncidentContext) -> str:
     details = ev.details
     frames_text = ""
     cause: Optional[str] = None
-    z = _zscore(ctx.grad_norm, ctx.norm_history)
+    z = history_zscore(ctx.grad_norm, ctx.norm_history)
     if z is not None:
         details["grad_norm_zscore"] = z
     if ctx.at_fit_start:
@@ -104,7 +93,6 @@ def diagnose(ctx: IncidentContext) -> str:
             result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
                                           frames=ctx.frames, float64_check=ctx.float64_check)
             ctx.replayed = True
-            ctx.replay_result = result
             cause = _cause_from_replay(ctx, result)
             frames_text = result.frames_text
         elif not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause:
@@ -122,8 +110,12 @@ def diagnose(ctx: IncidentContext) -> str:
             # of the data: the trend of the gradient norm is the cause, the overflow its symptom
             details["symptom"] = cause
             cause = history
+    if ctx.scaler_overflows is not None:
+        details.update(grad_scale=ctx.grad_scale, scaler_overflows=ctx.scaler_overflows)
+        if ctx.only_gradients and ev.kind == "gradient" and cause in (None, "unknown"):
+            cause = "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
     ev.cause = cause
-    ev.suggestion = _suggestion(ctx, cause)
+    ev.suggestion = suggest(ev, cause, ctx.input_findings)
     return frames_text
 
 
@@ -138,14 +130,14 @@ def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
     ev.op = ev.op or found.get("op")
     if ev.cause in (None, "unknown"):
         ev.cause = "backward_op"
-        ev.suggestion = _suggestion(ctx, "backward_op")
+        ev.suggestion = suggest(ev, "backward_op", ctx.input_findings)
     return extra
 
 
 def _history_cause(ctx: IncidentContext) -> str:
     """Exploding gradients from the healthy gradient-norm history (trend, or z-score of the last norm)."""
     details = ctx.event.details
-    growth = stats.norm_growth(ctx.norm_history)
+    growth = norm_growth(ctx.norm_history)
     if growth is not None:
         details["grad_norm_trend"] = {"recent_mean": growth[0], "earlier_mean": growth[1]}
         return "exploding_gradient"
@@ -207,7 +199,7 @@ def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -
     """Feature columns (last dim) whose abs-max is ``ratio`` times the median column's: normalise these."""
     out = []
     for batch in batches:
-        for path, t in checks.iter_batch_tensors(batch):
+        for path, t in iter_tensors(batch):
             if not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2:
                 continue
             col = t.detach().abs().reshape(-1, t.shape[-1]).double()
@@ -220,79 +212,10 @@ def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -
     return out
 
 
-def _with_rows(pl_module: Any, findings: list[dict], limit: int = 20) -> list[dict]:
+def _with_rows(pl_module: Any, findings: list[dict]) -> list[dict]:
     """Add, for 2-D+ parameters, the indices of the rows (dim 0) holding NaN/Inf."""
     if pl_module is None:
         return findings
-    state = dict(pl_module.named_parameters())
-    state.update(dict(pl_module.named_buffers()))
-    out = []
-    for f in findings:
-        t = state.get(f["name"])
-        if t is not None and t.dim() >= 2:
-            bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
-            f = dict(f, rows=bad.nonzero().flatten()[:limit].tolist())
-        out.append(f)
-    return out
-
-
-def _suggestion(ctx: IncidentContext, cause: str) -> str:
-    ev, d = ctx.event, ctx.event.details
-    where = f" in {ev.culprit}" if ev.culprit else ""
-    op = f" ({ev.op})" if ev.op else ""
-    base = SUGGESTIONS[cause]
-    if cause == "input" and ctx.input_findings:
-        f = ctx.input_findings[0]
-        feats = f" features {f['features'][:10]}" if f.get("features") else ""
-        return f"{f['field']} holds NaN/Inf at samples {f.get('samples', [])[:10]}{feats}. " + base
-    if cause in ("overflow", "precision"):
-        feats = d.get("extreme_features")
-        hint = (f"normalise feature(s) {feats[0]['features']} of {feats[0]['field']} (abs-max "
-                f"{max(feats[0]['abs_max']):.3g} vs median {feats[0]['median_abs_max']:.3g}), or compute it in float64"
-                if feats else "normalise or scale the inputs, or compute it in float64")
-        if cause == "overflow":
-            return (f"Overflow{where}{op}: values reach {d.get('abs_max_float64', math.nan):.3g}, beyond "
-                    f"{d.get('dtype', 'the dtype')}'s max {d.get('dtype_max', math.nan):.3g}; {hint}.")
-        return f"Precision loss{where}{op}: finite in float64, not in {d.get('dtype', 'the working dtype')}; {hint}."
-    if cause == "backward_op":
-        src = (d.get("backward_op") or d.get("anomaly") or {}).get("traceback")
-        at = f" (forward: {src})" if src else ""
-        return f"The backward of {ev.op or 'an op'}{where} is infinite or undefined at these inputs{at}. " + base
-    if cause in ("optimizer", "initialization") and ev.culprit:
-        return f"Non-finite values in {ev.culprit}. " + base
-    if cause == "unknown" and ev.culprit and (d.get("float64") or {}).get("module_finite") is False:
-        src = (d.get("forward_op") or {}).get("source")
-        at = f" at {src}" if src else ""
-        return (f"The first non-finite value appeared{where}{op}{at} and stays non-finite in float64: the op's "
-                "input is outside its domain (log or sqrt of a negative, 0/0, inf-inf); clamp or mask its "
-                "inputs, add an epsilon, or check the weights feeding it for divergence.")
-    if cause == "unknown" and ev.culprit:
-        return f"The first non-finite value appeared{where}{op}. " + base
-    return base
-
-
-def render_report(ctx: IncidentContext, frames_text: str = "") -> str:
-    ev = ctx.event
-    lines = [
-        f"NaNGuard incident #{ev.index} at step {ev.step} (epoch {ev.epoch}, batch {ev.batch_idx}, rank {ev.rank})",
-        "=" * 80,
-        f"kind:       {ev.kind}",
-        f"cause:      {ev.cause}",
-        f"culprit:    {ev.culprit}",
-        f"op:         {ev.op}",
-        f"actions:    {', '.join(ev.actions)}",
-        f"suggestion: {ev.suggestion}",
-        "",
-        "evidence:",
-    ]
-    for key, value in ev.details.items():
-        lines.append(f"  {key}: {value}")
-    if ctx.norm_history:
-        tail = ", ".join(f"{v:.4g}" for v in ctx.norm_history[-10:])
-        lines.append(f"  last healthy gradient norms: {tail}")
-    if ctx.loss_history:
-        tail = ", ".join(f"{v:.4g}" for v in ctx.loss_history[-10:])
-        lines.append(f"  last healthy losses: {tail}")
-    if frames_text:
-        lines += ["", "frames before the first non-finite value:", frames_text]
-    return "\n".join(lines) + "\n"
+    named = dict(pl_module.named_parameters())
+    named.update(dict(pl_module.named_buffers()))
+    return nonfinite_rows(named, findings)

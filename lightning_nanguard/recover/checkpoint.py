@@ -11,40 +11,32 @@ from typing import Any, Iterable
 
 from torch import Tensor
 
-from . import checks
-from .distributed import local_grad
+from ..detect.find import find_nonfinite_tensors
+from ..detect.flags import any_nonfinite_flag
+from ..detect.sync import local_tensor
+from ..tree import iter_tensors
 
 __all__ = ["iter_checkpoint_tensors", "nonfinite_entries", "optimizer_state_nonfinite", "rebuild"]
-
-
-def _walk(obj: Any, path: str) -> Iterable[tuple[str, Tensor]]:
-    if isinstance(obj, Tensor):
-        yield path, local_grad(obj)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, f"{path}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}[{i}]")
 
 
 def iter_checkpoint_tensors(checkpoint: dict[str, Any]) -> Iterable[tuple[str, Tensor]]:
     """``(name, tensor)`` for the model weights and every optimizer state tensor of a checkpoint dict."""
     for key in ("state_dict", "optimizer_states"):
         if key in checkpoint:
-            yield from _walk(checkpoint[key], key)
+            for name, t in iter_tensors(checkpoint[key], key):
+                yield name, local_tensor(t)
 
 
 def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20, exempt: Iterable[str] = ()) -> list[dict[str, Any]]:
     """The non-finite tensors of ``checkpoint`` (weights and optimizer states); [] when all are finite.
 
     ``exempt``: state-dict names that are non-finite by design (a causal mask buffer holding -inf)."""
-    skip = {f"state_dict.{name}" for name in exempt}
+    skip = {f"state_dict[{name!r}]" for name in exempt}
     named = [(n, t) for n, t in iter_checkpoint_tensors(checkpoint) if n not in skip]
-    flag = checks.any_nonfinite_flag([t for _, t in named])
+    flag = any_nonfinite_flag([t for _, t in named])
     if flag is None or not bool(flag):
         return []
-    return checks.find_nonfinite_tensors(named, limit=limit)
+    return find_nonfinite_tensors(named, limit=limit)
 
 
 def optimizer_state_nonfinite(optimizers: Iterable[Any], sync: Any = None, device: Any = None) -> bool:
@@ -52,9 +44,9 @@ def optimizer_state_nonfinite(optimizers: Iterable[Any], sync: Any = None, devic
 
     Under a sharding strategy (``sync.sharded``) every rank holds different state: the answer is agreed.
     """
-    tensors = [local_grad(t) for opt in optimizers for state in opt.state.values() for t in state.values()
+    tensors = [local_tensor(t) for opt in optimizers for state in opt.state.values() for t in state.values()
                if isinstance(t, Tensor)]
-    flag = checks.any_nonfinite_flag(tensors)
+    flag = any_nonfinite_flag(tensors)
     bad = flag is not None and bool(flag)
     if sync is not None and getattr(sync, "sharded", False):
         bad = sync.any_rank(bad, device)
@@ -71,7 +63,7 @@ def rebuild(checkpoint: dict[str, Any], trainer: Any, guard_key: str, guard_stat
         checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
     plugin = getattr(trainer, "precision_plugin", None)
     key = type(plugin).__qualname__ if plugin is not None else None
-    if key is not None and key in checkpoint:
+    if plugin is not None and key in checkpoint:
         checkpoint[key] = plugin.state_dict()
     if "callbacks" in checkpoint and guard_key in checkpoint["callbacks"]:
         checkpoint["callbacks"][guard_key] = guard_state

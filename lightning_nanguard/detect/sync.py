@@ -3,9 +3,9 @@
 Under DDP the gradients are already all-reduced when the guard looks at them, so a decision taken from
 the gradient norm is the same on every rank. Rank-local evidence (the loss, the inputs, the parameters
 read after the previous step) is not: one rank skipping a step that another takes desynchronises the
-replicas. :class:`StepSync` folds the local flags into the vector the guard reads once per step and sums
-it across ranks with a single ``all_reduce`` (no barrier, unlike ``strategy.reduce_boolean_decision``
-which adds one); every rank then reads the same flags, the mean loss, and takes the same decision.
+replicas. :class:`StepSync` reduces the guard's :class:`~.flags.StepFlags` vector across ranks with a
+single ``all_reduce`` (no barrier, unlike ``strategy.reduce_boolean_decision`` which adds one); every rank
+then reads the same flags, the mean loss, and takes the same decision.
 
 Under FSDP (or any strategy whose class name says it shards: ``FSDP``, ``ModelParallel``) gradients are
 sharded: the guard sums ``|g|^p`` over the local shards and the same all-reduce completes the norm, so the
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import checks
+from .flags import FLAGS, LOSS, NORM, SCALE, total_norm
 
-__all__ = ["StepSync", "shards_gradients", "local_grad", "local_norm_power", "share_incident"]
+__all__ = ["StepSync", "shards_gradients", "local_tensor", "local_norm_power", "share_incident"]
 
 _SHARDING_NAMES = ("FSDP", "FullyShardedDataParallel", "ModelParallel")
 _EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion")
@@ -40,14 +40,14 @@ def shards_gradients(strategy: Any) -> bool:
     return any(key in name for name in names for key in _SHARDING_NAMES)
 
 
-def local_grad(g: Tensor) -> Tensor:
-    """The local shard of a gradient (a DTensor's local tensor; a plain tensor as it is)."""
-    return g.to_local() if hasattr(g, "to_local") and hasattr(g, "placements") else g
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a tensor (a DTensor's local tensor; a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
 
 
 def local_norm_power(grads: Sequence[Tensor], norm_type: float) -> Tensor:
     """``sum |g|^p`` over the local shards (``max |g|`` for the inf-norm) as a 0-dim float32 tensor."""
-    local = [local_grad(g) for g in grads if g is not None]
+    local = [local_tensor(g) for g in grads if g is not None]
     local = [g for g in local if g.numel() > 0]
     if not local:
         return torch.zeros(())
@@ -56,12 +56,7 @@ def local_norm_power(grads: Sequence[Tensor], norm_type: float) -> Tensor:
 
 
 class StepSync:
-    """How the guard's per-step flags agree across ranks. ``distributed`` is False on one process.
-
-    The vector the guard reads is ``[grad_norm, loss_sum, loss_bad, input_bad, param_bad]``; after
-    :meth:`reduce` the flags count the ranks that saw something, the loss is the mean over ranks, and the
-    norm is the global one (sharded: completed from the local powers).
-    """
+    """How the guard's per-step flags agree across ranks. ``distributed`` is False on one process."""
 
     def __init__(self, world_size: int = 1, sharded: bool = False, norm_type: float = 2.0,
                  group: Optional[Any] = None) -> None:
@@ -81,25 +76,24 @@ class StepSync:
         """The fused total norm; under sharding the local power sum that :meth:`reduce` completes."""
         if self.sharded:
             return local_norm_power(grads, self.norm_type)
-        return checks.total_norm(list(grads), self.norm_type)
+        return total_norm(list(grads), self.norm_type)
 
     def reduce(self, vec: Tensor) -> Tensor:
-        """Agree on ``vec`` across ranks with one all-reduce (SUM); no host sync, no barrier."""
+        """Agree on a :class:`~.flags.StepFlags` vector across ranks with one all-reduce (SUM); no host
+        sync, no barrier. The grad scale is identical on every rank and is not reduced."""
         if not self.distributed:
             return vec
         self._local = vec.detach().clone()
-        if self.sharded and not math.isinf(self.norm_type):
-            out = vec.clone()
-            dist.all_reduce(out, group=self.group)
-            out[:1] = out[:1].clamp_min(0).pow(1.0 / self.norm_type)
-        else:
-            head = vec[:1].clone()  # unsharded: the gradient norm is already identical on every rank
+        out = vec.clone()
+        if self.sharded and not math.isinf(self.norm_type):  # the norm's powers, the loss and the flags
+            dist.all_reduce(out[:SCALE], group=self.group)  # (a view: reduced in place)
+            out[NORM] = out[NORM].clamp_min(0).pow(1.0 / self.norm_type)
+        else:  # unsharded: the gradient norm is already identical on every rank
             if self.sharded:  # inf-norm of shards: a MAX, the one case needing a second collective
-                dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
-            tail = vec[1:].clone()
-            dist.all_reduce(tail, group=self.group)
-            out = torch.cat([head, tail])
-        out[1:2] = out[1:2] / self.world_size  # summed loss -> mean loss over ranks; flags stay rank counts
+                norm = out[NORM:LOSS]
+                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(out[LOSS:SCALE], group=self.group)
+        out[LOSS] = out[LOSS] / self.world_size  # summed loss -> mean loss over ranks; flags stay rank counts
         return out
 
     def global_norm(self, norm: Optional[Tensor], value: float) -> Optional[Tensor]:
@@ -109,10 +103,10 @@ class StepSync:
         return torch.full((), value, dtype=norm.dtype, device=norm.device)
 
     def local_flags(self) -> list[bool]:
-        """This rank's own flags of the last step (``loss_bad, input_bad, param_bad, ...``; syncs: incident only)."""
+        """This rank's own ``*_bad`` flags of the last step (syncs: incident only)."""
         if self._local is None:
             return []
-        return [bool(v) for v in self._local[2:].tolist()]
+        return [bool(v) for v in self._local[FLAGS].tolist()]
 
     def any_rank(self, flag: bool, device: Any = None) -> bool:
         """Is ``flag`` set on any rank? One all-reduce; for rare decisions (checkpoint time), never per step."""

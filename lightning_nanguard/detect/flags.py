@@ -1,0 +1,160 @@
+"""Device-side checks and the one vector of evidence the guard reads per optimizer step.
+
+Functions named ``*_flag`` return a 0-dim bool tensor on the device and never synchronise; the guard folds
+them, with the total gradient norm and the loss, into one :class:`StepFlags` vector that it reads once
+per optimizer step (after one small all-reduce under DDP, see :mod:`.sync`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["nonfinite_flag", "any_nonfinite_flag", "total_norm", "StepFlags", "Outcome", "classify"]
+
+# CPU: tensors below this many elements are concatenated (bounded temporary copy: 4 MiB of float32)
+CPU_CHUNK = 1 << 20
+
+
+def nonfinite_flag(t: Tensor) -> Tensor:
+    """0-dim bool tensor: does ``t`` hold any NaN or +-Inf? (no host sync)"""
+    return ~torch.isfinite(t.detach()).all()
+
+
+def any_nonfinite_flag(tensors: Sequence[Tensor]) -> Optional[Tensor]:
+    """0-dim bool tensor: does any of ``tensors`` hold a NaN or +-Inf? A few fused kernels, no host sync.
+
+    Exact (no overflow on huge finite values) and ``None`` for an empty list; integer tensors are ignored.
+    Each result is tested in its own dtype, so a float64 value beyond float32's range is still finite.
+
+    - CUDA and other devices: one fused inf-norm (abs-max, multi-tensor apply) per device.
+    - CPU, where a kernel per tensor costs microseconds and torch's inf-norm is not vectorised (~5 ns per
+      element): small tensors are concatenated into bounded chunks and reduced as ``sum(chunk * 0)``, which is
+      0 when every value is finite and NaN otherwise; large tensors use ``aminmax`` (one pass, no copy).
+    """
+    floats = [t.detach() for t in tensors if t.is_floating_point() or t.is_complex()]
+    if not floats:
+        return None
+    results: list[Tensor] = []
+    others: dict[torch.device, list[Tensor]] = {}
+    small: list[Tensor] = []
+    small_numel = 0
+    for t in floats:
+        if t.device.type != "cpu":
+            others.setdefault(t.device, []).append(t)
+        elif t.numel() >= CPU_CHUNK or t.is_complex():
+            results.extend(torch.aminmax(t) if not t.is_complex() else (t.mul(0).sum(),))
+        else:
+            small.append(t.reshape(-1))
+            small_numel += t.numel()
+            if small_numel >= CPU_CHUNK:
+                results.append(torch.cat(small).mul_(0).sum())
+                small, small_numel = [], 0
+    if small:
+        results.append(torch.cat(small).mul_(0).sum() if len(small) > 1 else small[0].mul(0).sum())
+    for group in others.values():
+        results.extend(torch._foreach_norm(group, math.inf))
+    by_key: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for r in results:  # grouped by dtype: each value is judged in its own range
+        by_key.setdefault((r.device, r.dtype), []).append(r)
+    flags = [~torch.isfinite(torch.stack(rs)).all() for rs in by_key.values()]
+    return _any(flags)
+
+
+def _any(flags: Sequence[Tensor]) -> Tensor:
+    first = flags[0]
+    for f in flags[1:]:
+        first = first | f.to(first.device)
+    return first
+
+
+def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Fused total norm of ``tensors`` (e.g. gradients) as a 0-dim float tensor; 0 for an empty list.
+
+    The same arithmetic as ``torch.nn.utils.get_total_norm`` (a foreach norm per tensor, then the norm of
+    their stack), so clipping with it is bitwise what the Trainer's clipping computes; the common case of
+    one device and dtype skips its per-tensor ``.to()`` calls (a dispatch each, every step).
+    """
+    if not tensors:
+        return torch.zeros(())
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors) and (
+            first.device.type in ("cpu", "cuda")):
+        norms = torch._foreach_norm(list(tensors), norm_type)
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return torch.nn.utils.get_total_norm(tensors, norm_type=norm_type, error_if_nonfinite=False, foreach=None)
+
+
+class StepFlags(NamedTuple):
+    """One optimizer step's evidence, in the order of the device vector the guard reads once per step.
+
+    Built on the device as a vector in the order of ``StepFlags._fields`` and read back with
+    :meth:`from_values`. Under DDP
+    :class:`~lightning_nanguard.detect.sync.StepSync` reduces the vector field by field: the gradient norm
+    is already global (sharded: completed from the local powers), the loss becomes the mean over ranks, the
+    ``*_bad`` flags become counts of ranks, and the grad scale (identical everywhere) is left alone.
+    """
+
+    grad_norm: float  # total gradient norm (clip.norm_type); nan/inf when a gradient is non-finite
+    loss: float  # sum of the step's micro-batch losses, unscaled (16-mixed)
+    loss_bad: float  # a micro-batch loss was non-finite (check.loss)
+    input_bad: float  # a floating tensor of the batch was non-finite (check.inputs: always)
+    param_bad: float  # a parameter or buffer was non-finite after the previous step (check.parameters)
+    activation_bad: float  # a module output was non-finite (check.activations)
+    grad_scale: float  # the GradScaler's scale (16-mixed), nan without one
+
+    @classmethod
+    def from_values(cls, values: Sequence[float]) -> "StepFlags":
+        return cls(*values)
+
+    @property
+    def local_bad(self) -> bool:
+        """Evidence from the step's own data (not the gradients): loss, inputs, weights or activations."""
+        return bool(self.loss_bad or self.input_bad or self.param_bad or self.activation_bad)
+
+    @property
+    def grads_bad(self) -> bool:
+        return not math.isfinite(self.grad_norm)
+
+    def incident_kind(self) -> str:
+        """The event kind, by precedence of the evidence."""
+        if self.param_bad:
+            return "parameter"
+        if self.input_bad:
+            return "input"
+        if self.activation_bad:
+            return "activation"
+        return "loss" if self.loss_bad else "gradient"
+
+
+# positions in the vector, for the code that reduces it (sync) and appends to it (amp)
+NORM = StepFlags._fields.index("grad_norm")
+LOSS = StepFlags._fields.index("loss")
+FLAGS = slice(StepFlags._fields.index("loss_bad"), StepFlags._fields.index("activation_bad") + 1)
+SCALE = StepFlags._fields.index("grad_scale")
+
+
+class Outcome(enum.Enum):
+    """What one optimizer step turned out to be."""
+
+    HEALTHY = "healthy"  # everything finite: clip, learn statistics, maybe snapshot
+    ROUTINE_OVERFLOW = "routine_overflow"  # a GradScaler overflow the scaler handles by itself
+    INCIDENT = "incident"  # non-finite evidence: skip the step, diagnose, climb the ladder
+    SKIPPED = "skipped"  # not judged: the guard has stopped, or batches are skipped after a rollback
+
+
+def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool) -> Outcome:
+    """The step's outcome from its evidence. ``grads_bad``: a non-finite gradient norm that counts
+    (``check.gradients``); ``scaled``: a GradScaler is active; ``overflow_persists``: the scaler's overflows
+    went on for too long (``check.amp_overflow_patience`` / ``amp_min_scale``)."""
+    if flags.local_bad:
+        return Outcome.INCIDENT
+    if not grads_bad:
+        return Outcome.HEALTHY
+    if scaled and not overflow_persists:
+        return Outcome.ROUTINE_OVERFLOW
+    return Outcome.INCIDENT

@@ -1,0 +1,185 @@
+"""Running statistics of the loss and the gradient norm, and what counts as abnormal in them.
+
+Host-side floats fed from the values the guard reads once per step anyway: no device work, no sync.
+(torchmetrics would add device kernels per step and, under DDP, a collective, for a value that is
+already on the host and identical on every rank.)
+
+- :class:`RunningStats`: mean and variance of a scalar stream, exact (Welford) during a warm-up, then an
+  exponential moving average; :meth:`RunningStats.zscore` is the package's one z-score.
+- :class:`SpikeDetector`: a loss spike is a loss ``z`` standard deviations *above* its running mean
+  (one-sided: a falling loss is never a spike).
+- :func:`norm_growth`: the signature of a divergence in a history of gradient norms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Iterable, Optional, Sequence
+
+__all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore"]
+
+
+class RunningStats:
+    """Mean/variance of a scalar stream: exact over the first ``warmup`` values, then an EMA.
+
+    The exact start avoids the bias of an EMA seeded with one value and a variance of zero; after the
+    warm-up, ``mean`` and ``var`` follow the recent past with decay ``alpha`` (West's EMA variance).
+    Non-finite values are ignored.
+    """
+
+    def __init__(self, alpha: float = 0.97, warmup: int = 25) -> None:
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1, got {warmup!r}")
+        self.alpha = float(alpha)
+        self.warmup = int(warmup)
+        self.count = 0
+        self.mean = 0.0
+        self.var = 0.0
+        self._m2 = 0.0  # Welford's sum of squared deviations, during the warm-up
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> "RunningStats":
+        """Exact (population) statistics of the finite ``values``."""
+        values = [v for v in values if math.isfinite(v)]
+        stats = cls(warmup=max(len(values), 1))
+        for v in values:
+            stats.update(v)
+        return stats
+
+    @property
+    def ready(self) -> bool:
+        return self.count >= self.warmup
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.var, 0.0))
+
+    def update(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.count += 1
+        delta = value - self.mean
+        if self.count <= self.warmup:
+            self.mean += delta / self.count
+            self._m2 += delta * (value - self.mean)
+            self.var = self._m2 / self.count
+        else:
+            a = self.alpha
+            self.mean = a * self.mean + (1.0 - a) * value
+            self.var = a * (self.var + (1.0 - a) * delta * delta)
+
+    def zscore(self, value: float, rel_floor: float = 0.0) -> float:
+        """``(value - mean) / std``, with ``std`` floored at ``rel_floor * |mean|`` (and a tiny absolute)."""
+        std = max(self.std, rel_floor * abs(self.mean), 1e-12)
+        return (value - self.mean) / std
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "mean": self.mean, "var": self.var, "m2": self._m2}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state.get("count", 0))
+        self.mean = float(state.get("mean", 0.0))
+        self.var = float(state.get("var", 0.0))
+        self._m2 = float(state.get("m2", self.var * self.count))
+
+
+def history_zscore(value: float, history: Sequence[float], min_count: int = 5) -> Optional[float]:
+    """z-score of ``value`` against the exact statistics of a history (None with fewer than ``min_count``
+    finite values, or for a non-finite ``value``)."""
+    stats = RunningStats.of(history)
+    if stats.count < min_count or not math.isfinite(value):
+        return None
+    return stats.zscore(value)
+
+
+def norm_growth(history: Sequence[float], recent: int = 5, ratio: float = 10.0) -> Optional[tuple[float, float]]:
+    """``(recent_mean, earlier_mean)`` when the last ``recent`` finite values average more than ``ratio``
+    times the earlier ones (the signature of a divergence: gradient norms growing geometrically), else None."""
+    values = [h for h in history if math.isfinite(h)]
+    late, early = values[-recent:], values[:-recent]
+    if not late or not early:
+        return None
+    late_mean, early_mean = sum(late) / len(late), sum(early) / len(early)
+    return (late_mean, early_mean) if late_mean > ratio * early_mean else None
+
+
+class SpikeDetector:
+    """One-sided z-score test of the loss against its running statistics.
+
+    ``observe(loss)`` returns the z-score when ``loss`` is a spike (``z > z_threshold`` after ``warmup``
+    values), else ``None``, and then updates the statistics: with the loss itself, or, for a spike, with the
+    loss capped at the threshold, so that one spike neither hides the next one nor shifts the baseline.
+    The standard deviation is floored at ``rel_floor * |mean|`` so that an almost constant loss (full-batch
+    training, a converged run) does not turn a 1% wobble into a spike.
+    """
+
+    def __init__(self, z_threshold: float = 6.0, warmup: int = 50, alpha: float = 0.98,
+                 rel_floor: float = 0.01) -> None:
+        if z_threshold <= 0:
+            raise ValueError(f"z_threshold must be > 0, got {z_threshold!r}")
+        self.z_threshold = float(z_threshold)
+        self.rel_floor = float(rel_floor)
+        self.stats = RunningStats(alpha, warmup)
+        self._recent: list[int] = []  # steps of recent spikes
+
+    def repeated(self, step: int, count: int, window: int) -> bool:
+        """Note a spike at ``step``; True when it is the ``count``-th within ``window`` steps (then forgets
+        them, so the next escalation needs ``count`` new spikes). ``count`` 0 never escalates."""
+        self._recent = [s for s in self._recent if s > step - window] + [step]
+        if count < 1 or len(self._recent) < count:
+            return False
+        self._recent = []
+        return True
+
+    def observe(self, loss: float) -> Optional[float]:
+        if not math.isfinite(loss):
+            return None
+        if not self.stats.ready:
+            self.stats.update(loss)
+            return None
+        z = self.stats.zscore(loss, self.rel_floor)
+        band = self.z_threshold * max(self.stats.std, self.rel_floor * abs(self.stats.mean), 1e-12)
+        self.stats.update(min(max(loss, self.stats.mean - band), self.stats.mean + band))
+        return z if z > self.z_threshold else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.stats.state_dict(), recent=list(self._recent))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats.load_state_dict(state)
+        self._recent = [int(s) for s in state.get("recent", [])]
+
+
+class LossWatch:
+    """The loss of every judged step: its history and the spike test (``check.spike_*``).
+
+    Attributes:
+        detector: the spike test's running statistics (part of every snapshot).
+        history: the last 200 losses of healthy steps (for the diagnosis).
+    """
+
+    def __init__(self, action: str, z_threshold: float, warmup: int) -> None:
+        self.enabled = action != "off"
+        self.detector = SpikeDetector(z_threshold, warmup)
+        self.history: deque[float] = deque(maxlen=200)
+
+    def observe(self, loss: Optional[float]) -> Optional[float]:
+        """Feed the loss of a step with finite local evidence (None when the loss is not checked); its
+        z-score when it is a spike."""
+        if loss is None or not self.enabled:
+            return None
+        return self.detector.observe(loss)
+
+    def healthy(self, loss: Optional[float]) -> None:
+        if loss is not None:
+            self.history.append(loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"spikes": self.detector.state_dict(), "history": list(self.history)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state.get("spikes", {}))
+        self.history.extend(state.get("history", []))

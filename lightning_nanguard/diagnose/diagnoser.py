@@ -1,0 +1,98 @@
+"""The diagnosis of a fit: the incident replay within its budget, and ``anomaly.mode: always``."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..config import AnomalyConfig
+from ..report.events import NaNEvent
+from .causes import IncidentContext, diagnose, diagnose_anomaly_error
+from .replay import parse_anomaly_error, rng_state
+
+__all__ = ["Diagnoser"]
+
+
+class Diagnoser:
+    """Diagnoses incidents (:func:`~.causes.diagnose`), replaying at most ``anomaly.max_replays`` per fit.
+
+    With ``anomaly.mode: always`` it also turns torch's anomaly mode on for the fit (:meth:`start`) and
+    restores the mode it found (:meth:`stop`). While an incident is replayed, the fit-long anomaly mode is
+    off (the replay runs its own anomaly pass).
+
+    Attributes:
+        replays: incident replays so far in this fit.
+    """
+
+    def __init__(self, cfg: AnomalyConfig) -> None:
+        self.cfg = cfg
+        self.replays = 0
+        self._rng: list[Any] = []  # RNG state at each micro-batch of the current step, for the replay
+        self._anomaly_before: Optional[tuple[bool, bool]] = None
+
+    def start(self) -> None:
+        if self.cfg.mode == "always" and self._anomaly_before is None:
+            self._anomaly_before = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.autograd.set_detect_anomaly(True, check_nan=True)
+
+    def stop(self) -> None:
+        if self._anomaly_before is not None:
+            torch.autograd.set_detect_anomaly(*self._anomaly_before)
+            self._anomaly_before = None
+
+    # --------------------------------------------------------------------------------------- the window
+
+    def micro_batch(self) -> None:
+        """A micro-batch starts: keep the RNG state its replay will need."""
+        if self.cfg.mode != "off":
+            self._rng.append(rng_state())
+
+    def step_end(self) -> None:
+        self._rng.clear()
+
+    def context(self, trainer: Any, pl_module: Any, event: NaNEvent, **evidence: Any) -> IncidentContext:
+        """An :class:`IncidentContext` for ``event``, with this step's RNG states and the diagnosis settings."""
+        return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, rng_states=list(self._rng),
+                               frames=self.cfg.frames, float64_check=self.cfg.float64_check, **evidence)
+
+    # ---------------------------------------------------------------------------------------- diagnosis
+
+    def diagnose(self, ctx: IncidentContext, events: list[NaNEvent]) -> str:
+        """Fill the event's diagnosis; replay the window when the budget allows (and the module steps its
+        optimizers automatically: replaying a manual-optimization training_step would train). Returns the
+        incident report's extra text."""
+        ctx.replay = (self.cfg.mode != "off" and self.replays < self.cfg.max_replays
+                      and getattr(ctx.pl_module, "automatic_optimization", True))
+        ctx.previous = next((e for e in reversed(events) if "replay" in e.details), None)
+        with self._paused():
+            extra = diagnose(ctx)
+        self.replays += int(ctx.replayed)
+        return extra
+
+    def anomaly_error(self, error: BaseException) -> Optional[dict]:
+        """What the error says, if it is the one ``anomaly.mode: always`` raises in backward; else None."""
+        return parse_anomaly_error(error) if self.cfg.mode == "always" else None
+
+    def diagnose_error(self, ctx: IncidentContext, found: dict) -> str:
+        """Diagnose the error of :meth:`anomaly_error` (replaying the window)."""
+        ctx.replay = getattr(ctx.pl_module, "automatic_optimization", True)
+        extra = diagnose_anomaly_error(ctx, found)
+        self.replays += int(ctx.replayed)
+        return extra
+
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        before = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        torch.autograd.set_detect_anomaly(False)
+        try:
+            yield
+        finally:
+            torch.autograd.set_detect_anomaly(*before)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"replays": self.replays}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.replays = int(state.get("replays", 0))

@@ -1,0 +1,128 @@
+"""The actions of the recovery ladder: skip a step, cut the learning rate so that schedulers keep the cut,
+and undo what a bad forward pass wrote into buffers.
+
+Each piece is independent of Lightning: it takes parameters, modules, optimizers and schedulers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["skip_step", "scale_lr", "current_lrs", "BufferUndo"]
+
+# param-group keys that hold absolute learning rates (OneCycleLR, CyclicLR and the chainable schedulers)
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")
+# scheduler attributes that hold absolute learning rates, per-group lists or scalars
+_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min", "end_lr")
+
+
+def _scaled(value: Any, factor: float) -> Any:
+    if isinstance(value, Tensor):
+        return value.mul_(factor) if value.is_floating_point() else value
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value * factor
+    if isinstance(value, list):
+        return [_scaled(v, factor) for v in value]
+    return value
+
+
+def _iter_schedulers(scheduler: Any) -> Iterable[Any]:
+    yield scheduler
+    for inner in getattr(scheduler, "_schedulers", None) or []:  # SequentialLR, ChainedScheduler
+        yield from _iter_schedulers(inner)
+
+
+def scale_lr(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], factor: float) -> None:
+    """Multiply every learning rate by ``factor`` so that no torch LR scheduler undoes it.
+
+    Scaling only ``param_groups[i]["lr"]`` is overwritten by schedulers that recompute the LR from stored
+    absolutes (OneCycleLR from ``max_lr``/``initial_lr``/``min_lr``, LambdaLR from ``base_lrs``, cosine from
+    ``base_lrs`` and ``eta_min``). All of them are affine in those absolutes, so scaling every one of them
+    scales the whole future schedule.
+    """
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for key in _GROUP_LR_KEYS:
+                if key in group:
+                    group[key] = _scaled(group[key], factor)
+    seen: set[int] = set()
+    for top in schedulers:
+        for sched in _iter_schedulers(top):
+            if id(sched) in seen:
+                continue
+            seen.add(id(sched))
+            for attr in _SCHED_LR_ATTRS:
+                if hasattr(sched, attr):
+                    setattr(sched, attr, _scaled(getattr(sched, attr), factor))
+
+
+def current_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:
+    return [float(g["lr"]) for opt in optimizers for g in opt.param_groups]
+
+
+def skip_step(params: Iterable[Tensor]) -> None:
+    """Skip the coming optimizer step for ``params``: torch optimizers skip params whose grad is None,
+    leaving the parameter and its optimizer state (moments, step count) untouched. Zeroing would not:
+    weight decay and momentum would still move the weights."""
+    for p in params:
+        p.grad = None
+
+
+class BufferUndo:
+    """Undo what one forward pass wrote into module buffers (BatchNorm running statistics).
+
+    ``arm()`` before the forward copies the buffers that forward passes write into preallocated device
+    memory; ``undo()`` copies them back. Which buffers are written: those of normalisation layers that
+    track running statistics (their kernels update in place without bumping the version counter), plus
+    any buffer whose version counter was seen to move during a forward. Constant buffers (masks,
+    positional tables) are never copied.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.named = [(n, b) for n, b in module.named_buffers() if b is not None]
+        self._mutable: set[str] = set()
+        for prefix, sub in module.named_modules():
+            if getattr(sub, "track_running_stats", False):
+                self._mutable.update(f"{prefix}.{n}" if prefix else n for n, _ in sub.named_buffers(recurse=False))
+        self._backup: dict[str, Tensor] = {}
+        self._versions: dict[str, int] = {}
+
+    def arm(self) -> None:
+        self._learn()
+        src, dst = [], []
+        for n, b in self.named:
+            self._versions[n] = b._version
+            if n in self._mutable:
+                if n not in self._backup or self._backup[n].shape != b.shape:
+                    self._backup[n] = torch.empty_like(b)
+                src.append(b.detach())
+                dst.append(self._backup[n])
+        if src:
+            torch._foreach_copy_(dst, src)
+
+    def _learn(self) -> None:
+        for n, b in self.named:
+            if n in self._versions and b._version != self._versions[n]:
+                self._mutable.add(n)
+
+    def undo(self) -> list[str]:
+        """Restore the buffers backed up by ``arm()``; returns their names."""
+        restored = []
+        with torch.no_grad():
+            for n, b in self.named:
+                if n in self._backup:
+                    b.copy_(self._backup[n])
+                    restored.append(n)
+        self._learn()  # a buffer written for the first time is backed up from the next arm() on
+        for n, b in self.named:
+            self._versions[n] = b._version
+        return restored
+
+    def disarm(self) -> None:
+        """After a healthy step: learn which buffers the forward pass changed."""
+        self._learn()

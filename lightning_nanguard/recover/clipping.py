@@ -1,0 +1,177 @@
+"""Gradient clipping on healthy steps, from the total norm the guard computes anyway.
+
+- a fixed limit, ``clip.max_norm``;
+- :class:`ZClip`: adaptive z-score clipping of the total gradient norm (Kumar et al., 2025, "ZClip"): clip
+  at ``mean + z_threshold * std`` of recent healthy norms once warmed up; the statistics are updated with
+  the *clipped* norm so one outlier does not inflate the threshold for the steps that follow;
+- :func:`adaptive_grad_clip_`: unit-wise adaptive gradient clipping (AGC, Brock et al., 2021, NFNets):
+  every row of a weight (every output unit) keeps ``||g_row|| <= clip_factor * max(||w_row||, eps)``;
+  fused foreach ops on device, no sync.
+
+:class:`Clipper` applies them in that order (the smallest norm limit wins) and keeps the gradient-norm
+statistics that also tell whether a run is diverging (:meth:`Clipper.diverging`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from ..config import ClipConfig
+from ..detect.spikes import RunningStats, norm_growth
+
+__all__ = ["ZClip", "Clipper", "adaptive_grad_clip_", "unitwise_norms", "CLIPS_BEFORE_LR_CUT"]
+
+# consecutive steps clipped by the adaptive (z-score) clip that roll back and cut the LR: at z=2.5 a healthy
+# run clips ~1% of its steps, one at a time; a run whose every step needs clipping diverges, only more slowly
+CLIPS_BEFORE_LR_CUT = 10
+
+
+class ZClip:
+    """Adaptive z-score clipping of the total gradient norm.
+
+    ``threshold()`` is ``None`` during the first ``warmup_steps`` norms, then
+    ``mean + z_threshold * std`` of the running statistics. ``update(norm)`` feeds one healthy norm,
+    capped at the current threshold (ZClip updates with the clipped norm), and returns the threshold that
+    applied to it.
+
+    Example::
+
+        zclip = ZClip(z_threshold=2.5, alpha=0.97, warmup_steps=25)
+        limit = zclip.threshold()
+        if limit is not None and norm > limit:
+            torch.nn.utils.clip_grads_with_norm_(params, limit, norm_tensor)
+        zclip.update(norm)
+    """
+
+    def __init__(self, z_threshold: float = 2.5, alpha: float = 0.97, warmup_steps: int = 25) -> None:
+        if z_threshold <= 0:
+            raise ValueError(f"z_threshold must be > 0, got {z_threshold!r}")
+        self.z_threshold = float(z_threshold)
+        self.stats = RunningStats(alpha, warmup_steps)
+        self.streak = 0  # consecutive updates above the threshold
+
+    @property
+    def mean(self) -> Optional[float]:
+        return self.stats.mean if self.stats.count else None
+
+    def threshold(self) -> Optional[float]:
+        if not self.stats.ready:
+            return None
+        return self.stats.mean + self.z_threshold * self.stats.std
+
+    def zscore(self, norm: float) -> Optional[float]:
+        return self.stats.zscore(norm) if self.stats.ready else None
+
+    def update(self, norm: float) -> Optional[float]:
+        limit = self.threshold()
+        if math.isfinite(norm):
+            self.stats.update(min(norm, limit) if limit is not None else norm)
+        self.streak = self.streak + 1 if limit is not None and norm > limit else 0
+        return limit
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stats.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats.load_state_dict(state)
+        self.streak = 0
+
+
+def unitwise_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor]:
+    """Per-unit norms: the whole-tensor norm (0-dim) for scalars and vectors (biases, gains), the norm of
+    every row (``[rows, 1, ...]``, over all dims but the first) for matrices and conv kernels."""
+    out: list[Optional[Tensor]] = [None] * len(tensors)
+    flat = [i for i, t in enumerate(tensors) if t.ndim <= 1]
+    if flat:
+        for i, n in zip(flat, torch._foreach_norm([tensors[i] for i in flat], norm_type)):
+            out[i] = n
+    for i, t in enumerate(tensors):
+        if t.ndim > 1:
+            out[i] = torch.linalg.vector_norm(t, norm_type, dim=tuple(range(1, t.ndim)), keepdim=True)
+    return out  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def adaptive_grad_clip_(params: Iterable[Tensor], clip_factor: float = 0.01, eps: float = 1e-3,
+                        norm_type: float = 2.0) -> None:
+    """Unit-wise adaptive gradient clipping, in place: scale every unit's gradient down to at most
+    ``clip_factor * max(||w_unit||, eps)``. Units within the bound are left bitwise unchanged.
+
+    Same result as timm's ``adaptive_clip_grad``; the scalings are fused foreach ops and nothing syncs.
+    """
+    pairs = [(p.detach(), p.grad.detach()) for p in params if p.grad is not None]
+    if not pairs:
+        return
+    weights = [p for p, _ in pairs]
+    grads = [g for _, g in pairs]
+    max_norms = torch._foreach_clamp_min(unitwise_norms(weights, norm_type), eps)
+    torch._foreach_mul_(max_norms, clip_factor)
+    grad_norms = torch._foreach_clamp_min(unitwise_norms(grads, norm_type), 1e-6)
+    scales = torch._foreach_div(max_norms, grad_norms)
+    torch._foreach_clamp_max_(scales, 1.0)
+    torch._foreach_mul_(grads, scales)
+
+
+class Clipper:
+    """Clipping of healthy steps and the statistics of their gradient norms.
+
+    Attributes:
+        zclip: the adaptive clip's running statistics (part of every snapshot).
+        history: the last 200 healthy gradient norms (for the diagnosis).
+        last_norm: the gradient norm of the latest step, healthy or not.
+        clipped_steps: steps whose gradients a norm limit scaled down.
+    """
+
+    def __init__(self, cfg: ClipConfig) -> None:
+        self.cfg = cfg
+        self.zclip = ZClip(cfg.z_threshold, cfg.ema_alpha, cfg.warmup_steps)
+        self.history: deque[float] = deque(maxlen=200)
+        self.last_norm = math.nan
+        self.clipped_steps = 0
+
+    def threshold(self, adaptive: bool, extra: Optional[float] = None) -> Optional[float]:
+        """The smallest of ``clip.max_norm``, ``extra`` and, if ``adaptive``, the z-score limit."""
+        limits = [x for x in (self.cfg.max_norm, extra) if x is not None]
+        limit = self.zclip.threshold() if adaptive else None
+        if limit is not None:
+            limits.append(limit)
+        return min(limits) if limits else None
+
+    def clip(self, params: list[Tensor], norm: Optional[Tensor], norm_value: float, adaptive: bool,
+             extra: Optional[float] = None) -> None:
+        """Clip a healthy step (norm limits, then AGC) and learn from its norm."""
+        limit = self.threshold(adaptive, extra)
+        if norm is not None and limit is not None and norm_value > limit:
+            # takes the parameters (it scales p.grad); given bare grad tensors it silently does nothing
+            torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+            self.clipped_steps += 1
+        if self.cfg.agc_clip_factor is not None:
+            adaptive_grad_clip_(params, self.cfg.agc_clip_factor)
+        if norm is not None:
+            self.zclip.update(norm_value)
+            self.history.append(norm_value)
+
+    def clipping_persists(self, adaptive: bool) -> bool:
+        """The adaptive clip had to act on ``CLIPS_BEFORE_LR_CUT`` steps in a row: the norm grows faster than
+        its statistics can follow, a divergence that clipping slows but does not stop."""
+        return adaptive and self.zclip.streak >= CLIPS_BEFORE_LR_CUT
+
+    def diverging(self) -> bool:
+        """Is the gradient norm growing geometrically, or far above its statistics? (Snapshots wait: finite
+        is not known-good, and a snapshot of a run on its way to NaN is a rollback target that cannot help.)"""
+        z = self.zclip.zscore(self.last_norm)
+        far_above = z is not None and z > 2 * self.zclip.z_threshold
+        return far_above or norm_growth(list(self.history)[-25:]) is not None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"zclip": self.zclip.state_dict(), "history": list(self.history), "clipped_steps": self.clipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.zclip.load_state_dict(state.get("zclip", {}))
+        self.history.extend(state.get("history", []))
+        self.clipped_steps = int(state.get("clipped_steps", 0))

@@ -1,0 +1,206 @@
+"""The state of recovery during a fit: the ladder, known-good snapshots, the learning-rate scale and the
+buffer undo, and the operations that change them (skip, LR cut, snapshot, rollback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+from ..config import ClipConfig, RecoveryConfig
+from ..detect.amp import grad_scaler
+from ..report.events import NaNEvent
+from .actions import BufferUndo, current_lrs, scale_lr, skip_step
+from .ladder import Plan, RecoveryLadder
+from .snapshots import SnapshotStore
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["Recovery", "restorable_scaler_state"]
+
+
+class _Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def restorable_scaler_state(snapshot: dict[str, Any], current_scale: float, overflows: int) -> dict[str, Any]:
+    """The scaler state a rollback restores: the snapshot's, except while the scaler is overflowing.
+
+    A rollback during a streak of overflows must not raise the scale back to the snapshot's value (that
+    scale is what overflows): the scale is capped at the current one. After any other incident (a NaN
+    loss, bad inputs) the snapshot's scale is restored as it was.
+    """
+    state = dict(snapshot)
+    if overflows > 0 and "scale" in state:
+        state["scale"] = min(float(state["scale"]), float(current_scale))
+    return state
+
+
+class Recovery:
+    """Everything the guard can undo or change about training, and the ladder that decides when.
+
+    Attributes:
+        ladder: the recovery policy (:class:`~.ladder.RecoveryLadder`).
+        lr_scale: the cumulative learning-rate scale applied so far (1.0: untouched).
+        stopped: the guard gave up (or found non-finite weights at fit start); steps are skipped from now on.
+        skip_batches_left: steps still to skip after a rollback (``recovery.skip_batches``).
+        skipped_steps, rollbacks, lr_cuts, snapshots: counters for this fit.
+    """
+
+    def __init__(self, cfg: RecoveryConfig, clip: ClipConfig, statistics: dict[str, _Stateful]) -> None:
+        self.cfg = cfg
+        self.ladder = RecoveryLadder(cfg, clip)
+        # running statistics that belong to the known-good state: kept with each snapshot and restored with
+        # it, so a rollback is not followed by statistics polluted by the divergence that caused it
+        self.statistics = statistics
+        self.lr_scale = 1.0
+        self.stopped = False
+        self.skip_batches_left = 0
+        self.healthy_since_snapshot = 0
+        self.skipped_steps = 0
+        self.rollbacks = 0
+        self.lr_cuts = 0
+        self.snapshots = 0
+        self.store: Optional[SnapshotStore] = None
+        self.buffers: Optional[BufferUndo] = None
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", out_dir: Path) -> None:
+        """Fit start: the buffer undo for this module, and the snapshot store (unless ``snapshot: off``)."""
+        cfg = self.cfg
+        self.buffers = BufferUndo(pl_module)
+        self.store = None
+        if cfg.snapshot != "off":
+            directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"
+            if cfg.snapshot == "disk" and trainer.world_size > 1:
+                directory = directory / f"rank{trainer.global_rank}"
+            self.store = SnapshotStore(cfg.keep_snapshots, cfg.snapshot, directory)
+
+    @property
+    def can_roll_back(self) -> bool:
+        return bool(self.store)
+
+    # -------------------------------------------------------------------------------------------- actions
+
+    def skip(self, params: list[Any]) -> None:
+        """Skip this optimizer step (parameters and optimizer state untouched)."""
+        skip_step(params)
+        self.skipped_steps += 1
+
+    def undo_buffers(self) -> None:
+        """Undo what this step's forward passes wrote into buffers (BatchNorm running statistics)."""
+        if self.buffers is not None:
+            self.buffers.undo()
+
+    def healthy_step(self) -> None:
+        """After a healthy optimizer step."""
+        if self.buffers is not None:
+            self.buffers.disarm()
+        self.healthy_since_snapshot += 1
+
+    def step_start(self) -> None:
+        """The first micro-batch of an optimizer step: back up the buffers its forward passes will write."""
+        if self.buffers is not None:
+            self.buffers.arm()
+
+    def snapshot_due(self) -> bool:
+        """Every ``snapshot_every`` healthy steps (``confirm_after`` while a rollback awaits confirmation)."""
+        every = self.cfg.snapshot_every
+        if self.ladder.failed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
+            every = min(every, self.cfg.confirm_after)
+        return self.store is not None and self.healthy_since_snapshot >= every
+
+    def take_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Keep the current state as known-good: module, optimizers, schedulers, grad scaler, statistics."""
+        if self.store is None:
+            return
+        scaler = grad_scaler(trainer)
+        state = {
+            "module": pl_module.state_dict(),
+            "optimizers": [o.state_dict() for o in trainer.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+        meta: dict[str, Any] = {"lr_scale": self.lr_scale}
+        meta.update({name: obj.state_dict() for name, obj in self.statistics.items()})
+        self.store.take(trainer.global_step, state, meta)
+        self.healthy_since_snapshot = 0
+        self.snapshots += 1
+        self.ladder.snapshot_taken()
+
+    def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int) -> None:
+        """Restore the newest snapshot, then re-apply the LR cuts made since it was taken."""
+        assert self.store is not None and self.store.newest is not None
+        snap = self.store.newest
+        state = self.store.load(snap)
+        pl_module.load_state_dict(state["module"])
+        for opt, opt_state in zip(trainer.optimizers, state["optimizers"]):
+            opt.load_state_dict(opt_state)
+        for sched_cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+            sched_cfg.scheduler.load_state_dict(sched_state)
+        scaler = grad_scaler(trainer)
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(restorable_scaler_state(state["scaler"], scaler.get_scale(), scaler_overflows))
+        for name, obj in self.statistics.items():
+            if name in snap.meta:
+                obj.load_state_dict(snap.meta[name])
+        snap_scale = float(snap.meta.get("lr_scale", 1.0))
+        if snap_scale != self.lr_scale:  # the snapshot carries the LR scale of its time; keep the cuts since
+            scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs],
+                     self.lr_scale / snap_scale)
+        skip_step(pl_module.parameters())
+        self.healthy_since_snapshot = 0
+        self.rollbacks += 1
+
+    def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent) -> None:
+        """Multiply every learning rate by ``lr_factor``, down to ``min_lr_scale`` of the original."""
+        new_scale = max(self.lr_scale * self.cfg.lr_factor, self.cfg.min_lr_scale)
+        before = current_lrs(trainer.optimizers)
+        if new_scale < self.lr_scale:
+            scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], new_scale / self.lr_scale)
+            self.lr_scale = new_scale
+            self.lr_cuts += 1
+            event.add_action("reduce_lr")
+            event.details["lr_before"] = before
+            event.details["lr_after"] = current_lrs(trainer.optimizers)
+        event.details["lr_scale"] = self.lr_scale
+
+    def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, plan: Plan,
+              scaler_overflows: int = 0) -> None:
+        """Carry out a plan's rollback, batch skipping and LR cut (a give-up restores the newest snapshot)."""
+        if plan.give_up:
+            self.stopped = True
+            if self.store:
+                self.rollback(trainer, pl_module, scaler_overflows)
+                event.details["restored_step"] = self.store.newest.step if self.store.newest else None
+            return
+        if plan.rollback and self.store:
+            if plan.go_further_back:
+                self.store.drop_newest()
+            self.rollback(trainer, pl_module, scaler_overflows)
+            event.add_action("rollback")
+            event.details["restored_step"] = self.store.newest.step if self.store.newest else None
+            if plan.skip_batches:
+                self.skip_batches_left = plan.skip_batches
+                event.add_action("skip_batches")
+                event.details["skip_batches"] = plan.skip_batches
+        if plan.reduce_lr:
+            self.cut_lr(trainer, event)
+        event.details["reasons"] = plan.reasons
+
+    # ---------------------------------------------------------------------------------------- persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr_scale": self.lr_scale, "ladder": self.ladder.state_dict(),
+                "healthy_since_snapshot": self.healthy_since_snapshot, "skipped_steps": self.skipped_steps,
+                "rollbacks": self.rollbacks, "lr_cuts": self.lr_cuts, "snapshots": self.snapshots}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.ladder.load_state_dict(state.get("ladder", {}))
+        self.healthy_since_snapshot = int(state.get("healthy_since_snapshot", 0))
+        for key in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots"):
+            setattr(self, key, int(state.get(key, 0)))
