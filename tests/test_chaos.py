@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import models
+from . import models
 import pytest
 import pytorch_lightning as pl
 import torch

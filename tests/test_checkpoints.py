@@ -7,7 +7,7 @@ import copy
 import json
 from typing import Any
 
-import models
+from . import models
 import pytest
 import pytorch_lightning as pl
 import torch

@@ -14,9 +14,9 @@ import pytest
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.cli import main
+from lightning_nanguard.report.cli import main
 from lightning_nanguard.config import SECTIONS
-from models import Regression, loader, regression_data, trainer
+from .models import Regression, loader, regression_data, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
 

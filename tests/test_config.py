@@ -23,7 +23,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis import strategies as st
 
 from lightning_nanguard import ConfigError, NaNGuard, NaNGuardConfig
-from lightning_nanguard.cli import main as cli_main
+from lightning_nanguard.report.cli import main as cli_main
 from lightning_nanguard.config import SECTIONS, RecoveryConfig, iter_keys, load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]

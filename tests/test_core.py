@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-import models
+from . import models
 import pytest
 import pytorch_lightning as pl
 import torch

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
-from models import EpsZeroEmbedding, Regression, loader, regression_data, trainer
+from .models import EpsZeroEmbedding, Regression, loader, regression_data, trainer
 
 # ------------------------------------------------------------------------------------------------ models
 

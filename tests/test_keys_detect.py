@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.testing import Fault, FaultInjector
-from models import Regression, loader, regression_data, trainer
+from .models import Regression, loader, regression_data, trainer
 
 BATCH = 16
 

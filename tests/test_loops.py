@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import models
+from . import models
 import pytest
 import pytorch_lightning as pl
 import torch

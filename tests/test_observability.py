@@ -18,7 +18,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.report.progress import INCIDENTS_KEY, LR_SCALE_KEY
-from models import Regression, loader, regression_data, trainer
+from .models import Regression, loader, regression_data, trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
 

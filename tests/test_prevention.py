@@ -17,7 +17,7 @@ from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect.spikes import RunningStats, SpikeDetector
 from lightning_nanguard.incidents import SPIKES_BEFORE_LR_CUT
 from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
-from models import Classifier, Regression, classification_data, loader, regression_data, trainer
+from .models import Classifier, Regression, classification_data, loader, regression_data, trainer
 
 
 # ------------------------------------------------------------------------------------------ statistics

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import models
+from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -17,7 +17,7 @@ from torch.optim import lr_scheduler as S
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
 from lightning_nanguard.recover.ladder import RecoveryLadder
-from lightning_nanguard.stats import ZClip
+from lightning_nanguard.recover.clipping import ZClip
 from lightning_nanguard.testing import Fault, FaultInjector
 
 QUIET = {"verbose": False}

@@ -20,7 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import models
+from . import models
 import numpy as np
 import pytest
 import pytorch_lightning as pl
