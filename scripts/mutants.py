@@ -19,6 +19,7 @@ class Mutant:
     find: str
     replace: str
     breaks: str
+    harmless: str = ""  # why a survivor is judged harmless (docs/mutation.md); it still runs
 
 
 AREAS = ("detection", "ladder", "snapshots", "lr", "clipping", "spikes", "diagnosis", "events", "config",

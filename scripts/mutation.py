@@ -8,10 +8,10 @@ only read. A mutant is
 
 - killed:   a test failed (the first failing test is reported);
 - survived: the whole suite passed with the bug in place;
-- timeout:  the suite ran past --timeout (reported apart; not in the kill rate);
+- timeout:  the suite ran past --timeout (a hang): killed by timeout, counted as killed, listed apart;
 - stale:    its ``find`` is missing or occurs more than once (the code moved or changed: fix the mutant).
 
-Kill rate = killed / (killed + survived). See docs/mutation.md.
+Kill rate = (killed + timeout) / (killed + timeout + survived). See docs/mutation.md.
 
     python scripts/mutation.py --list                 # check every mutant applies (no tests run)
     python scripts/mutation.py --jobs 2 --json out.json
@@ -54,6 +54,7 @@ class Result:
     killed_by: Optional[str] = None
     detail: str = ""
     breaks: str = ""
+    harmless: str = ""
 
 
 # ------------------------------------------------------------------------------------------ mutants
@@ -81,9 +82,12 @@ def check_mutant(m: Mutant, root: Path = ROOT) -> tuple[Optional[str], str]:
 
 def _elsewhere(m: Mutant, root: Path) -> str:
     """Where the snippet lives now, if it moved to another file of the package (a refactor)."""
-    hits = [str(p.relative_to(root)) for p in sorted((root / PACKAGE).rglob("*.py"))
-            if m.find in p.read_text(encoding="utf-8")]
-    return f"; the snippet is now in {', '.join(hits)}" if hits else ""
+    counts = {str(p.relative_to(root)): p.read_text(encoding="utf-8").count(m.find)
+              for p in sorted((root / PACKAGE).rglob("*.py"))}
+    hits = [f"{f}" + (f" ({n} times)" if n > 1 else "") for f, n in counts.items() if n]
+    if not hits:
+        return ""
+    return f"; the snippet is now in {', '.join(hits)}" if len(hits) <= 3 else f"; found in {len(hits)} files"
 
 
 def select(args: argparse.Namespace) -> list[Mutant]:
@@ -205,7 +209,7 @@ def run_mutant(m: Mutant, files: list[str], work: Path, timeout: float, pytest_a
         (copy / m.file).write_text(mutated, encoding="utf-8")
         outcome, seconds, output = run_suite(copy, timeout, pytest_args)
         if outcome == "passed":
-            return Result(m.id, m.area, "survived", seconds, breaks=m.breaks)
+            return Result(m.id, m.area, "survived", seconds, breaks=m.breaks, harmless=m.harmless)
         if outcome == "timeout":
             return Result(m.id, m.area, "timeout", seconds, detail=f"ran past {timeout:.0f} s", breaks=m.breaks)
         return Result(m.id, m.area, "killed", seconds, killed_by=first_failure(output), breaks=m.breaks)
@@ -232,28 +236,37 @@ def list_mutants(chosen: list[Mutant]) -> int:
 
 def summarise(results: list[Result], wall: float, baseline: float) -> dict:
     by = {s: [r for r in results if r.status == s] for s in ("killed", "survived", "timeout", "stale")}
-    judged = len(by["killed"]) + len(by["survived"])
-    rate = len(by["killed"]) / judged if judged else float("nan")
-    print(f"\n{len(results)} mutant(s): killed {len(by['killed'])}, survived {len(by['survived'])}, "
-          f"timeout {len(by['timeout'])}, stale {len(by['stale'])}")
-    print(f"kill rate: {len(by['killed'])}/{judged} = {rate:.1%}  (wall {wall / 60:.1f} min; unmutated suite "
-          f"{baseline:.0f} s)")
+    killed = len(by["killed"]) + len(by["timeout"])  # a hang is a failing suite: killed by timeout
+    survived = len(by["survived"])
+    harmless = [r for r in by["survived"] if r.harmless]
+    rate = killed / (killed + survived) if killed + survived else float("nan")
+    print(f"\n{len(results)} mutant(s): killed {len(by['killed'])} (+{len(by['timeout'])} by timeout), "
+          f"survived {survived}, stale {len(by['stale'])}")
+    suite = f"unmutated suite {baseline:.0f} s" if baseline else "unmutated suite skipped"
+    print(f"kill rate: {killed}/{killed + survived} = {rate:.1%}  (wall {wall / 60:.1f} min; {suite})")
+    rate_judged = rate
+    if harmless:
+        judged = killed + survived - len(harmless)
+        rate_judged = killed / judged if judged else float("nan")
+        print(f"kill rate without the {len(harmless)} survivor(s) judged harmless: {killed}/{judged} = "
+              f"{rate_judged:.1%}")
     for status in ("survived", "timeout", "stale"):
         if by[status]:
             print(f"\n{status}:")
-            for r in sorted(by[status], key=lambda r: (AREAS.index(r.area), r.id)):
-                print(f"  {r.id:<40} {r.breaks}" + (f"\n    -> {r.detail}" if r.detail else ""))
+            for r in sorted(by[status], key=lambda r: (bool(r.harmless), AREAS.index(r.area), r.id)):
+                print(f"  {r.id:<40} {r.breaks}" + (f"\n    -> {r.detail}" if r.detail else "")
+                      + (f"\n    -> judged harmless: {r.harmless}" if r.harmless and status == "survived" else ""))
     per_area = {}
     for a in AREAS:
-        k = sum(r.area == a and r.status == "killed" for r in results)
+        k = sum(r.area == a and r.status in ("killed", "timeout") for r in results)
         s = sum(r.area == a and r.status == "survived" for r in results)
         if k + s:
             per_area[a] = {"killed": k, "survived": s}
     print("\nper area (killed/judged): " + ", ".join(f"{a} {v['killed']}/{v['killed'] + v['survived']}"
                                                     for a, v in per_area.items()))
-    return {"kill_rate": rate, "killed": len(by["killed"]), "survived": len(by["survived"]),
-            "timeout": len(by["timeout"]), "stale": len(by["stale"]), "wall_s": round(wall, 1),
-            "baseline_suite_s": round(baseline, 1), "per_area": per_area,
+    return {"kill_rate": rate, "kill_rate_without_harmless": rate_judged, "killed": killed, "survived": survived,
+            "survived_harmless": len(harmless), "timeout": len(by["timeout"]), "stale": len(by["stale"]),
+            "wall_s": round(wall, 1), "baseline_suite_s": round(baseline, 1), "per_area": per_area,
             "python": sys.executable, "results": [asdict(r) for r in results]}
 
 
@@ -266,7 +279,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and check they apply; run nothing")
     parser.add_argument("--json", metavar="OUT", help="write every result (and the summary) as JSON")
     parser.add_argument("--timeout", type=float,
-                        help="seconds per mutant's suite run (default: 3 x the unmutated run + 60)")
+                        help="seconds per mutant's suite run, past which it is killed by timeout "
+                             "(default: 3 x the unmutated run + 60)")
     parser.add_argument("--skip-baseline", action="store_true",
                         help="do not run the unmutated suite first (only when it is known to pass; needs --timeout)")
     parser.add_argument("--keep", action="store_true", help="keep the mutated copies (under the temp folder)")
@@ -316,7 +330,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
             print(f"\nwrote {args.json}")
-        return 0 if summary["survived"] == summary["timeout"] == summary["stale"] == 0 else 1
+        unexplained = summary["survived"] - summary["survived_harmless"]
+        return 0 if unexplained == summary["stale"] == 0 else 1
     except KeyboardInterrupt:
         with _procs_lock:
             for proc in list(_procs.values()):
