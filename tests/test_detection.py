@@ -1,11 +1,13 @@
-"""Every detection, diagnosis and logging key changes what a real Trainer run records.
+"""Detection: what is flagged and how, from the device flags and the finders to every ``check.*`` key.
 
-Each test runs the same small setup with a key on and off (or at two values) and asserts the difference
+The key tests run the same small setup with a key on and off (or at two values) and assert the difference
 the key is documented to make, so a key that is silently ignored fails here.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -19,7 +21,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_nanguard import NaNGuard
+from lightning_nanguard.detect import find, flags
+from lightning_nanguard.detect.state import StateCheck
 from lightning_nanguard.testing import Fault, FaultInjector
+from . import models
 from .models import Regression, loader, regression_data, trainer
 
 BATCH = 16
@@ -261,3 +266,166 @@ def test_amp_min_scale_turns_an_overflow_below_it_into_an_incident(tmp_path: Pat
     guard, _ = _fit_fp16(tmp_path / "low", {"amp_min_scale": 0.5 * INIT_SCALE / 2 ** streak,
                                              "amp_overflow_patience": 1000})
     assert guard.events == []
+
+
+# ---------------------------------------------------------------------------------------- flags and finders
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("value,bad", [(1.0, False), (NAN, True), (INF, True), (-INF, True), (3e38, False)])
+def test_nonfinite_flag(value, bad):
+    assert bool(flags.nonfinite_flag(torch.tensor([0.0, value]))) is bad
+
+
+def test_any_nonfinite_flag_mixed_dtypes_and_no_false_positive_on_huge_values():
+    ts = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float64), torch.arange(3)]
+    assert not bool(flags.any_nonfinite_flag(ts))  # a 2-norm would overflow here; the inf-norm does not
+    ts.append(torch.tensor([1.0, NAN], dtype=torch.bfloat16))
+    assert bool(flags.any_nonfinite_flag(ts))
+    assert flags.any_nonfinite_flag([torch.arange(4)]) is None
+
+
+def test_total_norm_matches_reference_and_flags_nonfinite():
+    g = [torch.randn(5, 3), torch.randn(7)]
+    ref = torch.sqrt(sum((t ** 2).sum() for t in g))
+    assert torch.allclose(flags.total_norm(g), ref)
+    assert not math.isfinite(float(flags.total_norm(g + [torch.tensor([INF])])))
+    assert float(flags.total_norm([])) == 0.0
+
+
+def test_total_norm_is_bitwise_get_total_norm() -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(s) * 3 for s in [(16, 8), (16,), (4, 3, 3), ()]]
+    for norm_type in (2.0, 1.0, math.inf):
+        assert torch.equal(flags.total_norm(grads, norm_type), torch.nn.utils.get_total_norm(grads, norm_type))
+    mixed = grads + [torch.randn(5, dtype=torch.float64)]  # several dtypes: torch's own path
+    assert torch.equal(flags.total_norm(mixed), torch.nn.utils.get_total_norm(mixed))
+
+
+def test_state_check_sees_in_place_writes_new_storage_and_huge_finite_values() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1), nn.Linear(1100, 1000))
+    check = StateCheck()
+    assert not bool(check.flag(model))
+    weight = model[0].weight
+    with torch.no_grad():
+        weight[3, 2] = float("nan")  # in place: the cached views see it
+    assert bool(check.flag(model))
+    with torch.no_grad():
+        weight[3, 2] = 0.0
+        model[1].running_var[0] = float("inf")  # a buffer
+    assert bool(check.flag(model))
+    with torch.no_grad():
+        model[1].running_var[0] = 1.0
+        model[3].weight[0, 0] = float("-inf")  # a large tensor (aminmax path)
+    assert bool(check.flag(model))
+    with torch.no_grad():
+        model[3].weight[0, 0] = 3e38  # huge but finite: no overflow to a false alarm
+    assert not bool(check.flag(model))
+    model[2].bias.data = torch.full((1,), float("nan"))  # storage replaced: re-collected
+    assert bool(check.flag(model))
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Item:
+    feats: torch.Tensor
+    label: int
+
+
+def test_find_batch_nonfinite_walks_any_nesting():
+    x = torch.zeros(4, 3)
+    x[2, 1] = NAN
+    x[3, 0] = INF
+    batch = {"a": [Point(torch.ones(2), x)], "b": (Item(torch.zeros(2, 2), 1), "text"), "c": torch.arange(3)}
+    found = find.find_batch_nonfinite(batch)
+    assert len(found) == 1
+    f = found[0]
+    assert f["field"] == "batch['a'][0].y"
+    assert f["samples"] == [2, 3] and f["features"] == [0, 1] and f["nan"] == 1 and f["inf"] == 1
+    batch["b"][0].feats[1, 1] = -INF
+    assert [f["field"] for f in find.find_batch_nonfinite(batch)] == ["batch['a'][0].y", "batch['b'][0].feats"]
+
+
+def test_find_nonfinite_tensors_names_and_counts():
+    named = [("ok", torch.ones(3)), ("bad", torch.tensor([NAN, INF, 1.0])), ("int", torch.arange(2))]
+    assert find.find_nonfinite_tensors(named) == [
+        {"name": "bad", "nan": 1, "inf": 1, "numel": 3, "shape": [3]}]
+
+
+# ---------------------------------------------------------------------------------- bad inputs in a Trainer
+
+
+def test_bad_input_samples_skip_exactly_their_steps(tmp_path):
+    data = models.classification_data(n=1024)
+    batch = 32
+    # ~1% of samples: 10 rows, in 10 different, non-adjacent batches
+    rows = [b * batch + (7 * b) % batch for b in (1, 4, 7, 10, 13, 16, 19, 22, 25, 28)]
+    poisoned = models.poison_rows(data, rows[::2], float("nan"))
+    poisoned = models.poison_rows(poisoned, rows[1::2], float("inf"))
+    expected_steps = {r // batch for r in rows}
+
+    accs = {}
+    for name, ds, guard in (("clean", data, None), ("guarded", poisoned, NaNGuard())):
+        pl.seed_everything(0, verbose=False)
+        model = models.Classifier(dropout=0.0)
+        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=1).fit(model, models.loader(ds, batch))
+        accs[name] = (models.accuracy(model, data), guard, model)
+    guard, model = accs["guarded"][1], accs["guarded"][2]
+    assert {e.step for e in guard.events} == expected_steps
+    assert all(e.kind == "input" and e.cause == "input" and e.actions == ["skip_step"] for e in guard.events)
+    for event in guard.events:
+        row = rows[sorted(expected_steps).index(event.step)]
+        samples = [s for f in event.details["inputs"] for s in f["samples"]]
+        assert samples == [row % batch]
+    assert models.all_finite(model)
+    assert abs(accs["clean"][0] - accs["guarded"][0]) <= 0.03, (accs["clean"][0], accs["guarded"][0])
+
+
+# ---------------------------------------------------------------------------------------- check.activations
+
+
+class SideBranch(pl.LightningModule):
+    """A module output that never reaches the loss goes NaN: only ``check.activations`` sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.aux = nn.Sequential(nn.Linear(8, 4), LogAct())
+        self.last_aux: Any = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.last_aux = self.aux(x).detach()  # e.g. kept for logging
+        return nn.functional.mse_loss(self.linear(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class LogAct(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.log(h)
+
+
+@pytest.mark.parametrize("activations", ["always", 2, "off"])
+def test_activation_flag_catches_unused_branch(tmp_path: Any, activations: Any) -> None:
+    data = regression_data(128, 8)
+    guard = NaNGuard(check={"activations": activations})
+    model = SideBranch()
+    with torch.no_grad():
+        model.aux[0].bias.fill_(-100.0)  # log of negative pre-activations -> NaN in aux, loss stays finite
+    t = trainer(tmp_path, [guard], max_steps=4)
+    t.fit(model, loader(data, batch_size=32))
+    if activations == "off":
+        assert guard.events == []
+        return
+    ev = guard.events[0]
+    assert ev.kind == "activation" and ev.step == 0
+    assert ev.culprit == "aux.1" and ev.op == "LogBackward0"
+    assert "domain" in ev.suggestion and "torch.log(h)" in ev.suggestion  # NaN in float64 too: a domain error
+    assert len(guard.events) == (4 if activations == "always" else 2)
+    assert all(not m._forward_hooks for m in model.modules())

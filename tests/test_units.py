@@ -2,74 +2,17 @@
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import math
-
 import pytest
 import torch
 from torch import nn
 from torch.optim import lr_scheduler as S
 
-from lightning_nanguard.detect import find, flags
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
 from lightning_nanguard.recover.ladder import RecoveryLadder
 from lightning_nanguard.recover.actions import BufferUndo, scale_lr
 from lightning_nanguard.recover.snapshots import SnapshotStore
 
-NAN, INF = float("nan"), float("inf")
-
-# ------------------------------------------------------------------------------------------------ checks
-
-
-@pytest.mark.parametrize("value,bad", [(1.0, False), (NAN, True), (INF, True), (-INF, True), (3e38, False)])
-def test_nonfinite_flag(value, bad):
-    assert bool(flags.nonfinite_flag(torch.tensor([0.0, value]))) is bad
-
-
-def test_any_nonfinite_flag_mixed_dtypes_and_no_false_positive_on_huge_values():
-    ts = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float64), torch.arange(3)]
-    assert not bool(flags.any_nonfinite_flag(ts))  # a 2-norm would overflow here; the inf-norm does not
-    ts.append(torch.tensor([1.0, NAN], dtype=torch.bfloat16))
-    assert bool(flags.any_nonfinite_flag(ts))
-    assert flags.any_nonfinite_flag([torch.arange(4)]) is None
-
-
-def test_total_norm_matches_reference_and_flags_nonfinite():
-    g = [torch.randn(5, 3), torch.randn(7)]
-    ref = torch.sqrt(sum((t ** 2).sum() for t in g))
-    assert torch.allclose(flags.total_norm(g), ref)
-    assert not math.isfinite(float(flags.total_norm(g + [torch.tensor([INF])])))
-    assert float(flags.total_norm([])) == 0.0
-
-
-Point = collections.namedtuple("Point", "x y")
-
-
-@dataclasses.dataclass
-class Item:
-    feats: torch.Tensor
-    label: int
-
-
-def test_find_batch_nonfinite_walks_any_nesting():
-    x = torch.zeros(4, 3)
-    x[2, 1] = NAN
-    x[3, 0] = INF
-    batch = {"a": [Point(torch.ones(2), x)], "b": (Item(torch.zeros(2, 2), 1), "text"), "c": torch.arange(3)}
-    found = find.find_batch_nonfinite(batch)
-    assert len(found) == 1
-    f = found[0]
-    assert f["field"] == "batch['a'][0].y"
-    assert f["samples"] == [2, 3] and f["features"] == [0, 1] and f["nan"] == 1 and f["inf"] == 1
-    batch["b"][0].feats[1, 1] = -INF
-    assert [f["field"] for f in find.find_batch_nonfinite(batch)] == ["batch['a'][0].y", "batch['b'][0].feats"]
-
-
-def test_find_nonfinite_tensors_names_and_counts():
-    named = [("ok", torch.ones(3)), ("bad", torch.tensor([NAN, INF, 1.0])), ("int", torch.arange(2))]
-    assert find.find_nonfinite_tensors(named) == [
-        {"name": "bad", "nan": 1, "inf": 1, "numel": 3, "shape": [3]}]
+NAN = float("nan")
 
 
 # ---------------------------------------------------------------------------------------- learning rate
