@@ -16,7 +16,6 @@ from typing import Any, Optional
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -211,61 +210,6 @@ def test_parameter_check_at_train_end_repairs_the_last_step(tmp_path: Path) -> N
         assert ev.details["restored_step"] == 0 and _finite(model)
         assert json.loads((tmp_path / "True" / "nanguard" / "events.jsonl").read_text())["details"][
             "detected_at"] == "train_end"
-
-
-# ------------------------------------------------------------------ amp_overflow_patience, amp_min_scale
-
-INIT_SCALE = 2.0 ** 24  # far too high for fp16: the first steps overflow, halving the scale each time
-
-
-class _Scales(pl.Callback):
-    def __init__(self) -> None:
-        self.scales: list[float] = []
-
-    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
-
-
-def _fit_fp16(tmp_path: Path, check: dict) -> tuple[NaNGuard, list[float]]:
-    guard, probe = NaNGuard(check=check, logging={"verbose": False}), _Scales()
-    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
-    trainer(tmp_path, [guard, probe], max_steps=12, plugins=[plugin]).fit(
-        Regression(lr=0.01), loader(regression_data(12 * BATCH), BATCH))
-    return guard, probe.scales
-
-
-def _routine_overflows(tmp_path: Path) -> int:
-    guard, scales = _fit_fp16(tmp_path, {"amp_overflow_patience": 1000, "amp_min_scale": 1e-30})
-    assert guard.events == []
-    overflows = sum(1 for a, b in zip([INIT_SCALE] + scales, scales) if b < a)
-    assert scales[:overflows] == [INIT_SCALE / 2 ** (i + 1) for i in range(overflows)]  # a streak from step 0
-    return overflows
-
-
-def test_amp_overflow_patience_is_the_streak_that_becomes_an_incident(tmp_path: Path) -> None:
-    streak = _routine_overflows(tmp_path / "control")
-    assert streak >= 4
-    for patience in (2, streak - 1):
-        guard, _ = _fit_fp16(tmp_path / str(patience), {"amp_overflow_patience": patience})
-        ev = guard.events[0]
-        assert (ev.step, ev.kind, ev.cause) == (patience - 1, "gradient", "overflow")
-        assert ev.details["scaler_overflows"] == patience
-    guard, _ = _fit_fp16(tmp_path / "longer", {"amp_overflow_patience": streak + 1})
-    assert guard.events == []
-
-
-def test_amp_min_scale_turns_an_overflow_below_it_into_an_incident(tmp_path: Path) -> None:
-    streak = _routine_overflows(tmp_path / "control")
-    for at in (1, streak - 1):  # the overflow of step `at` runs at scale INIT_SCALE / 2**at
-        floor = 1.5 * INIT_SCALE / 2 ** at
-        guard, _ = _fit_fp16(tmp_path / str(at), {"amp_min_scale": floor, "amp_overflow_patience": 1000})
-        ev = guard.events[0]
-        assert (ev.step, ev.kind, ev.cause) == (at, "gradient", "overflow")
-        assert ev.details["grad_scale"] == INIT_SCALE / 2 ** at < floor
-    # a floor under every scale of the streak: routine overflows only
-    guard, _ = _fit_fp16(tmp_path / "low", {"amp_min_scale": 0.5 * INIT_SCALE / 2 ** streak,
-                                             "amp_overflow_patience": 1000})
-    assert guard.events == []
 
 
 # ---------------------------------------------------------------------------------------- flags and finders

@@ -8,6 +8,7 @@ overflow in fp16, as a real run calibrating its scale does.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, Optional
 
 from . import models
@@ -186,3 +187,47 @@ def test_cuda_fp16_grad_scaler_plain_and_fused(tmp_path):
         opt = trainer.optimizers[0]
         assert all(int(opt.state[p]["step"]) == 7 for p in model.parameters())
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# --------------------------------------------------------- check.amp_overflow_patience, check.amp_min_scale
+
+
+def _fit_fp16(tmp_path: Path, check: dict) -> tuple[NaNGuard, list[float]]:
+    guard, probe = NaNGuard(check=check, logging={"verbose": False}), ScaleProbe()
+    models.trainer(tmp_path, [guard, probe], max_steps=12, plugins=[fp16(INIT_SCALE)]).fit(
+        models.Regression(lr=0.01), models.loader(models.regression_data(12 * 16), 16))
+    return guard, probe.scales
+
+
+def _routine_overflows(tmp_path: Path) -> int:
+    guard, scales = _fit_fp16(tmp_path, {"amp_overflow_patience": 1000, "amp_min_scale": 1e-30})
+    assert guard.events == []
+    overflows = sum(1 for a, b in zip([INIT_SCALE] + scales, scales) if b < a)
+    assert scales[:overflows] == [INIT_SCALE / 2 ** (i + 1) for i in range(overflows)]  # a streak from step 0
+    return overflows
+
+
+def test_amp_overflow_patience_is_the_streak_that_becomes_an_incident(tmp_path: Path) -> None:
+    streak = _routine_overflows(tmp_path / "control")
+    assert streak >= 4
+    for patience in (2, streak - 1):
+        guard, _ = _fit_fp16(tmp_path / str(patience), {"amp_overflow_patience": patience})
+        ev = guard.events[0]
+        assert (ev.step, ev.kind, ev.cause) == (patience - 1, "gradient", "overflow")
+        assert ev.details["scaler_overflows"] == patience
+    guard, _ = _fit_fp16(tmp_path / "longer", {"amp_overflow_patience": streak + 1})
+    assert guard.events == []
+
+
+def test_amp_min_scale_turns_an_overflow_below_it_into_an_incident(tmp_path: Path) -> None:
+    streak = _routine_overflows(tmp_path / "control")
+    for at in (1, streak - 1):  # the overflow of step `at` runs at scale INIT_SCALE / 2**at
+        floor = 1.5 * INIT_SCALE / 2 ** at
+        guard, _ = _fit_fp16(tmp_path / str(at), {"amp_min_scale": floor, "amp_overflow_patience": 1000})
+        ev = guard.events[0]
+        assert (ev.step, ev.kind, ev.cause) == (at, "gradient", "overflow")
+        assert ev.details["grad_scale"] == INIT_SCALE / 2 ** at < floor
+    # a floor under every scale of the streak: routine overflows only
+    guard, _ = _fit_fp16(tmp_path / "low", {"amp_min_scale": 0.5 * INIT_SCALE / 2 ** streak,
+                                             "amp_overflow_patience": 1000})
+    assert guard.events == []
