@@ -1,10 +1,9 @@
 """What the recovery ladder restores and changes, read back from the live objects of real Trainer runs:
-fixed and adaptive clipping of the gradient the optimizer applies, the state a rollback loads, LR cuts
-across rollbacks and schedulers, the LR floor, the incident window, and the snapshot keys."""
+the state a rollback loads, LR cuts across rollbacks and schedulers, the LR floor, the incident window, and
+the snapshot keys."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from . import models
@@ -17,7 +16,6 @@ from torch.optim import lr_scheduler as S
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
 from lightning_nanguard.recover.ladder import RecoveryLadder
-from lightning_nanguard.recover.clipping import ZClip
 from lightning_nanguard.testing import Fault, FaultInjector
 
 QUIET = {"verbose": False}
@@ -28,11 +26,6 @@ def fit(tmp_path, model: pl.LightningModule, callbacks: list, steps: int, data=N
     trainer = models.trainer(tmp_path, callbacks, max_steps=steps, max_epochs=-1, **kwargs)
     trainer.fit(model, models.loader(data if data is not None else models.regression_data(n=512), batch_size))
     return trainer
-
-
-def grad_norm(module: torch.nn.Module, norm_type: float = 2.0) -> float:
-    return float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None],
-                                               norm_type))
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
@@ -51,28 +44,6 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert a == b, (path, a, b)
 
 
-class Spiky(models.Regression):
-    """Healthy regression (SGD) whose loss is multiplied by ``factor`` at ``steps``: finite gradient spikes."""
-
-    def __init__(self, steps: tuple[int, ...] = (), factor: float = 30.0) -> None:
-        super().__init__(lr=0.05)
-        self.spikes, self.factor = set(steps), factor
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        return loss * self.factor if self.global_step in self.spikes else loss
-
-
-class Norms(pl.Callback):
-    """Listed before or after the guard: the gradient norms the guard saw / the optimizer will apply."""
-
-    def __init__(self, norm_types: tuple[float, ...] = (2.0,)) -> None:
-        self.norm_types, self.rows = norm_types, []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.rows.append(tuple(grad_norm(pl_module, p) for p in self.norm_types))
-
-
 class AtBatchStart(pl.Callback):
     """The training state at the start of every optimizer step (right after the previous step's rollback)."""
 
@@ -81,77 +52,6 @@ class AtBatchStart(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.states[trainer.global_step] = models.training_state(trainer, pl_module)
-
-
-# --------------------------------------------------------------------------------------------- clipping
-
-
-def test_fixed_max_norm_bounds_every_step_the_optimizer_applies(tmp_path):
-    """clip.max_norm: the norm of the applied gradient is min(norm, max_norm) at every step."""
-    max_norm = 3.0
-    guard = NaNGuard(clip={"max_norm": max_norm, "adaptive": "off"}, logging=QUIET)
-    before, after = Norms(), Norms()
-    fit(tmp_path, Spiky(), [before, guard, after], steps=30)
-    pre, post = [r[0] for r in before.rows], [r[0] for r in after.rows]
-    assert len(post) == 30 and guard.events == []
-    assert max(pre) > max_norm and min(pre) < max_norm  # both cases happen in this run
-    for a, b in zip(pre, post):
-        assert b == pytest.approx(min(a, max_norm), rel=1e-5), (a, b)
-    assert guard.counters["clipped_steps"] == sum(a > max_norm for a in pre) > 0
-
-
-def test_smaller_of_fixed_and_adaptive_limit_wins(tmp_path):
-    """With clip.adaptive: always, each step is clipped to min(max_norm, mean + z_threshold * std) of an EMA
-    (ema_alpha) of the norms, from warmup_steps on: replayed here from the config, not read from the guard."""
-    clip = {"max_norm": 9.0, "adaptive": "always", "warmup_steps": 4, "z_threshold": 1.0, "ema_alpha": 0.8}
-    guard = NaNGuard(clip=clip, logging=QUIET)
-    before, after = Norms(), Norms()
-    fit(tmp_path, Spiky(steps=(12, 17, 22)), [before, guard, after], steps=30)
-    replay = ZClip(clip["z_threshold"], clip["ema_alpha"], clip["warmup_steps"])
-    winners = []
-    for (a,), (b,) in zip(before.rows, after.rows):
-        adaptive = replay.threshold()
-        limit = min(clip["max_norm"], adaptive) if adaptive is not None else clip["max_norm"]
-        assert b == pytest.approx(min(a, limit), rel=1e-5), (a, b, adaptive)
-        if a > limit:
-            winners.append("adaptive" if adaptive is not None and adaptive < clip["max_norm"] else "fixed")
-        replay.update(a)
-    assert guard.events == [] and guard.counters["clipped_steps"] == len(winners)
-    assert {"adaptive", "fixed"} <= set(winners), winners  # each limit was the smaller one at some clipped step
-
-
-@pytest.mark.parametrize("adaptive", ["on_incident", "off"])
-def test_adaptive_on_incident_arms_after_an_incident_and_off_never(tmp_path, adaptive):
-    """clip.adaptive: on_incident clips a later finite spike once an incident has armed it; off never clips."""
-    guard = NaNGuard(clip={"adaptive": adaptive, "warmup_steps": 4}, logging=QUIET)
-    before, after = Norms(), Norms()
-    spike = 12
-    fit(tmp_path, Spiky(steps=(spike,)), [FaultInjector(Fault("loss", steps=[2])), before, guard, after], steps=16)
-    assert [e.step for e in guard.events] == [2]
-    clipped = [s for s, ((a,), (b,)) in enumerate(zip(before.rows, after.rows)) if b < a * (1 - 1e-6)]
-    if adaptive == "off":
-        assert clipped == [] and not guard._recovery.ladder.adaptive_clip and guard.counters["clipped_steps"] == 0
-    else:
-        assert "clip" in guard.events[0].actions and guard._recovery.ladder.adaptive_clip
-        assert spike in clipped and guard.counters["clipped_steps"] == len(clipped)
-
-
-@pytest.mark.parametrize("norm_type", [math.inf, 1.0])
-def test_norm_type_is_the_norm_that_is_clipped(tmp_path, norm_type):
-    """clip.norm_type: the p-norm of the applied gradient is min(p-norm, max_norm); clipping the 2-norm
-    instead would leave another size (the 2-norm of the clipped gradients is not max_norm)."""
-    max_norm = 3.0
-    guard = NaNGuard(clip={"max_norm": max_norm, "norm_type": norm_type, "adaptive": "off"}, logging=QUIET)
-    before, after = Norms((norm_type,)), Norms((norm_type, 2.0))
-    fit(tmp_path, Spiky(), [before, guard, after], steps=30)
-    clipped = 0
-    for (p_pre,), (p_post, two_post) in zip(before.rows, after.rows):
-        assert p_post == pytest.approx(min(p_pre, max_norm), rel=1e-5), (p_pre, p_post)
-        if p_pre > max_norm:
-            clipped += 1
-            assert abs(two_post - max_norm) > 0.05 * max_norm, two_post
-    assert guard.counters["clipped_steps"] == clipped > 0
-    assert guard._clipper.last_norm == pytest.approx(before.rows[-1][0], rel=1e-6)
 
 
 # --------------------------------------------------------------------------------------------- rollback
