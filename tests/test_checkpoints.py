@@ -1,11 +1,10 @@
-"""Checkpoint safety: no checkpoint written during a guarded run holds a non-finite tensor; disk snapshots;
-resuming keeps the guard's own state."""
+"""Checkpoint safety: no checkpoint written during a guarded run holds a non-finite tensor; resuming keeps the
+guard's own state."""
 
 from __future__ import annotations
 
 import copy
 import json
-from typing import Any
 
 from . import models
 import pytest
@@ -84,34 +83,6 @@ def test_nonfinite_optimizer_state_never_reaches_a_checkpoint(tmp_path, every, f
     assert all(torch.isfinite(v).all() for s in trainer.optimizers[0].state.values() for v in s.values())
 
 
-class BurstModel(models.Regression):
-    def __init__(self, bad: set[int]) -> None:
-        super().__init__(lr=0.02, optimizer="adamw")
-        self.bad = bad
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if batch_idx in self.bad else loss
-
-
-def test_disk_snapshots_roll_back_like_memory_ones(tmp_path):
-    runs = {}
-    for mode in ("memory", "disk"):
-        pl.seed_everything(0, verbose=False)
-        model = BurstModel(bad={5, 6, 7, 8})
-        guard = NaNGuard(recovery={"snapshot": mode, "snapshot_every": 2, "max_skips": 3})
-        trainer = models.trainer(tmp_path / mode, [guard], max_steps=12)
-        trainer.fit(model, models.loader(models.regression_data(n=96), batch_size=8))
-        assert guard.counters["rollbacks"] == 1 and "rollback" in guard.events[-1].actions
-        runs[mode] = (model, guard)
-    assert all(torch.equal(a, b) for a, b in zip(runs["memory"][0].state_dict().values(),
-                                                  runs["disk"][0].state_dict().values()))
-    folder = tmp_path / "disk" / "nanguard" / "snapshots"
-    files = sorted(p.name for p in folder.iterdir())
-    assert files and all(f.startswith("snapshot-step") and f.endswith(".pt") for f in files)  # no *.tmp left
-    assert len(files) <= runs["disk"][1].config.recovery.keep_snapshots
-
-
 class FirstStep(pl.Callback):
     """The step and learning rates of the first optimizer step of a fit."""
 
@@ -126,7 +97,7 @@ class FirstStep(pl.Callback):
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_path):
     lr, steps_per_epoch = 0.02, 10
-    model = BurstModel(bad={2, 5})
+    model = models.NaNLossOnBatches(bad={2, 5})
     guard = NaNGuard(recovery={"reduce_lr_after": 2})
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     data = models.loader(models.regression_data(n=8 * steps_per_epoch), batch_size=8)
@@ -134,7 +105,7 @@ def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_
     trainer.fit(model, data)
     assert [e.index for e in guard.events] == [1, 2] and guard.lr_scale == 0.5
 
-    resumed_model = BurstModel(bad={7})  # epoch 2: batch 7
+    resumed_model = models.NaNLossOnBatches(bad={7})  # epoch 2: batch 7
     guard2, first = NaNGuard(recovery={"reduce_lr_after": 2}), FirstStep()
     trainer2 = models.trainer(tmp_path / "run2", [guard2, first], max_epochs=2)
     trainer2.fit(resumed_model, data, ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))

@@ -1,22 +1,34 @@
-"""What the recovery ladder restores and changes, read back from the live objects of real Trainer runs:
-the state a rollback loads, LR cuts across rollbacks and schedulers, the LR floor, the incident window, and
-the snapshot keys."""
+"""Recovery: what the guard does about an incident and what it restores, from the pure pieces (the ladder,
+``scale_lr``, ``BufferUndo``, ``SnapshotStore``) to real Trainer runs read back from their live objects:
+skipped steps, the ladder's escalation, rollbacks, LR cuts across rollbacks and schedulers, the LR floor,
+the incident window, snapshots, and giving up."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Any, Callable
 
-from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
 from torch.optim import lr_scheduler as S
+from torch.utils.data import TensorDataset
 
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
+from lightning_nanguard.recover.actions import BufferUndo, scale_lr
 from lightning_nanguard.recover.ladder import RecoveryLadder
+from lightning_nanguard.recover.snapshots import SnapshotStore
 from lightning_nanguard.testing import Fault, FaultInjector
+from . import models
+from .models import Regression, loader, regression_data, trainer
+
+NAN = float("nan")
+
 
 QUIET = {"verbose": False}
 
@@ -54,7 +66,236 @@ class AtBatchStart(pl.Callback):
         self.states[trainer.global_step] = models.training_state(trainer, pl_module)
 
 
-# --------------------------------------------------------------------------------------------- rollback
+# ------------------------------------------------------------------------------- a diverging run is rescued
+
+
+def _final_mse(model: models.Regression, data: TensorDataset) -> float:
+    x, y = data.tensors
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(model(x), y))
+
+
+def test_too_high_lr_is_rescued(tmp_path):
+    data = models.regression_data(n=2048, features=8)
+    results = {}
+    for name, lr, guard in (("unguarded", 1.5, None), ("guarded", 1.5, NaNGuard()), ("sane", 0.05, None)):
+        pl.seed_everything(0, verbose=False)
+        model = models.Regression(features=8, lr=lr)
+        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=2).fit(
+            model, models.loader(data, shuffle=True))
+        results[name] = (_final_mse(model, data), guard)
+    assert not math.isfinite(results["unguarded"][0])  # the failure is real
+    loss, guard = results["guarded"]
+    # measured: the sane run ends at ~1.03x the label-noise floor (0.1**2), the rescued one at ~1.15x the sane run
+    assert math.isfinite(loss) and loss < 1.5 * results["sane"][0], (loss, results["sane"][0])
+    # the policy: the first incident is diagnosed as exploding gradients (skip, arm adaptive clipping, cut the
+    # LR); the weights are already too far gone, so max_skips skips later it rolls back to a snapshot taken
+    # before the divergence and cuts again; after that the run is healthy
+    recovery = guard.config.recovery
+    assert guard.events[0].cause == "exploding_gradient"
+    assert [e.actions for e in guard.events] == [["skip_step", "clip", "reduce_lr"]] + [["skip_step"]] * (
+        recovery.max_skips - 1) + [["skip_step", "rollback", "reduce_lr"]]
+    first = guard.events[0].step
+    assert [e.step for e in guard.events] == list(range(first, first + recovery.max_skips + 1))
+    assert guard.events[-1].details["restored_step"] < first
+    assert guard.lr_scale == recovery.lr_factor ** 2
+    # events.jsonl holds the same events, one flushed line each
+    lines = (tmp_path / "guarded" / "nanguard" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [e.step for e in guard.events]
+    for key in ("step", "epoch", "batch_idx", "rank", "kind", "actions", "cause", "culprit", "op", "details",
+                "suggestion"):
+        assert key in json.loads(lines[0])
+
+
+# ------------------------------------------------------------------------------------------ skipping a step
+
+
+def _clone_state(opt):
+    return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in opt.state.items()}
+
+
+def test_skipped_step_leaves_optimizer_state_untouched(tmp_path):
+    data = models.classification_data(n=128)
+    snapshots = {}
+
+    class Spy(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                snapshots["before"] = (_clone_state(trainer.optimizers[0]),
+                                       [p.detach().clone() for p in pl_module.parameters()])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                snapshots["after"] = (_clone_state(trainer.optimizers[0]),
+                                      [p.detach().clone() for p in pl_module.parameters()])
+
+    def poison(batch, batch_idx, module):
+        x, y = batch
+        return (x * float("nan"), y) if batch_idx == 2 else batch
+
+    model = models.Classifier(batch_hook=poison, dropout=0.0)
+    guard = NaNGuard()
+    models.trainer(tmp_path, [guard, Spy()]).fit(model, models.loader(data, 32))
+    assert [e.step for e in guard.events] == [2]
+    (state_b, params_b), (state_a, params_a) = snapshots["before"], snapshots["after"]
+    for pb, pa in zip(params_b, params_a):
+        assert torch.equal(pb, pa)
+    for p, s in state_b.items():
+        for name, v in s.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(state_a[p][name])), name  # incl. 'step'
+
+
+def test_inf_input_through_batchnorm_leaves_buffers_finite(tmp_path):
+    data = models.classification_data(n=256)
+    poisoned = models.poison_rows(data, [40, 41, 130], float("inf"))
+    model = models.Classifier(dropout=0.0)
+    guard = NaNGuard()
+    models.trainer(tmp_path, [guard]).fit(model, models.loader(poisoned, 32))
+    bad_steps = sorted({r // 32 for r in (40, 41, 130)})
+    assert [e.step for e in guard.events] == bad_steps
+    bn = model.net[1]
+    assert torch.isfinite(bn.running_mean).all() and torch.isfinite(bn.running_var).all()
+    assert int(bn.num_batches_tracked) == len(data) // 32 - len(bad_steps)  # the bad forwards' updates were undone
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(data.tensors[0])).all()
+
+
+def test_buffer_undo_restores_batchnorm_stats_and_skips_constant_buffers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model.register_buffer("mask", torch.ones(1000))
+    undo = BufferUndo(model)
+    undo.arm()
+    model(torch.randn(8, 4))
+    undo.disarm()
+    good = {k: v.clone() for k, v in model.named_buffers()}
+    undo.arm()
+    model(torch.full((8, 4), NAN))
+    assert not torch.isfinite(model[1].running_mean).all()
+    assert sorted(undo.undo()) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    for k, v in model.named_buffers():
+        assert torch.equal(v, good[k]), k
+
+
+# ----------------------------------------------------------------------------------------------- the ladder
+
+
+def _ladder(**recovery):
+    return RecoveryLadder(RecoveryConfig(**recovery), ClipConfig())
+
+
+def test_ladder_skips_then_rolls_back_then_gives_up():
+    ladder = _ladder(max_skips=2, max_rollbacks=2, reduce_lr_after=0)
+    plans = [ladder.incident(step, "loss", can_roll_back=True) for step in range(9)]
+    rollbacks = [i for i, p in enumerate(plans) if p.rollback]
+    assert rollbacks == [2, 5]
+    assert [p.go_further_back for p in plans if p.rollback] == [False, True]
+    assert plans[8].give_up and not any(p.give_up for p in plans[:8])
+
+
+def test_ladder_snapshot_confirms_recovery_and_healthy_resets_skips():
+    ladder = _ladder(max_skips=1, max_rollbacks=1, reduce_lr_after=0)
+    assert not ladder.incident(0, "loss", can_roll_back=True).rollback
+    ladder.healthy()
+    assert not ladder.incident(1, "loss", can_roll_back=True).rollback
+    assert ladder.incident(2, "loss", can_roll_back=True).rollback
+    ladder.snapshot_taken()  # the rollback worked: a new known-good state exists
+    ladder.incident(10, "loss", can_roll_back=True)
+    plan = ladder.incident(11, "loss", can_roll_back=True)
+    assert plan.rollback and not plan.give_up and not plan.go_further_back
+
+
+def test_ladder_lr_cuts_by_count_and_on_rollback_but_not_for_inputs():
+    ladder = _ladder(max_skips=10, reduce_lr_after=2, incident_window=5)
+    assert not ladder.incident(0, "loss", can_roll_back=True).reduce_lr
+    assert ladder.incident(1, "gradient", can_roll_back=True).reduce_lr
+    assert not ladder.incident(2, "input", can_roll_back=True).reduce_lr
+    assert not ladder.incident(3, "loss", can_roll_back=True).reduce_lr
+    assert not ladder.incident(20, "loss", can_roll_back=True).reduce_lr  # step 3 left the window
+    params = _ladder(reduce_lr_after=0)
+    plan = params.incident(0, "parameter", can_roll_back=True)
+    assert plan.rollback and not plan.reduce_lr  # a one-off bad parameter is no reason for a smaller LR
+    inputs = _ladder(max_skips=1, reduce_lr_after=2)
+    assert not any(inputs.incident(s, "input", can_roll_back=True).reduce_lr for s in range(3))
+
+
+def test_ladder_default_cuts_lr_only_on_evidence_of_divergence():
+    ladder = _ladder(max_skips=2)
+    isolated = []
+    for s in (0, 5, 9, 12):
+        isolated.append(ladder.incident(s, "loss", can_roll_back=True))
+        ladder.healthy()
+    assert not any(p.reduce_lr or p.rollback for p in isolated)  # spread-out faults: skip, never cut
+    ladder = _ladder(max_skips=2)
+    run = [ladder.incident(s, "loss", can_roll_back=True) for s in range(3)]
+    assert [p.reduce_lr for p in run] == [False, False, True] and run[2].rollback  # skipping did not help
+    ladder = _ladder(max_skips=2)
+    run = [ladder.incident(s, "gradient", can_roll_back=True, diverging=True) for s in range(2)]
+    assert [p.reduce_lr for p in run] == [True, False]  # once per run of incidents, not per incident
+    no_snapshots = _ladder(max_skips=1)
+    run = [no_snapshots.incident(s, "loss", can_roll_back=False) for s in range(2)]
+    assert run[1].reduce_lr and not run[1].rollback
+
+
+def test_ladder_adaptive_clip_switches_on_after_first_non_input_incident():
+    ladder = _ladder()
+    assert not ladder.adaptive_clip
+    assert not ladder.incident(0, "input", can_roll_back=True).enable_adaptive_clip
+    assert ladder.incident(1, "loss", can_roll_back=True).enable_adaptive_clip
+    assert not ladder.incident(2, "loss", can_roll_back=True).enable_adaptive_clip
+    off = RecoveryLadder(RecoveryConfig(), ClipConfig(adaptive="off"))
+    assert not off.incident(0, "loss", can_roll_back=True).enable_adaptive_clip
+
+
+def test_ladder_without_snapshot_gives_up_on_bad_parameters():
+    ladder = _ladder()
+    assert ladder.incident(0, "parameter", can_roll_back=False).give_up
+
+
+@pytest.mark.parametrize("field", [None, "consecutive", "failed_rollbacks", "adaptive_clip", "recent"])
+def test_ladder_loaded_from_its_state_dict_plans_like_the_original(field):
+    """A ladder loaded from another's state_dict answers the same incidents with the same plans; each piece of
+    the state matters (dropping any one of them from what is loaded changes the plans)."""
+    cfg = dict(max_skips=2, max_rollbacks=2, reduce_lr_after=3, incident_window=50, reduce_lr_on_rollback=False)
+    original = _ladder(**cfg)
+    for step in (0, 1, 2, 5):  # a rollback (not confirmed), adaptive clipping armed, one incident in a row
+        original.incident(step, "loss", can_roll_back=True)
+    state = original.state_dict()
+    assert state["consecutive"] == 1 and state["failed_rollbacks"] == 1 and state["adaptive_clip"]
+    assert state["recent"] == [5]  # the cut by count at step 2 cleared the older ones
+    if field is not None:
+        del state[field]
+    loaded = _ladder(**cfg)
+    loaded.load_state_dict(state)
+    later = [loaded.incident(s, "loss", can_roll_back=True) for s in range(6, 12)]
+    expected = [original.incident(s, "loss", can_roll_back=True) for s in range(6, 12)]
+    assert (later == expected) is (field is None), (later, expected)
+    if field is None:  # (rollback, further back, cut, give up): the 3rd in a row at 7 rolls back further (the
+        # first rollback was not confirmed) and is the 3rd within the window (cut); the next run gives up
+        assert [(p.rollback, p.go_further_back, p.reduce_lr, p.give_up) for p in expected] == [
+            (False, False, False, False), (True, True, True, False), (False, False, False, False),
+            (False, False, False, False), (False, False, False, True), (False, False, False, True)]
+
+
+def test_incident_window_boundary_in_the_ladder():
+    """An incident counts towards reduce_lr_after while it is less than incident_window steps old."""
+    window = 5
+    ladder = RecoveryLadder(RecoveryConfig(reduce_lr_after=2, incident_window=window, max_skips=10), ClipConfig())
+    assert not ladder.incident(0, "loss", can_roll_back=True).reduce_lr
+    ladder.healthy()
+    assert not ladder.incident(window, "loss", can_roll_back=True).reduce_lr  # step 0 is exactly a window old
+    ladder.healthy()
+    assert ladder.incident(2 * window - 1, "loss", can_roll_back=True).reduce_lr  # step 5 is window - 1 old
+
+
+def test_reduce_lr_on_rollback_off_rolls_back_without_a_cut():
+    for on in (True, False):
+        ladder = RecoveryLadder(RecoveryConfig(max_skips=1, reduce_lr_on_rollback=on), ClipConfig())
+        plans = [ladder.incident(s, "loss", can_roll_back=True) for s in range(2)]
+        assert [(p.rollback, p.reduce_lr) for p in plans] == [(False, False), (True, on)]
+
+
+# ------------------------------------------------------------------------------------------------- rollback
 
 
 def test_rollback_loads_the_newest_snapshot_then_the_one_before(tmp_path):
@@ -81,6 +322,205 @@ def test_rollback_loads_the_newest_snapshot_then_the_one_before(tmp_path):
     assert snaps.states[expected[0]]["schedulers"][0]["last_epoch"] == expected[0]
     assert "net.1.running_mean" in snaps.states[expected[0]]["module"]
     assert guard._recovery.ladder.failed_rollbacks == 0  # a snapshot after the second rollback confirmed it
+
+
+def test_rollback_goes_further_back_when_it_does_not_help(tmp_path):
+    data = models.regression_data(n=2048)
+
+    class Poisoned(models.Regression):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if self.global_step >= 25:
+                x = x * float("nan")
+            return nn.functional.mse_loss(self(x), y)
+
+    guard = NaNGuard(recovery={"snapshot_every": 10, "keep_snapshots": 3, "max_skips": 1, "max_rollbacks": 3})
+    model = Poisoned()
+    models.trainer(tmp_path, [guard], max_steps=60).fit(model, models.loader(data, 16))
+    restored = [e.details["restored_step"] for e in guard.events if "rollback" in e.actions]
+    assert restored == sorted(restored, reverse=True) and len(set(restored)) == len(restored) > 1, restored
+    assert guard.events[-1].actions[-1] == "stop"
+
+
+class WeightsAtStart(pl.Callback):
+    def __init__(self) -> None:
+        self.weights: dict[int, dict] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.weights[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+def test_skip_batches_after_rollback(tmp_path):
+    """recovery.skip_batches: the steps of exactly that many batches after the rollback do not train."""
+    data = models.regression_data(n=1024)
+    burst = range(10, 13)
+    recovery = {"max_skips": 2, "skip_batches": 3, "snapshot_every": 5}
+
+    class Burst(models.Regression):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx in burst:
+                x = x * float("nan")
+            return nn.functional.mse_loss(self(x), y)
+
+    guard, starts = NaNGuard(recovery=recovery), WeightsAtStart()
+    models.trainer(tmp_path, [guard, starts], max_epochs=1).fit(Burst(), models.loader(data, 32))
+    rollback = [e for e in guard.events if "rollback" in e.actions]
+    assert [e.step for e in rollback] == [burst[0] + recovery["max_skips"]] == [burst[-1]]
+    assert "skip_batches" in rollback[0].actions and guard.events[-1] is rollback[0]  # skipped quietly
+    assert guard.counters["skipped_steps"] == len(burst) + recovery["skip_batches"]
+    skipped = range(burst[-1] + 1, burst[-1] + 1 + recovery["skip_batches"])
+    w = starts.weights
+    for step in skipped:  # these steps leave the restored weights as they are...
+        assert all(torch.equal(w[step][k], w[step + 1][k]) for k in w[step])
+    after = skipped[-1] + 1  # ...and the next one trains again
+    assert not all(torch.equal(w[after][k], w[after + 1][k]) for k in w[after])
+
+
+class NaNLossRegression(Regression):
+    """Healthy nn.Linear + SGD whose loss is NaN at the given optimizer steps."""
+
+    def __init__(self, nan_steps: tuple[int, ...]) -> None:
+        super().__init__(lr=0.05)
+        self.nan_steps = nan_steps
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step in self.nan_steps else loss
+
+
+def test_rollback_restores_the_running_statistics_of_the_snapshot(tmp_path: Any) -> None:
+    """Statistics gathered while a run diverged would blind adaptive clipping and spike detection after the
+    rollback: they are part of the known-good state."""
+    import pytorch_lightning as pl
+
+    seen: list[tuple[dict, dict, dict, dict]] = []
+
+    class Probe(pl.Callback):  # after the guard's on_train_batch_end, i.e. after the rollback
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if guard.counters["rollbacks"] and not seen:
+                meta = guard._recovery.store.newest.meta
+                seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"], guard._losses.detector.state_dict()))
+
+    guard = NaNGuard()  # snapshot every 50 steps; 4 NaN losses in a row: skip x3, then roll back
+    tr = trainer(tmp_path, callbacks=[guard, Probe()], max_epochs=5)
+    tr.fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), loader(regression_data(), shuffle=True))
+    assert guard.counters["rollbacks"] == 1 and guard._recovery.store.newest.step >= 50
+    (zclip_snap, zclip_now, loss_snap, loss_now), = seen
+    assert zclip_now == zclip_snap and loss_now == loss_snap and zclip_now["count"] >= 50
+
+
+# ------------------------------------------------------------------------------------------------ giving up
+
+
+@pytest.mark.parametrize("poison", ["loss", "parameter"])
+@pytest.mark.parametrize("on_give_up", ["stop", "raise"])
+def test_every_batch_poisoned_ends_bounded_with_the_last_good_weights(tmp_path, on_give_up, poison):
+    """Healthy for a while, then every step poisoned: the run ends within the ladder's bound, and the weights
+    are those of the snapshot the guard fell back to (taken during the healthy part), not the initial ones.
+    With poisoned parameters the weights are NaN when it gives up: the give-up itself restores them."""
+    recovery = {"max_skips": 2, "max_rollbacks": 2, "snapshot_every": 5, "keep_snapshots": 2, "on_give_up": on_give_up}
+    healthy = 12
+    guard = NaNGuard(recovery=recovery)
+    snaps = models.SnapshotSpy(guard)
+    injector = FaultInjector(Fault(poison, steps=range(healthy, 10_000)))
+    model = models.Regression()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = models.trainer(tmp_path, [injector, guard, snaps], max_steps=200, max_epochs=-1)
+    if on_give_up == "raise":
+        with pytest.raises(NaNGuardError, match=r"gave up.*Report: .*incident-"):
+            trainer.fit(model, models.loader(models.regression_data(n=256), 16))
+    else:
+        trainer.fit(model, models.loader(models.regression_data(n=256), 16))
+    bound = (recovery["max_skips"] + 1) * (recovery["max_rollbacks"] + 1)  # policy.py's promise
+    assert healthy < trainer.global_step <= healthy + bound
+    assert len(guard.events) == (bound if poison == "loss" else recovery["max_rollbacks"] + 1)
+    assert guard.events[-1].actions[-1] == on_give_up and guard.counters["incidents"] == len(guard.events)
+    assert guard.counters["rollbacks"] == recovery["max_rollbacks"] + 1  # the failed ones, then the give-up restore
+    taken = sorted(s for s in snaps.states if s <= healthy)
+    assert taken == list(range(0, healthy + 1, recovery["snapshot_every"]))
+    # loss: the second rollback went one snapshot further back; a bad parameter never does (the snapshot was fine)
+    restored = taken[-2] if poison == "loss" else taken[-1]
+    assert guard.events[-1].details["restored_step"] == restored > 0
+    good = snaps.states[restored]["module"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, good[k]), k
+    assert any(not torch.equal(v, initial[k]) for k, v in good.items())
+    report = Path(guard._recorder.report_path(guard.events[-1]))
+    assert report.exists() and "cause" in report.read_text()
+
+
+# -------------------------------------------------------------------------------------------------- LR cuts
+
+
+def _schedulers():
+    return {
+        "step": lambda o: S.StepLR(o, step_size=3, gamma=0.5),
+        "exponential": lambda o: S.ExponentialLR(o, gamma=0.9),
+        "onecycle": lambda o: S.OneCycleLR(o, max_lr=1.0, total_steps=40),
+        "lambda": lambda o: S.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+        "cosine_eta_min": lambda o: S.CosineAnnealingLR(o, T_max=10, eta_min=0.1),
+        "warm_restarts": lambda o: S.CosineAnnealingWarmRestarts(o, T_0=5, eta_min=0.05),
+        "sequential": lambda o: S.SequentialLR(o, [S.LinearLR(o, 0.1, total_iters=5),
+                                                   S.CosineAnnealingLR(o, T_max=20, eta_min=0.02)],
+                                               milestones=[5]),
+        "chained": lambda o: S.ChainedScheduler([S.ExponentialLR(o, gamma=0.95), S.StepLR(o, 4, 0.5)]),
+        "cyclic": lambda o: S.CyclicLR(o, base_lr=0.1, max_lr=1.0, step_size_up=4),
+        "polynomial": lambda o: S.PolynomialLR(o, total_iters=30, power=2.0),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_schedulers()))
+def test_lr_cut_is_kept_by_every_scheduler(name):
+    """After a cut by 0.5 at step 7, the LR follows exactly half of the uncut schedule."""
+    make = _schedulers()[name]
+
+    def run(cut: bool) -> list[float]:
+        p = nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=1.0, momentum=0.9)
+        sched = make(opt)
+        out = []
+        for step in range(25):
+            if cut and step == 7:
+                scale_lr([opt], [sched], 0.5)
+            opt.step()
+            sched.step()
+            out.append(opt.param_groups[0]["lr"])
+        return out
+
+    plain, cut = run(False), run(True)
+    assert cut[:6] == plain[:6]
+    for step in range(7, 25):
+        assert cut[step] == pytest.approx(0.5 * plain[step], rel=1e-6, abs=1e-9), (name, step)
+
+
+def test_reduce_lr_on_plateau_keeps_the_cut():
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = S.ReduceLROnPlateau(opt, patience=0, factor=0.5, min_lr=0.01)
+    scale_lr([opt], [sched], 0.5)
+    for _ in range(10):
+        sched.step(1.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.005)  # min_lr scaled too
+
+
+def test_lr_cut_survives_onecycle_schedule(tmp_path):
+    data = models.classification_data(n=512)
+
+    def poison(batch, batch_idx, module):
+        x, y = batch
+        return (x * float("nan"), y) if batch_idx in (3, 4) else batch
+
+    lrs = {}
+    for name, guard in (("plain", None), ("guarded", NaNGuard(check={"inputs": "off"}, recovery={"reduce_lr_after": 2}))):
+        pl.seed_everything(0, verbose=False)
+        model = models.Classifier(scheduler="onecycle", batch_hook=poison if guard else None)
+        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=1).fit(model, models.loader(data, 32))
+        lrs[name] = (model.trainer.optimizers[0].param_groups[0]["lr"], guard)
+    guard = lrs["guarded"][1]
+    assert any("reduce_lr" in e.actions for e in guard.events)
+    assert guard.lr_scale == 0.5
+    assert lrs["guarded"][0] == pytest.approx(0.5 * lrs["plain"][0], rel=1e-6)
 
 
 class Scheduled(models.Regression):
@@ -135,9 +575,6 @@ def test_lr_cut_made_after_the_snapshot_survives_the_rollback(tmp_path, schedule
         factor * uncut_lr(make, base_lr, live.last_epoch), rel=1e-6)
 
 
-# ------------------------------------------------------------------------------- LR floor, incident window
-
-
 def test_lr_cuts_stop_at_min_lr_scale(tmp_path):
     """recovery.min_lr_scale: the scale goes 1 -> lr_factor -> the floor, then stays; a cut that cannot lower
     it any more is not recorded as reduce_lr (nor counted)."""
@@ -156,17 +593,6 @@ def test_lr_cuts_stop_at_min_lr_scale(tmp_path):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * floor)
 
 
-def test_incident_window_boundary_in_the_ladder():
-    """An incident counts towards reduce_lr_after while it is less than incident_window steps old."""
-    window = 5
-    ladder = RecoveryLadder(RecoveryConfig(reduce_lr_after=2, incident_window=window, max_skips=10), ClipConfig())
-    assert not ladder.incident(0, "loss", can_roll_back=True).reduce_lr
-    ladder.healthy()
-    assert not ladder.incident(window, "loss", can_roll_back=True).reduce_lr  # step 0 is exactly a window old
-    ladder.healthy()
-    assert ladder.incident(2 * window - 1, "loss", can_roll_back=True).reduce_lr  # step 5 is window - 1 old
-
-
 def test_incident_window_boundary_in_a_trainer(tmp_path):
     window = 5
     guard = NaNGuard(recovery={"reduce_lr_after": 2, "incident_window": window}, logging=QUIET)
@@ -177,14 +603,62 @@ def test_incident_window_boundary_in_a_trainer(tmp_path):
     assert guard.lr_scale == guard.config.recovery.lr_factor
 
 
-def test_reduce_lr_on_rollback_off_rolls_back_without_a_cut():
-    for on in (True, False):
-        ladder = RecoveryLadder(RecoveryConfig(max_skips=1, reduce_lr_on_rollback=on), ClipConfig())
-        plans = [ladder.incident(s, "loss", can_roll_back=True) for s in range(2)]
-        assert [(p.rollback, p.reduce_lr) for p in plans] == [(False, False), (True, on)]
+# ------------------------------------------------------------------------------------------------ snapshots
 
 
-# ------------------------------------------------------------------------------------------- snapshots
+def _adam_state():
+    model = nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = S.StepLR(opt, 2)
+    for _ in range(3):
+        model(torch.randn(5, 6)).sum().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_snapshot_restore_is_exact_and_never_aliases(tmp_path, mode):
+    model, opt, sched = _adam_state()
+    store = SnapshotStore(keep=2, mode=mode, directory=tmp_path)
+    store.take(3, {"module": model.state_dict(), "optimizers": [opt.state_dict()],
+                   "schedulers": [sched.state_dict()]}, {"lr_scale": 1.0})
+    ref_model = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_opt = {k: v["exp_avg"].clone() for k, v in opt.state.items()}
+    for _ in range(2):  # training moves on
+        model(torch.randn(5, 6)).sum().backward()
+        opt.step()
+        sched.step()
+    state = store.load(store.newest)
+    model.load_state_dict(state["module"])
+    opt.load_state_dict(state["optimizers"][0])
+    sched.load_state_dict(state["schedulers"][0])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref_model[k])
+    for k, v in opt.state.items():
+        assert torch.equal(v["exp_avg"], ref_opt[k])
+    assert sched.last_epoch == 3
+    # a step after the restore must not write into the snapshot
+    model(torch.randn(5, 6)).sum().backward()
+    opt.step()
+    again = store.load(store.newest)
+    assert torch.equal(again["module"]["weight"], ref_model["weight"])
+    assert all(torch.equal(again["optimizers"][0]["state"][i]["exp_avg"], ref_opt[p])
+               for i, p in enumerate(opt.state))
+
+
+def test_snapshot_ring_reuses_buffers_and_drop_newest_keeps_one():
+    model, opt, _ = _adam_state()
+    store = SnapshotStore(keep=2)
+    for step in range(4):
+        store.take(step, {"module": model.state_dict(), "optimizers": [opt.state_dict()]}, {})
+    assert [s.step for s in store.ring] == [2, 3]
+    first_ptrs = {t.data_ptr() for s in store.ring for t in s.tensors}
+    store.take(4, {"module": model.state_dict(), "optimizers": [opt.state_dict()]}, {})
+    assert {t.data_ptr() for t in store.ring[-1].tensors} <= first_ptrs  # steady state: no new allocation
+    store.drop_newest()
+    store.drop_newest()
+    assert len(store) == 1
 
 
 @pytest.mark.parametrize("mode", ["memory", "disk"])
@@ -245,3 +719,21 @@ def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path):
         for f in files:
             state = torch.load(tmp_path / mode / f, map_location="cpu", weights_only=False)["state_dict"]
             assert all(torch.isfinite(v).all() for v in state.values()), f
+
+
+def test_disk_snapshots_roll_back_like_memory_ones(tmp_path):
+    runs = {}
+    for mode in ("memory", "disk"):
+        pl.seed_everything(0, verbose=False)
+        model = models.NaNLossOnBatches(bad={5, 6, 7, 8})
+        guard = NaNGuard(recovery={"snapshot": mode, "snapshot_every": 2, "max_skips": 3})
+        trainer = models.trainer(tmp_path / mode, [guard], max_steps=12)
+        trainer.fit(model, models.loader(models.regression_data(n=96), batch_size=8))
+        assert guard.counters["rollbacks"] == 1 and "rollback" in guard.events[-1].actions
+        runs[mode] = (model, guard)
+    assert all(torch.equal(a, b) for a, b in zip(runs["memory"][0].state_dict().values(),
+                                                  runs["disk"][0].state_dict().values()))
+    folder = tmp_path / "disk" / "nanguard" / "snapshots"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files and all(f.startswith("snapshot-step") and f.endswith(".pt") for f in files)  # no *.tmp left
+    assert len(files) <= runs["disk"][1].config.recovery.keep_snapshots
