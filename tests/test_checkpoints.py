@@ -1,10 +1,11 @@
-"""Checkpoint safety: no checkpoint written during a guarded run holds a non-finite tensor; resuming keeps the
-guard's own state."""
+"""Checkpoints: no checkpoint written during a guarded run holds a non-finite tensor; a run resumed from a
+checkpoint keeps the guard's own state (counters, ladder, LR scale, statistics, event numbering)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 
 from . import models
 import pytest
@@ -14,6 +15,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
+from lightning_nanguard.testing import Fault, FaultInjector
 from lightning_nanguard.recover.checkpoint import iter_checkpoint_tensors
 
 
@@ -123,3 +125,116 @@ def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_
     trainer3 = models.trainer(tmp_path / "run3", [guard2], max_epochs=1)
     trainer3.fit(models.Regression(lr=0.01), data)
     assert guard2.counters["incidents"] == 0 and guard2.lr_scale == 1.0
+
+
+# -------------------------------------------------------------- non-finite weights found at checkpoint time
+
+
+def _embedding_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 32, (256,), generator=g)  # rows 32..63 are never used
+    return TensorDataset(idx, torch.randn(256, generator=g))
+
+
+def test_adam_eps0_parameter_incident_and_no_nan_checkpoint(tmp_path):
+    guard = NaNGuard()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    model = models.EpsZeroEmbedding(rows=64, dim=8)  # rows 32..63 are never used
+    models.trainer(tmp_path, [guard, ckpt], enable_checkpointing=True, max_epochs=2).fit(
+        model, models.loader(_embedding_data(), 32))
+    assert guard.events, "the NaN weights went unnoticed"
+    first = guard.events[0]
+    assert first.kind == "parameter" and "rollback" in first.actions
+    assert first.cause == "optimizer"
+    assert first.culprit == "emb.weight"
+    assert guard.events[-1].actions[-1] == "stop"  # rollback cannot fix eps=0: it gives up, boundedly
+    assert len(guard.events) <= guard.config.recovery.max_rollbacks + 1
+    files = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert files
+    for f in files:
+        state = torch.load(f, map_location="cpu", weights_only=False)
+        for k, v in state["state_dict"].items():
+            assert torch.isfinite(v).all(), (f.name, k)
+        for opt_state in state["optimizer_states"]:
+            for s in opt_state["state"].values():
+                for name, v in s.items():
+                    assert torch.isfinite(torch.as_tensor(v)).all(), (f.name, name)
+    assert models.all_finite(model)
+
+
+# --------------------------------------------------------------------------------------------------- resume
+
+
+DATA = models.classification_data(n=512)
+
+
+def fit(root, callbacks, model=None, data=DATA, ckpt_path=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    model = model if model is not None else models.Classifier()
+    kwargs.setdefault("max_epochs", -1)  # runs are bounded by max_steps
+    trainer = models.trainer(root, callbacks, **kwargs)
+    trainer.fit(model, models.loader(data, shuffle=True), ckpt_path=ckpt_path)
+    return model, trainer
+
+
+class Probe(pl.Callback):
+    """Listed after the guard: what the guard holds when training (re)starts."""
+
+    def __init__(self, guard):
+        self.guard, self.at_start, self.first_step = guard, None, None
+
+    def on_train_start(self, trainer, pl_module):
+        g = self.guard
+        self.at_start = (dict(g.counters), g.lr_scale, g._recorder.state_dict()["index"], trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.first_step is None:  # the LR the first step of this fit really uses
+            self.first_step = (trainer.global_step, [grp["lr"] for grp in optimizer.param_groups])
+
+
+def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path):
+    root = tmp_path / "run"
+    # first run: two incidents in a row cut the LR (reduce_lr_after=2), bad parameters roll back
+    first = NaNGuard(logging={"verbose": False}, recovery={"reduce_lr_after": 2})
+    faults = [Fault("loss", steps=[10]), Fault("gradient", steps=[11]), Fault("parameter", steps=[30])]
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=40, save_top_k=-1)
+    _, trainer = fit(root, [FaultInjector(faults), first, ckpt], max_steps=45, enable_checkpointing=True)
+    assert [e.step for e in first.events] == models.detected_steps(faults)
+    assert first.lr_scale == 0.5 and first.counters["rollbacks"] == 1
+    saved = (dict(first.counters), first.lr_scale, first._recorder.state_dict()["index"])
+    path = tmp_path / "ckpt" / f"epoch={40 // (len(DATA) // 32)}-step=40.ckpt"
+    assert path.exists(), sorted(os.listdir(tmp_path / "ckpt"))
+    assert torch.load(path, weights_only=False)["callbacks"]["NaNGuard"]["recorder"]["index"] == 3
+
+    # resumed by a new process' objects: a new guard, model and Trainer
+    second = NaNGuard(logging={"verbose": False}, recovery={"reduce_lr_after": 2})
+    probe = Probe(second)
+    _, trainer = fit(root, [FaultInjector([Fault("loss", steps=[60]), Fault("input", steps=[61])]), second, probe],
+                     ckpt_path=str(path), max_steps=80)
+    counters, lr_scale, index, step = probe.at_start
+    assert (counters, lr_scale, index) == saved and step == 40
+    assert probe.first_step == (40, [pytest.approx(1e-2 * 0.5)])  # the resumed fit trains at the cut LR
+    assert [(e.index, e.step) for e in second.events] == [(4, 60), (5, 61)]
+    assert second.counters["incidents"] == 5 and second.counters["rollbacks"] == 1
+    # the loss at 60 is the second non-input incident within incident_window, counting the parameter incident
+    # at 31 that the ladder's state carried through the checkpoint: one more cut (the input at 61 does not count)
+    assert second.lr_scale == 0.25
+    # one events.jsonl across both runs: numbering continues, nothing duplicated
+    assert [(e["index"], e["step"]) for e in models.read_events(root)] == [
+        (1, 10), (2, 11), (3, 31), (4, 60), (5, 61)]
+
+
+def test_guard_state_dict_carries_the_statistics() -> None:
+    a = NaNGuard()
+    for v in range(1, 40):
+        a._clipper.zclip.update(float(v))
+        a._losses.detector.observe(float(v % 5))
+    b = NaNGuard()
+    b.load_state_dict(a.state_dict())
+    assert b._clipper.zclip.state_dict() == a._clipper.zclip.state_dict() and b._losses.detector.state_dict() == a._losses.detector.state_dict()
+    c = NaNGuard()  # a version-1 state dict: one flat dict of counters and statistics
+    c.load_state_dict({"counters": {"incidents": 3, "rollbacks": 1}, "lr_scale": 0.25, "event_index": 4,
+                       "norm_ema": {"count": 30, "mean": 2.0, "var": 0.25}})
+    assert c._clipper.zclip.threshold() == pytest.approx(2.0 + 2.5 * 0.5)
+    assert c.lr_scale == 0.25 and c.counters["incidents"] == 3 and c.counters["rollbacks"] == 1
+    assert c._recorder.state_dict()["index"] == 4
