@@ -56,3 +56,15 @@ def fit(make_trainer):
         return trainer
 
     return run
+
+
+@pytest.fixture
+def fit_steps(fit):
+    """``fit_steps(model, callbacks, steps, data=None, batch_size=16, **fit_kwargs)``: exactly ``steps`` optimizer
+    steps on ``data`` (default: ``models.regression_data(n=512)``); returns the Trainer."""
+
+    def run(model, callbacks: Iterable[Any], steps: int, data: Any = None, batch_size: int = 16, **kwargs: Any):
+        data = data if data is not None else models.regression_data(n=512)
+        return fit(model, data, callbacks, batch_size=batch_size, steps=steps, **kwargs)
+
+    return run

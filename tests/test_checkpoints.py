@@ -7,7 +7,6 @@ import copy
 import json
 import os
 
-from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -15,8 +14,9 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.testing import Fault, FaultInjector
 from lightning_nanguard.recover.checkpoint import iter_checkpoint_tensors
+from lightning_nanguard.testing import Fault, FaultInjector
+from . import models
 
 
 def sparse_data(n: int = 64) -> DataLoader:
@@ -32,22 +32,28 @@ def nonfinite_in(path) -> list[str]:
             if t.is_floating_point() and not torch.isfinite(t).all()]
 
 
-def fit_with_checkpoints(tmp_path, callbacks: list, model: pl.LightningModule, max_steps: int = 6) -> pl.Trainer:
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1,
-                           filename="{step}")
-    trainer = models.trainer(tmp_path, callbacks + [ckpt], max_steps=max_steps, enable_checkpointing=True)
-    trainer.fit(model, sparse_data())
-    return trainer
+@pytest.fixture
+def fit_with_checkpoints(tmp_path, fit):
+    """``fit_with_checkpoints(callbacks, model, subdir, max_steps=6)``: a checkpoint after every step, in
+    ``tmp_path / subdir / "ckpts"``."""
+
+    def run(callbacks: list, model: pl.LightningModule, subdir: str, max_steps: int = 6) -> pl.Trainer:
+        ckpt = ModelCheckpoint(dirpath=tmp_path / subdir / "ckpts", every_n_train_steps=1, save_top_k=-1,
+                               filename="{step}")
+        return fit(model, sparse_data(), callbacks + [ckpt], subdir=subdir, max_steps=max_steps,
+                   enable_checkpointing=True)
+
+    return run
 
 
-def test_no_checkpoint_holds_nonfinite_weights_or_optimizer_state(tmp_path):
+def test_no_checkpoint_holds_nonfinite_weights_or_optimizer_state(tmp_path, fit_with_checkpoints):
     model = models.EpsZeroEmbedding(rows=10)
     control = copy.deepcopy(model)
     # control: without the guard, the checkpoints are poisoned
-    fit_with_checkpoints(tmp_path / "plain", [], control)
+    fit_with_checkpoints([], control, "plain")
     assert any(nonfinite_in(p) for p in (tmp_path / "plain" / "ckpts").glob("*.ckpt"))
     guard = NaNGuard()
-    trainer = fit_with_checkpoints(tmp_path / "guarded", [guard], model)
+    trainer = fit_with_checkpoints([guard], model, "guarded")
     files = sorted((tmp_path / "guarded" / "ckpts").glob("*.ckpt"))
     assert files and all(nonfinite_in(p) == [] for p in files)
     at_save = [e for e in guard.events if e.details.get("detected_at") == "checkpoint"]
@@ -71,13 +77,13 @@ class PoisonAdamState(pl.Callback):
 
 
 @pytest.mark.parametrize("every, found_at", [(50, "checkpoint"), (1, "snapshot")])
-def test_nonfinite_optimizer_state_never_reaches_a_checkpoint(tmp_path, every, found_at):
+def test_nonfinite_optimizer_state_never_reaches_a_checkpoint(tmp_path, fit, every, found_at):
     model = models.Regression(lr=0.01, optimizer="adamw")
     guard = NaNGuard(recovery={"snapshot_every": every})
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, save_top_k=-1, filename="{step}")
     bad, steps = 3, 6
-    trainer = models.trainer(tmp_path, [PoisonAdamState(bad), guard, ckpt], max_steps=steps, enable_checkpointing=True)
-    trainer.fit(model, models.loader(models.regression_data(n=64), batch_size=8))
+    trainer = fit(model, models.regression_data(n=64), [PoisonAdamState(bad), guard, ckpt], batch_size=8,
+                  max_steps=steps, enable_checkpointing=True)
     files = sorted((tmp_path / "ckpts").glob("*.ckpt"))
     assert len(files) == steps and all(nonfinite_in(p) == [] for p in files)
     # seen after the step that used the poisoned state, when global_step has moved on
@@ -97,20 +103,19 @@ class FirstStep(pl.Callback):
 
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
-def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_path):
+def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_path, fit):
     lr, steps_per_epoch = 0.02, 10
     model = models.NaNLossOnBatches(bad={2, 5})
     guard = NaNGuard(recovery={"reduce_lr_after": 2})
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
     data = models.loader(models.regression_data(n=8 * steps_per_epoch), batch_size=8)
-    trainer = models.trainer(tmp_path / "run1", [guard, ckpt], max_epochs=1, enable_checkpointing=True)
-    trainer.fit(model, data)
+    fit(model, data, [guard, ckpt], subdir="run1", max_epochs=1, enable_checkpointing=True)
     assert [e.index for e in guard.events] == [1, 2] and guard.lr_scale == 0.5
 
     resumed_model = models.NaNLossOnBatches(bad={7})  # epoch 2: batch 7
     guard2, first = NaNGuard(recovery={"reduce_lr_after": 2}), FirstStep()
-    trainer2 = models.trainer(tmp_path / "run2", [guard2, first], max_epochs=2)
-    trainer2.fit(resumed_model, data, ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
+    fit(resumed_model, data, [guard2, first], subdir="run2", max_epochs=2,
+        ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
     # the second fit's first optimizer step runs at the LR the guard had cut to
     assert first.seen == (steps_per_epoch, [pytest.approx(lr * 0.5)])
     bad_step = steps_per_epoch + 7
@@ -122,8 +127,7 @@ def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_
     assert [e["index"] for e in lines] == [3]
     assert (tmp_path / "run2" / "nanguard" / f"incident-0003-step{bad_step}.txt").exists()
     # a later, fresh fit with the same guard starts from a clean state
-    trainer3 = models.trainer(tmp_path / "run3", [guard2], max_epochs=1)
-    trainer3.fit(models.Regression(lr=0.01), data)
+    fit(models.Regression(lr=0.01), data, [guard2], subdir="run3", max_epochs=1)
     assert guard2.counters["incidents"] == 0 and guard2.lr_scale == 1.0
 
 
@@ -136,12 +140,11 @@ def _embedding_data() -> TensorDataset:
     return TensorDataset(idx, torch.randn(256, generator=g))
 
 
-def test_adam_eps0_parameter_incident_and_no_nan_checkpoint(tmp_path):
+def test_adam_eps0_parameter_incident_and_no_nan_checkpoint(tmp_path, fit):
     guard = NaNGuard()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
     model = models.EpsZeroEmbedding(rows=64, dim=8)  # rows 32..63 are never used
-    models.trainer(tmp_path, [guard, ckpt], enable_checkpointing=True, max_epochs=2).fit(
-        model, models.loader(_embedding_data(), 32))
+    fit(model, _embedding_data(), [guard, ckpt], enable_checkpointing=True, max_epochs=2)
     assert guard.events, "the NaN weights went unnoticed"
     first = guard.events[0]
     assert first.kind == "parameter" and "rollback" in first.actions
@@ -168,15 +171,6 @@ def test_adam_eps0_parameter_incident_and_no_nan_checkpoint(tmp_path):
 DATA = models.classification_data(n=512)
 
 
-def fit(root, callbacks, model=None, data=DATA, ckpt_path=None, **kwargs):
-    pl.seed_everything(0, verbose=False)
-    model = model if model is not None else models.Classifier()
-    kwargs.setdefault("max_epochs", -1)  # runs are bounded by max_steps
-    trainer = models.trainer(root, callbacks, **kwargs)
-    trainer.fit(model, models.loader(data, shuffle=True), ckpt_path=ckpt_path)
-    return model, trainer
-
-
 class Probe(pl.Callback):
     """Listed after the guard: what the guard holds when training (re)starts."""
 
@@ -192,13 +186,15 @@ class Probe(pl.Callback):
             self.first_step = (trainer.global_step, [grp["lr"] for grp in optimizer.param_groups])
 
 
-def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path):
+def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path, fit):
     root = tmp_path / "run"
     # first run: two incidents in a row cut the LR (reduce_lr_after=2), bad parameters roll back
     first = NaNGuard(logging={"verbose": False}, recovery={"reduce_lr_after": 2})
     faults = [Fault("loss", steps=[10]), Fault("gradient", steps=[11]), Fault("parameter", steps=[30])]
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=40, save_top_k=-1)
-    _, trainer = fit(root, [FaultInjector(faults), first, ckpt], max_steps=45, enable_checkpointing=True)
+    pl.seed_everything(0, verbose=False)
+    fit(models.Classifier(), DATA, [FaultInjector(faults), first, ckpt], subdir="run", shuffle=True, steps=45,
+        enable_checkpointing=True)
     assert [e.step for e in first.events] == models.detected_steps(faults)
     assert first.lr_scale == 0.5 and first.counters["rollbacks"] == 1
     saved = (dict(first.counters), first.lr_scale, first._recorder.state_dict()["index"])
@@ -209,8 +205,10 @@ def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path):
     # resumed by a new process' objects: a new guard, model and Trainer
     second = NaNGuard(logging={"verbose": False}, recovery={"reduce_lr_after": 2})
     probe = Probe(second)
-    _, trainer = fit(root, [FaultInjector([Fault("loss", steps=[60]), Fault("input", steps=[61])]), second, probe],
-                     ckpt_path=str(path), max_steps=80)
+    pl.seed_everything(0, verbose=False)
+    injector = FaultInjector([Fault("loss", steps=[60]), Fault("input", steps=[61])])
+    fit(models.Classifier(), DATA, [injector, second, probe], subdir="run", shuffle=True, steps=80,
+        ckpt_path=str(path))
     counters, lr_scale, index, step = probe.at_start
     assert (counters, lr_scale, index) == saved and step == 40
     assert probe.first_step == (40, [pytest.approx(1e-2 * 0.5)])  # the resumed fit trains at the cut LR

@@ -24,13 +24,9 @@ from lightning_nanguard.detect import find, flags
 from lightning_nanguard.detect.state import StateCheck
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models
-from .models import Regression, loader, regression_data, trainer
+from .models import Regression, all_finite, regression_data
 
 BATCH = 16
-
-
-def _finite(model: nn.Module) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
 
 
 def _summary(guard: NaNGuard) -> list[tuple[int, str]]:
@@ -63,17 +59,23 @@ class DictRegression(Regression):
         return nn.functional.mse_loss(self(batch["x"]), batch["y"])
 
 
-def _fit_dict(tmp_path: Path, inputs: str, **data: Any) -> NaNGuard:
-    guard = NaNGuard(check={"inputs": inputs}, logging={"verbose": False})
-    trainer(tmp_path, [guard], max_epochs=1).fit(DictRegression(), DataLoader(DictData(**data), batch_size=BATCH))
-    return guard
+@pytest.fixture
+def fit_dict(fit: Any) -> Any:
+    """``fit_dict(inputs, **data)``: one epoch of DictRegression on DictData(**data) with check.inputs=inputs."""
+
+    def run(inputs: str, **data: Any) -> NaNGuard:
+        guard = NaNGuard(check={"inputs": inputs}, logging={"verbose": False})
+        fit(DictRegression(), DataLoader(DictData(**data), batch_size=BATCH), [guard], max_epochs=1)
+        return guard
+
+    return run
 
 
 @pytest.mark.parametrize("inputs", ["always", "on_incident", "off"])
-def test_inputs_always_flags_a_nan_in_a_field_the_model_never_reads(tmp_path: Path, inputs: str) -> None:
+def test_inputs_always_flags_a_nan_in_a_field_the_model_never_reads(fit_dict: Any, inputs: str) -> None:
     """check.inputs: always checks every floating tensor of every batch; the other modes never look at a
     batch whose loss and gradients are finite."""
-    guard = _fit_dict(tmp_path, inputs, bad_aux=2 * BATCH + 5)
+    guard = fit_dict(inputs, bad_aux=2 * BATCH + 5)
     if inputs != "always":
         assert guard.events == []
         return
@@ -84,10 +86,10 @@ def test_inputs_always_flags_a_nan_in_a_field_the_model_never_reads(tmp_path: Pa
 
 
 @pytest.mark.parametrize("inputs", ["on_incident", "off"])
-def test_inputs_off_does_not_attribute_an_incident_to_its_inputs(tmp_path: Path, inputs: str) -> None:
+def test_inputs_off_does_not_attribute_an_incident_to_its_inputs(fit_dict: Any, inputs: str) -> None:
     """A NaN in a field the model reads makes the loss NaN: on_incident names the input, off leaves the
     incident a loss incident with no input evidence."""
-    guard = _fit_dict(tmp_path, inputs, bad_x=3 * BATCH + 7)
+    guard = fit_dict(inputs, bad_x=3 * BATCH + 7)
     ev = guard.events[0]
     if inputs == "on_incident":
         assert (ev.step, ev.kind, ev.cause) == (3, "input", "input")
@@ -112,12 +114,19 @@ class NaNLossAt(Regression):
         return loss * float("nan") if self.global_step == self.at else loss
 
 
-def _fit_checks(tmp_path: Path, model: pl.LightningModule, check: dict, faults: Optional[list] = None,
-                steps: int = 8) -> NaNGuard:
-    guard = NaNGuard(check=check, logging={"verbose": False})
-    callbacks = ([FaultInjector(faults)] if faults else []) + [guard]
-    trainer(tmp_path, callbacks, max_steps=steps).fit(model, loader(regression_data(steps * BATCH), BATCH))
-    return guard
+@pytest.fixture
+def fit_checks(fit: Any) -> Any:
+    """``fit_checks(model, check, faults=None, steps=8, subdir=None)``: ``steps`` steps with the given check
+    section and faults; returns the guard."""
+
+    def run(model: pl.LightningModule, check: dict, faults: Optional[list] = None, steps: int = 8,
+            subdir: Optional[str] = None) -> NaNGuard:
+        guard = NaNGuard(check=check, logging={"verbose": False})
+        callbacks = ([FaultInjector(faults)] if faults else []) + [guard]
+        fit(model, regression_data(steps * BATCH), callbacks, subdir=subdir, batch_size=BATCH, max_steps=steps)
+        return guard
+
+    return run
 
 
 @pytest.mark.parametrize("check, first", [
@@ -125,8 +134,8 @@ def _fit_checks(tmp_path: Path, model: pl.LightningModule, check: dict, faults: 
     ({"loss": False}, (3, "gradient")),  # the same step, from the NaN gradients the loss produced
     ({"loss": False, "gradients": False}, (4, "parameter")),  # the NaN update, one step later, in the weights
 ])
-def test_loss_and_gradient_checks_decide_what_catches_a_nan_loss(tmp_path: Path, check: dict, first: tuple) -> None:
-    guard = _fit_checks(tmp_path, NaNLossAt(3), check)
+def test_loss_and_gradient_checks_decide_what_catches_a_nan_loss(fit_checks: Any, check: dict, first: tuple) -> None:
+    guard = fit_checks(NaNLossAt(3), check)
     assert _summary(guard)[0] == first
     if check.get("loss") is False:  # no loss values: no loss statistics, no spike detection
         assert guard._losses.detector.stats.count == 0 and not guard._losses.history
@@ -139,10 +148,10 @@ def test_loss_and_gradient_checks_decide_what_catches_a_nan_loss(tmp_path: Path,
     ({"gradients": False}, (4, "parameter")),  # the NaN gradient reached the weights
     ({"gradients": False, "parameters": False}, (4, "loss")),  # ... and is seen only in the next loss
 ])
-def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(tmp_path: Path, check: dict,
+def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(fit_checks: Any, check: dict,
                                                                              first: tuple) -> None:
     model = Regression(lr=0.05)
-    guard = _fit_checks(tmp_path, model, check, [Fault("gradient", steps=[3], target="linear.weight")])
+    guard = fit_checks(model, check, [Fault("gradient", steps=[3], target="linear.weight")])
     assert _summary(guard)[0] == first
     assert ("grad_norm" in guard.events[0].details and math.isnan(guard.events[0].details["grad_norm"])) == (
         first[1] == "gradient")
@@ -155,7 +164,7 @@ def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(tmp
 
 
 @pytest.mark.parametrize("gradients", [True, False])
-def test_fixed_clip_acts_whether_or_not_gradients_are_checked(tmp_path: Path, gradients: bool) -> None:
+def test_fixed_clip_acts_whether_or_not_gradients_are_checked(fit: Any, gradients: bool) -> None:
     """check.gradients: false switches off a detection, not clip.max_norm: the norm is computed for the clip,
     and a non-finite norm is still no incident (the bad update is caught in the weights one step later)."""
     norms: dict[int, float] = {}
@@ -169,8 +178,7 @@ def test_fixed_clip_acts_whether_or_not_gradients_are_checked(tmp_path: Path, gr
     max_norm = 0.1
     guard = NaNGuard(check={"gradients": gradients}, clip={"max_norm": max_norm}, logging={"verbose": False})
     injector = FaultInjector(Fault("gradient", steps=[3], target="linear.weight"))
-    trainer(tmp_path, [injector, guard, Probe()], max_steps=6).fit(Regression(lr=0.05),
-                                                                   loader(regression_data(6 * BATCH), BATCH))
+    fit(Regression(lr=0.05), regression_data(6 * BATCH), [injector, guard, Probe()], batch_size=BATCH, max_steps=6)
     assert _summary(guard) == ([(3, "gradient")] if gradients else [(4, "parameter")])
     clipped = {s: n for s, n in norms.items() if math.isfinite(n)}
     assert sorted(clipped) == ([0, 1, 2, 4, 5] if gradients else [0, 1, 2, 5])  # every raw norm is > 1 here
@@ -180,9 +188,9 @@ def test_fixed_clip_acts_whether_or_not_gradients_are_checked(tmp_path: Path, gr
 
 
 @pytest.mark.parametrize("parameters", [True, False])
-def test_parameter_check_finds_a_bad_weight_before_it_spoils_a_loss(tmp_path: Path, parameters: bool) -> None:
+def test_parameter_check_finds_a_bad_weight_before_it_spoils_a_loss(fit_checks: Any, parameters: bool) -> None:
     model = Regression(lr=0.05)
-    guard = _fit_checks(tmp_path, model, {"parameters": parameters}, [Fault("parameter", steps=[3])])
+    guard = fit_checks(model, {"parameters": parameters}, [Fault("parameter", steps=[3])])
     ev = guard.events[0]
     if parameters:
         assert (ev.step, ev.kind, ev.culprit) == (4, "parameter", ev.details["nonfinite_parameters"][0]["name"])
@@ -190,24 +198,24 @@ def test_parameter_check_finds_a_bad_weight_before_it_spoils_a_loss(tmp_path: Pa
     else:  # the NaN weight makes the next loss NaN; skipping cannot repair it, only a rollback does
         assert (ev.step, ev.kind) == (4, "loss")
         assert len(guard.events) > 1 and "rollback" in guard.events[-1].actions
-    assert _finite(model)
+    assert all_finite(model)
 
 
-def test_parameter_check_at_train_end_repairs_the_last_step(tmp_path: Path) -> None:
+def test_parameter_check_at_train_end_repairs_the_last_step(tmp_path: Path, fit_checks: Any) -> None:
     """A parameter fault at the very last step (no validation, no later step to read its flag): the check at
     train end finds it, records it and restores known-good weights."""
     steps = 6
     for parameters in (True, False):
         model = Regression(lr=0.05)
-        guard = _fit_checks(tmp_path / str(parameters), model, {"parameters": parameters},
-                            [Fault("parameter", steps=[steps - 1])], steps=steps)
+        guard = fit_checks(model, {"parameters": parameters}, [Fault("parameter", steps=[steps - 1])], steps=steps,
+                           subdir=str(parameters))
         if not parameters:  # the control: nothing reads the weights after the last step
-            assert guard.events == [] and not _finite(model)
+            assert guard.events == [] and not all_finite(model)
             continue
         assert _summary(guard) == [(steps, "parameter")]
         ev = guard.events[0]
         assert ev.details["detected_at"] == "train_end" and "rollback" in ev.actions
-        assert ev.details["restored_step"] == 0 and _finite(model)
+        assert ev.details["restored_step"] == 0 and all_finite(model)
         assert json.loads((tmp_path / "True" / "nanguard" / "events.jsonl").read_text())["details"][
             "detected_at"] == "train_end"
 
@@ -303,7 +311,7 @@ def test_find_nonfinite_tensors_names_and_counts():
 # ---------------------------------------------------------------------------------- bad inputs in a Trainer
 
 
-def test_bad_input_samples_skip_exactly_their_steps(tmp_path):
+def test_bad_input_samples_skip_exactly_their_steps(fit):
     data = models.classification_data(n=1024)
     batch = 32
     # ~1% of samples: 10 rows, in 10 different, non-adjacent batches
@@ -316,7 +324,7 @@ def test_bad_input_samples_skip_exactly_their_steps(tmp_path):
     for name, ds, guard in (("clean", data, None), ("guarded", poisoned, NaNGuard())):
         pl.seed_everything(0, verbose=False)
         model = models.Classifier(dropout=0.0)
-        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=1).fit(model, models.loader(ds, batch))
+        fit(model, ds, [guard] if guard else [], subdir=name, batch_size=batch, max_epochs=1)
         accs[name] = (models.accuracy(model, data), guard, model)
     guard, model = accs["guarded"][1], accs["guarded"][2]
     assert {e.step for e in guard.events} == expected_steps
@@ -356,14 +364,13 @@ class LogAct(nn.Module):
 
 
 @pytest.mark.parametrize("activations", ["always", 2, "off"])
-def test_activation_flag_catches_unused_branch(tmp_path: Any, activations: Any) -> None:
+def test_activation_flag_catches_unused_branch(fit: Any, activations: Any) -> None:
     data = regression_data(128, 8)
     guard = NaNGuard(check={"activations": activations})
     model = SideBranch()
     with torch.no_grad():
         model.aux[0].bias.fill_(-100.0)  # log of negative pre-activations -> NaN in aux, loss stays finite
-    t = trainer(tmp_path, [guard], max_steps=4)
-    t.fit(model, loader(data, batch_size=32))
+    fit(model, data, [guard], batch_size=32, max_steps=4)
     if activations == "off":
         assert guard.events == []
         return

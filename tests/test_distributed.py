@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from . import models
+
 SCRIPT = Path(__file__).parent / "ddp_scripts" / "ddp_guard.py"
 BAD_STEPS = [3, 8, 13, 14, 15, 16, 20]  # the script's BAD batches, one optimizer step each
 
@@ -105,7 +107,6 @@ def test_fsdp_single_device_skips_and_rolls_back(tmp_path):
     """
     import pytorch_lightning as pl
 
-    import models
     from lightning_nanguard import NaNGuard
     from lightning_nanguard.detect.sync import shards_gradients
 

@@ -25,19 +25,12 @@ from lightning_nanguard.recover.ladder import RecoveryLadder
 from lightning_nanguard.recover.snapshots import SnapshotStore
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models
-from .models import Regression, loader, regression_data, trainer
+from .models import Regression, regression_data
 
 NAN = float("nan")
 
 
 QUIET = {"verbose": False}
-
-
-def fit(tmp_path, model: pl.LightningModule, callbacks: list, steps: int, data=None, batch_size: int = 16,
-        **kwargs: Any) -> pl.Trainer:
-    trainer = models.trainer(tmp_path, callbacks, max_steps=steps, max_epochs=-1, **kwargs)
-    trainer.fit(model, models.loader(data if data is not None else models.regression_data(n=512), batch_size))
-    return trainer
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
@@ -75,14 +68,13 @@ def _final_mse(model: models.Regression, data: TensorDataset) -> float:
         return float(nn.functional.mse_loss(model(x), y))
 
 
-def test_too_high_lr_is_rescued(tmp_path):
+def test_too_high_lr_is_rescued(tmp_path, fit):
     data = models.regression_data(n=2048, features=8)
     results = {}
     for name, lr, guard in (("unguarded", 1.5, None), ("guarded", 1.5, NaNGuard()), ("sane", 0.05, None)):
         pl.seed_everything(0, verbose=False)
         model = models.Regression(features=8, lr=lr)
-        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=2).fit(
-            model, models.loader(data, shuffle=True))
+        fit(model, data, [guard] if guard else [], subdir=name, shuffle=True, max_epochs=2)
         results[name] = (_final_mse(model, data), guard)
     assert not math.isfinite(results["unguarded"][0])  # the failure is real
     loss, guard = results["guarded"]
@@ -114,7 +106,7 @@ def _clone_state(opt):
     return {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in opt.state.items()}
 
 
-def test_skipped_step_leaves_optimizer_state_untouched(tmp_path):
+def test_skipped_step_leaves_optimizer_state_untouched(fit):
     data = models.classification_data(n=128)
     snapshots = {}
 
@@ -135,7 +127,7 @@ def test_skipped_step_leaves_optimizer_state_untouched(tmp_path):
 
     model = models.Classifier(batch_hook=poison, dropout=0.0)
     guard = NaNGuard()
-    models.trainer(tmp_path, [guard, Spy()]).fit(model, models.loader(data, 32))
+    fit(model, data, [guard, Spy()])
     assert [e.step for e in guard.events] == [2]
     (state_b, params_b), (state_a, params_a) = snapshots["before"], snapshots["after"]
     for pb, pa in zip(params_b, params_a):
@@ -145,12 +137,12 @@ def test_skipped_step_leaves_optimizer_state_untouched(tmp_path):
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(state_a[p][name])), name  # incl. 'step'
 
 
-def test_inf_input_through_batchnorm_leaves_buffers_finite(tmp_path):
+def test_inf_input_through_batchnorm_leaves_buffers_finite(fit):
     data = models.classification_data(n=256)
     poisoned = models.poison_rows(data, [40, 41, 130], float("inf"))
     model = models.Classifier(dropout=0.0)
     guard = NaNGuard()
-    models.trainer(tmp_path, [guard]).fit(model, models.loader(poisoned, 32))
+    fit(model, poisoned, [guard])
     bad_steps = sorted({r // 32 for r in (40, 41, 130)})
     assert [e.step for e in guard.events] == bad_steps
     bn = model.net[1]
@@ -298,7 +290,7 @@ def test_reduce_lr_on_rollback_off_rolls_back_without_a_cut():
 # ------------------------------------------------------------------------------------------------- rollback
 
 
-def test_rollback_loads_the_newest_snapshot_then_the_one_before(tmp_path):
+def test_rollback_loads_the_newest_snapshot_then_the_one_before(fit_steps):
     """Module (incl. BatchNorm buffers), AdamW moments and step, and the scheduler are, right after each
     rollback, bitwise the state captured when the snapshot was taken: the newest snapshot first, then (the
     rollback did not help) the one before it."""
@@ -307,8 +299,8 @@ def test_rollback_loads_the_newest_snapshot_then_the_one_before(tmp_path):
     guard = NaNGuard(recovery=recovery, logging=QUIET)
     snaps, starts = models.SnapshotSpy(guard), AtBatchStart()
     model = models.Classifier(scheduler="cosine")
-    fit(tmp_path, model, [FaultInjector(Fault("loss", steps=burst)), guard, snaps, starts], steps=24,
-        data=models.classification_data(n=1024), batch_size=32)
+    fit_steps(model, [FaultInjector(Fault("loss", steps=burst)), guard, snaps, starts], steps=24,
+              data=models.classification_data(n=1024), batch_size=32)
     rollbacks = [e for e in guard.events if "rollback" in e.actions]
     assert [e.step for e in rollbacks] == [burst[0] + recovery["max_skips"], burst[-1]]
     taken = sorted(s for s in snaps.states if s <= burst[0])
@@ -324,7 +316,7 @@ def test_rollback_loads_the_newest_snapshot_then_the_one_before(tmp_path):
     assert guard._recovery.ladder.failed_rollbacks == 0  # a snapshot after the second rollback confirmed it
 
 
-def test_rollback_goes_further_back_when_it_does_not_help(tmp_path):
+def test_rollback_goes_further_back_when_it_does_not_help(fit):
     data = models.regression_data(n=2048)
 
     class Poisoned(models.Regression):
@@ -336,7 +328,7 @@ def test_rollback_goes_further_back_when_it_does_not_help(tmp_path):
 
     guard = NaNGuard(recovery={"snapshot_every": 10, "keep_snapshots": 3, "max_skips": 1, "max_rollbacks": 3})
     model = Poisoned()
-    models.trainer(tmp_path, [guard], max_steps=60).fit(model, models.loader(data, 16))
+    fit(model, data, [guard], batch_size=16, max_steps=60)
     restored = [e.details["restored_step"] for e in guard.events if "rollback" in e.actions]
     assert restored == sorted(restored, reverse=True) and len(set(restored)) == len(restored) > 1, restored
     assert guard.events[-1].actions[-1] == "stop"
@@ -350,7 +342,7 @@ class WeightsAtStart(pl.Callback):
         self.weights[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
 
 
-def test_skip_batches_after_rollback(tmp_path):
+def test_skip_batches_after_rollback(fit):
     """recovery.skip_batches: the steps of exactly that many batches after the rollback do not train."""
     data = models.regression_data(n=1024)
     burst = range(10, 13)
@@ -364,7 +356,7 @@ def test_skip_batches_after_rollback(tmp_path):
             return nn.functional.mse_loss(self(x), y)
 
     guard, starts = NaNGuard(recovery=recovery), WeightsAtStart()
-    models.trainer(tmp_path, [guard, starts], max_epochs=1).fit(Burst(), models.loader(data, 32))
+    fit(Burst(), data, [guard, starts], max_epochs=1)
     rollback = [e for e in guard.events if "rollback" in e.actions]
     assert [e.step for e in rollback] == [burst[0] + recovery["max_skips"]] == [burst[-1]]
     assert "skip_batches" in rollback[0].actions and guard.events[-1] is rollback[0]  # skipped quietly
@@ -389,7 +381,7 @@ class NaNLossRegression(Regression):
         return loss * float("nan") if self.global_step in self.nan_steps else loss
 
 
-def test_rollback_restores_the_running_statistics_of_the_snapshot(tmp_path: Any) -> None:
+def test_rollback_restores_the_running_statistics_of_the_snapshot(fit: Any) -> None:
     """Statistics gathered while a run diverged would blind adaptive clipping and spike detection after the
     rollback: they are part of the known-good state."""
     import pytorch_lightning as pl
@@ -403,8 +395,7 @@ def test_rollback_restores_the_running_statistics_of_the_snapshot(tmp_path: Any)
                 seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"], guard._losses.detector.state_dict()))
 
     guard = NaNGuard()  # snapshot every 50 steps; 4 NaN losses in a row: skip x3, then roll back
-    tr = trainer(tmp_path, callbacks=[guard, Probe()], max_epochs=5)
-    tr.fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), loader(regression_data(), shuffle=True))
+    fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), regression_data(), [guard, Probe()], shuffle=True, max_epochs=5)
     assert guard.counters["rollbacks"] == 1 and guard._recovery.store.newest.step >= 50
     (zclip_snap, zclip_now, loss_snap, loss_now), = seen
     assert zclip_now == zclip_snap and loss_now == loss_snap and zclip_now["count"] >= 50
@@ -415,7 +406,7 @@ def test_rollback_restores_the_running_statistics_of_the_snapshot(tmp_path: Any)
 
 @pytest.mark.parametrize("poison", ["loss", "parameter"])
 @pytest.mark.parametrize("on_give_up", ["stop", "raise"])
-def test_every_batch_poisoned_ends_bounded_with_the_last_good_weights(tmp_path, on_give_up, poison):
+def test_every_batch_poisoned_ends_bounded_with_the_last_good_weights(make_trainer, on_give_up, poison):
     """Healthy for a while, then every step poisoned: the run ends within the ladder's bound, and the weights
     are those of the snapshot the guard fell back to (taken during the healthy part), not the initial ones.
     With poisoned parameters the weights are NaN when it gives up: the give-up itself restores them."""
@@ -426,7 +417,7 @@ def test_every_batch_poisoned_ends_bounded_with_the_last_good_weights(tmp_path, 
     injector = FaultInjector(Fault(poison, steps=range(healthy, 10_000)))
     model = models.Regression()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = models.trainer(tmp_path, [injector, guard, snaps], max_steps=200, max_epochs=-1)
+    trainer = make_trainer([injector, guard, snaps], max_steps=200, max_epochs=-1)
     if on_give_up == "raise":
         with pytest.raises(NaNGuardError, match=r"gave up.*Report: .*incident-"):
             trainer.fit(model, models.loader(models.regression_data(n=256), 16))
@@ -504,7 +495,7 @@ def test_reduce_lr_on_plateau_keeps_the_cut():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.005)  # min_lr scaled too
 
 
-def test_lr_cut_survives_onecycle_schedule(tmp_path):
+def test_lr_cut_survives_onecycle_schedule(fit):
     data = models.classification_data(n=512)
 
     def poison(batch, batch_idx, module):
@@ -515,7 +506,7 @@ def test_lr_cut_survives_onecycle_schedule(tmp_path):
     for name, guard in (("plain", None), ("guarded", NaNGuard(check={"inputs": "off"}, recovery={"reduce_lr_after": 2}))):
         pl.seed_everything(0, verbose=False)
         model = models.Classifier(scheduler="onecycle", batch_hook=poison if guard else None)
-        models.trainer(tmp_path / name, [guard] if guard else [], max_epochs=1).fit(model, models.loader(data, 32))
+        fit(model, data, [guard] if guard else [], subdir=name, max_epochs=1)
         lrs[name] = (model.trainer.optimizers[0].param_groups[0]["lr"], guard)
     guard = lrs["guarded"][1]
     assert any("reduce_lr" in e.actions for e in guard.events)
@@ -553,7 +544,7 @@ def uncut_lr(make, base_lr: float, steps: int) -> float:
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_lr_cut_made_after_the_snapshot_survives_the_rollback(tmp_path, schedule):
+def test_lr_cut_made_after_the_snapshot_survives_the_rollback(fit_steps, schedule):
     """Snapshot at 10 (lr_scale 1), cut at 12, bad parameters at 15 roll back to 10: the optimizer LR and the
     scheduler's base_lrs stay at base x lr_scale, where base is the uncut schedule at the restored step."""
     factor, base_lr = 0.3, 0.05
@@ -561,7 +552,7 @@ def test_lr_cut_made_after_the_snapshot_survives_the_rollback(tmp_path, schedule
     guard = NaNGuard(recovery={"snapshot_every": 10, "reduce_lr_after": 2, "lr_factor": factor}, logging=QUIET)
     faults = [Fault("loss", steps=[10, 12]), Fault("parameter", steps=[14])]
     starts = AtBatchStart()
-    trainer = fit(tmp_path, Scheduled(make), [FaultInjector(faults), guard, starts], steps=24)
+    trainer = fit_steps(Scheduled(make), [FaultInjector(faults), guard, starts], steps=24)
     assert [(e.step, "reduce_lr" in e.actions, "rollback" in e.actions) for e in guard.events] == [
         (10, False, False), (12, True, False), (15, False, True)]
     assert guard.events[2].details["restored_step"] == 10 and guard.lr_scale == factor
@@ -575,13 +566,13 @@ def test_lr_cut_made_after_the_snapshot_survives_the_rollback(tmp_path, schedule
         factor * uncut_lr(make, base_lr, live.last_epoch), rel=1e-6)
 
 
-def test_lr_cuts_stop_at_min_lr_scale(tmp_path):
+def test_lr_cuts_stop_at_min_lr_scale(fit_steps):
     """recovery.min_lr_scale: the scale goes 1 -> lr_factor -> the floor, then stays; a cut that cannot lower
     it any more is not recorded as reduce_lr (nor counted)."""
     factor, floor = 0.4, 0.3
     guard = NaNGuard(recovery={"reduce_lr_after": 1, "lr_factor": factor, "min_lr_scale": floor}, logging=QUIET)
     steps = [3, 6, 9, 12]
-    trainer = fit(tmp_path, models.Regression(lr=0.05), [FaultInjector(Fault("loss", steps=steps)), guard], steps=16)
+    trainer = fit_steps(models.Regression(lr=0.05), [FaultInjector(Fault("loss", steps=steps)), guard], steps=16)
     scale, expected = 1.0, []
     for _ in steps:
         new = max(scale * factor, floor)
@@ -593,11 +584,11 @@ def test_lr_cuts_stop_at_min_lr_scale(tmp_path):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * floor)
 
 
-def test_incident_window_boundary_in_a_trainer(tmp_path):
+def test_incident_window_boundary_in_a_trainer(fit_steps):
     window = 5
     guard = NaNGuard(recovery={"reduce_lr_after": 2, "incident_window": window}, logging=QUIET)
     steps = [3, 3 + window, 3 + 2 * window - 1]
-    fit(tmp_path, models.Regression(), [FaultInjector(Fault("loss", steps=steps)), guard], steps=16)
+    fit_steps(models.Regression(), [FaultInjector(Fault("loss", steps=steps)), guard], steps=16)
     assert [(e.step, "reduce_lr" in e.actions) for e in guard.events] == [
         (steps[0], False), (steps[1], False), (steps[2], True)]
     assert guard.lr_scale == guard.config.recovery.lr_factor
@@ -662,7 +653,7 @@ def test_snapshot_ring_reuses_buffers_and_drop_newest_keeps_one():
 
 
 @pytest.mark.parametrize("mode", ["memory", "disk"])
-def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, mode):
+def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, fit_steps, mode):
     """One snapshot at train start, then one every snapshot_every healthy steps; the newest keep_snapshots
     are kept (disk: as files in snapshot_dir, nothing in the default folder)."""
     every, keep, steps = 3, 3, 20
@@ -670,7 +661,7 @@ def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, mode):
     recovery = {"snapshot": mode, "snapshot_every": every, "keep_snapshots": keep, "snapshot_dir": str(folder)}
     guard = NaNGuard(recovery=recovery, logging=QUIET)
     snaps = models.SnapshotSpy(guard)
-    fit(tmp_path, models.Regression(), [guard, snaps], steps=steps)
+    fit_steps(models.Regression(), [guard, snaps], steps=steps)
     expected = list(range(0, steps + 1, every))
     assert sorted(snaps.states) == expected and guard.counters["snapshots"] == len(expected)
     assert [s.step for s in guard._recovery.store.ring] == expected[-keep:]
@@ -681,13 +672,13 @@ def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, mode):
         assert not folder.exists()
 
 
-def test_confirm_after_takes_the_confirming_snapshot_sooner(tmp_path):
+def test_confirm_after_takes_the_confirming_snapshot_sooner(fit_steps):
     """After a rollback, a snapshot confirms it after confirm_after healthy steps (not snapshot_every)."""
     recovery = {"snapshot_every": 20, "confirm_after": 3, "max_skips": 1}
     guard = NaNGuard(recovery=recovery, logging=QUIET)
     snaps = models.SnapshotSpy(guard)
     burst = [25, 26]
-    fit(tmp_path, models.Regression(), [FaultInjector(Fault("loss", steps=burst)), guard, snaps], steps=52)
+    fit_steps(models.Regression(), [FaultInjector(Fault("loss", steps=burst)), guard, snaps], steps=52)
     rollback = burst[-1]
     assert [e.step for e in guard.events if "rollback" in e.actions] == [rollback]
     confirming = rollback + 1 + recovery["confirm_after"]
@@ -696,7 +687,7 @@ def test_confirm_after_takes_the_confirming_snapshot_sooner(tmp_path):
     assert guard._recovery.ladder.failed_rollbacks == 0
 
 
-def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path):
+def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path, fit_steps):
     """recovery.snapshot: off keeps nothing to roll back to: a checkpoint that would hold a non-finite weight
     is refused with NaNGuardError and never written (with snapshots it is replaced by known-good state)."""
     bad = 3
@@ -704,8 +695,8 @@ def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path):
         guard = NaNGuard(recovery={"snapshot": mode}, logging=QUIET)
         ckpt = ModelCheckpoint(dirpath=tmp_path / mode, every_n_train_steps=1, save_top_k=-1, filename="{step}")
         callbacks = [FaultInjector(Fault("parameter", steps=[bad])), guard, ckpt]
-        run = lambda: fit(tmp_path / f"{mode}-run", models.Regression(), callbacks, steps=6,  # noqa: E731
-                          enable_checkpointing=True)
+        run = lambda: fit_steps(models.Regression(), callbacks, steps=6, subdir=f"{mode}-run",  # noqa: E731
+                                enable_checkpointing=True)
         if mode == "off":
             with pytest.raises(NaNGuardError):
                 run()
@@ -721,14 +712,13 @@ def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path):
             assert all(torch.isfinite(v).all() for v in state.values()), f
 
 
-def test_disk_snapshots_roll_back_like_memory_ones(tmp_path):
+def test_disk_snapshots_roll_back_like_memory_ones(tmp_path, fit):
     runs = {}
     for mode in ("memory", "disk"):
         pl.seed_everything(0, verbose=False)
         model = models.NaNLossOnBatches(bad={5, 6, 7, 8})
         guard = NaNGuard(recovery={"snapshot": mode, "snapshot_every": 2, "max_skips": 3})
-        trainer = models.trainer(tmp_path / mode, [guard], max_steps=12)
-        trainer.fit(model, models.loader(models.regression_data(n=96), batch_size=8))
+        fit(model, models.regression_data(n=96), [guard], subdir=mode, batch_size=8, max_steps=12)
         assert guard.counters["rollbacks"] == 1 and "rollback" in guard.events[-1].actions
         runs[mode] = (model, guard)
     assert all(torch.equal(a, b) for a, b in zip(runs["memory"][0].state_dict().values(),

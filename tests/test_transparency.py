@@ -16,18 +16,17 @@ from torch.utils.data import TensorDataset
 
 from lightning_nanguard import NaNGuard
 from . import models
-from .models import Classifier, Regression, classification_data, loader, regression_data, trainer
+from .models import Classifier, Regression, classification_data, regression_data, same_weights
 
 
-def test_healthy_run_is_bitwise_transparent(tmp_path):
+def test_healthy_run_is_bitwise_transparent(fit):
     data = models.classification_data(n=384)
     weights, guards = [], []
     for guarded in (False, True):
         pl.seed_everything(7, verbose=False)
         model = models.Classifier(scheduler="onecycle", dropout=0.2)
         guard = NaNGuard() if guarded else None
-        models.trainer(tmp_path / str(guarded), [guard] if guard else [], max_epochs=2).fit(
-            model, models.loader(data, shuffle=True))
+        fit(model, data, [guard] if guard else [], subdir=str(guarded), shuffle=True, max_epochs=2)
         weights.append({k: v.clone() for k, v in model.state_dict().items()})
         guards.append(guard)
     assert weights[0].keys() == weights[1].keys()
@@ -38,35 +37,25 @@ def test_healthy_run_is_bitwise_transparent(tmp_path):
     assert guards[1].counters["replays"] == 0
 
 
-def _fit(tmp_path: Any, model: Any, guard: Any = None, epochs: int = 3, data: Any = None, **kw: Any) -> Any:
-    tr = trainer(tmp_path, callbacks=[guard] if guard is not None else [], max_epochs=epochs, **kw)
-    tr.fit(model, loader(data if data is not None else regression_data(), shuffle=True))
-    return tr
-
-
-def _same_weights(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-
-
-def test_healthy_adamw_onecycle_dropout_run_has_no_events_and_identical_weights(tmp_path: Any) -> None:
+def test_healthy_adamw_onecycle_dropout_run_has_no_events_and_identical_weights(fit: Any) -> None:
     import pytorch_lightning as pl
 
     data = classification_data()
     pl.seed_everything(0, verbose=False)
     plain = Classifier(scheduler="onecycle", dropout=0.2)
-    _fit(tmp_path / "plain", plain, epochs=8, data=data)
+    fit(plain, data, subdir="plain", shuffle=True, max_epochs=8)
     pl.seed_everything(0, verbose=False)
     guarded = Classifier(scheduler="onecycle", dropout=0.2)
     guard = NaNGuard()
-    _fit(tmp_path / "guarded", guarded, guard, epochs=8, data=data)
+    fit(guarded, data, [guard], subdir="guarded", shuffle=True, max_epochs=8)
 
     assert guard._losses.detector.stats.count == 128 and guard._losses.detector.stats.ready  # detection was live for 78 steps
     assert guard._clipper.zclip.threshold() is not None
     assert guard.events == [] and guard.counters["spikes"] == 0 and guard.counters["clipped_steps"] == 0
-    assert _same_weights(plain, guarded)
+    assert same_weights(plain, guarded)
 
 
-def test_healthy_run_performs_no_replay_and_leaves_no_hooks(tmp_path: Any) -> None:
+def test_healthy_run_performs_no_replay_and_leaves_no_hooks(fit: Any) -> None:
     seen = []
 
     class Probe(pl.Callback):
@@ -77,8 +66,7 @@ def test_healthy_run_performs_no_replay_and_leaves_no_hooks(tmp_path: Any) -> No
         seen.clear()
         guard = NaNGuard(anomaly={"mode": anomaly}, check={"activations": activations})
         model = Regression()
-        t = trainer(tmp_path / anomaly, [guard, Probe()], max_epochs=1)
-        t.fit(model, loader(regression_data(128), batch_size=32))
+        t = fit(model, regression_data(128), [guard, Probe()], subdir=anomaly, batch_size=32, max_epochs=1)
         assert guard.events == [] and guard.counters["replays"] == 0 and t.global_step == 4
         assert all(s == ((True, 1) if anomaly == "always" else (False, 0)) for s in seen), seen
         assert not torch.is_anomaly_enabled()
@@ -103,12 +91,11 @@ class MaskedAttention(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_intentional_inf_buffer_is_not_an_incident(tmp_path):
+def test_intentional_inf_buffer_is_not_an_incident(tmp_path, fit):
     data = TensorDataset(torch.randn(64, 6, 8))
     guard = NaNGuard()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    trainer = models.trainer(tmp_path, [guard, ckpt], enable_checkpointing=True, max_epochs=1)
-    trainer.fit(MaskedAttention(), models.loader(data, 8))
+    trainer = fit(MaskedAttention(), data, [guard, ckpt], batch_size=8, enable_checkpointing=True, max_epochs=1)
     assert guard.events == [] and trainer.global_step == 8
     assert guard._evidence.state.exempt == {"mask"}
     assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 4  # checkpoints with the mask are written
