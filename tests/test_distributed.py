@@ -35,6 +35,7 @@ def ddp_run(tmp_path_factory):
     return out, ranks
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_rank_local_nan_gives_identical_decisions_and_weights(ddp_run):
     out, (r0, r1) = ddp_run
@@ -57,6 +58,7 @@ def test_rank_local_nan_gives_identical_decisions_and_weights(ddp_run):
     assert r0["lrs"] == r1["lrs"] and r0["lr_scale"] == r1["lr_scale"] < 1.0
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_sinks_are_written_by_rank_zero_only(ddp_run):
     out, (r0, _) = ddp_run
@@ -67,6 +69,7 @@ def test_sinks_are_written_by_rank_zero_only(ddp_run):
     assert len(list((out / "nanguard").glob("incident-*.txt"))) == len(BAD_STEPS)
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
     _, ranks = ddp_run
@@ -87,6 +90,7 @@ def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
                 assert names.count("all_reduce") == 1 and "all_gather_object" in names, (batch_idx, names)
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_sharded_norm_is_completed_by_the_same_all_reduce(ddp_run):
     _, ranks = ddp_run
