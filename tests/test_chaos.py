@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -20,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.testing import FAULT_KINDS, Fault, FaultInjector
+from . import models
 
 STEPS_PER_EPOCH, EPOCHS = 32, 8  # 256 optimizer steps
 # Transient faults are not a too-high learning rate: the defaults' LR cuts (after every rollback and after

@@ -229,7 +229,8 @@ def test_guard_state_dict_carries_the_statistics() -> None:
         a._losses.detector.observe(float(v % 5))
     b = NaNGuard()
     b.load_state_dict(a.state_dict())
-    assert b._clipper.zclip.state_dict() == a._clipper.zclip.state_dict() and b._losses.detector.state_dict() == a._losses.detector.state_dict()
+    assert b._clipper.zclip.state_dict() == a._clipper.zclip.state_dict()
+    assert b._losses.detector.state_dict() == a._losses.detector.state_dict()
     c = NaNGuard()  # a version-1 state dict: one flat dict of counters and statistics
     c.load_state_dict({"counters": {"incidents": 3, "rollbacks": 1}, "lr_scale": 0.25, "event_index": 4,
                        "norm_ema": {"count": 30, "mean": 2.0, "var": 0.25}})

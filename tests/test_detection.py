@@ -33,6 +33,94 @@ def _summary(guard: NaNGuard) -> list[tuple[int, str]]:
     return [(e.step, e.kind) for e in guard.events]
 
 
+# ---------------------------------------------------------------------------------------- flags and finders
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("value,bad", [(1.0, False), (NAN, True), (INF, True), (-INF, True), (3e38, False)])
+def test_nonfinite_flag(value, bad):
+    assert bool(flags.nonfinite_flag(torch.tensor([0.0, value]))) is bad
+
+
+def test_any_nonfinite_flag_mixed_dtypes_and_no_false_positive_on_huge_values():
+    ts = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float64), torch.arange(3)]
+    assert not bool(flags.any_nonfinite_flag(ts))  # a 2-norm would overflow here; the inf-norm does not
+    ts.append(torch.tensor([1.0, NAN], dtype=torch.bfloat16))
+    assert bool(flags.any_nonfinite_flag(ts))
+    assert flags.any_nonfinite_flag([torch.arange(4)]) is None
+
+
+def test_total_norm_matches_reference_and_flags_nonfinite():
+    g = [torch.randn(5, 3), torch.randn(7)]
+    ref = torch.sqrt(sum((t ** 2).sum() for t in g))
+    assert torch.allclose(flags.total_norm(g), ref)
+    assert not math.isfinite(float(flags.total_norm(g + [torch.tensor([INF])])))
+    assert float(flags.total_norm([])) == 0.0
+
+
+def test_total_norm_is_bitwise_get_total_norm() -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(s) * 3 for s in [(16, 8), (16,), (4, 3, 3), ()]]
+    for norm_type in (2.0, 1.0, math.inf):
+        assert torch.equal(flags.total_norm(grads, norm_type), torch.nn.utils.get_total_norm(grads, norm_type))
+    mixed = grads + [torch.randn(5, dtype=torch.float64)]  # several dtypes: torch's own path
+    assert torch.equal(flags.total_norm(mixed), torch.nn.utils.get_total_norm(mixed))
+
+
+def test_state_check_sees_in_place_writes_new_storage_and_huge_finite_values() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1), nn.Linear(1100, 1000))
+    check = StateCheck()
+    assert not bool(check.flag(model))
+    weight = model[0].weight
+    with torch.no_grad():
+        weight[3, 2] = float("nan")  # in place: the cached views see it
+    assert bool(check.flag(model))
+    with torch.no_grad():
+        weight[3, 2] = 0.0
+        model[1].running_var[0] = float("inf")  # a buffer
+    assert bool(check.flag(model))
+    with torch.no_grad():
+        model[1].running_var[0] = 1.0
+        model[3].weight[0, 0] = float("-inf")  # a large tensor (aminmax path)
+    assert bool(check.flag(model))
+    with torch.no_grad():
+        model[3].weight[0, 0] = 3e38  # huge but finite: no overflow to a false alarm
+    assert not bool(check.flag(model))
+    model[2].bias.data = torch.full((1,), float("nan"))  # storage replaced: re-collected
+    assert bool(check.flag(model))
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Item:
+    feats: torch.Tensor
+    label: int
+
+
+def test_find_batch_nonfinite_walks_any_nesting():
+    x = torch.zeros(4, 3)
+    x[2, 1] = NAN
+    x[3, 0] = INF
+    batch = {"a": [Point(torch.ones(2), x)], "b": (Item(torch.zeros(2, 2), 1), "text"), "c": torch.arange(3)}
+    found = find.find_batch_nonfinite(batch)
+    assert len(found) == 1
+    f = found[0]
+    assert f["field"] == "batch['a'][0].y"
+    assert f["samples"] == [2, 3] and f["features"] == [0, 1] and f["nan"] == 1 and f["inf"] == 1
+    batch["b"][0].feats[1, 1] = -INF
+    assert [f["field"] for f in find.find_batch_nonfinite(batch)] == ["batch['a'][0].y", "batch['b'][0].feats"]
+
+
+def test_find_nonfinite_tensors_names_and_counts():
+    named = [("ok", torch.ones(3)), ("bad", torch.tensor([NAN, INF, 1.0])), ("int", torch.arange(2))]
+    assert find.find_nonfinite_tensors(named) == [
+        {"name": "bad", "nan": 1, "inf": 1, "numel": 3, "shape": [3]}]
+
+
 # ------------------------------------------------------------------------------------------ check.inputs
 
 
@@ -218,94 +306,6 @@ def test_parameter_check_at_train_end_repairs_the_last_step(tmp_path: Path, fit_
         assert ev.details["restored_step"] == 0 and all_finite(model)
         assert json.loads((tmp_path / "True" / "nanguard" / "events.jsonl").read_text())["details"][
             "detected_at"] == "train_end"
-
-
-# ---------------------------------------------------------------------------------------- flags and finders
-
-
-NAN, INF = float("nan"), float("inf")
-
-
-@pytest.mark.parametrize("value,bad", [(1.0, False), (NAN, True), (INF, True), (-INF, True), (3e38, False)])
-def test_nonfinite_flag(value, bad):
-    assert bool(flags.nonfinite_flag(torch.tensor([0.0, value]))) is bad
-
-
-def test_any_nonfinite_flag_mixed_dtypes_and_no_false_positive_on_huge_values():
-    ts = [torch.full((3,), 3e38), torch.ones(2, dtype=torch.float64), torch.arange(3)]
-    assert not bool(flags.any_nonfinite_flag(ts))  # a 2-norm would overflow here; the inf-norm does not
-    ts.append(torch.tensor([1.0, NAN], dtype=torch.bfloat16))
-    assert bool(flags.any_nonfinite_flag(ts))
-    assert flags.any_nonfinite_flag([torch.arange(4)]) is None
-
-
-def test_total_norm_matches_reference_and_flags_nonfinite():
-    g = [torch.randn(5, 3), torch.randn(7)]
-    ref = torch.sqrt(sum((t ** 2).sum() for t in g))
-    assert torch.allclose(flags.total_norm(g), ref)
-    assert not math.isfinite(float(flags.total_norm(g + [torch.tensor([INF])])))
-    assert float(flags.total_norm([])) == 0.0
-
-
-def test_total_norm_is_bitwise_get_total_norm() -> None:
-    torch.manual_seed(0)
-    grads = [torch.randn(s) * 3 for s in [(16, 8), (16,), (4, 3, 3), ()]]
-    for norm_type in (2.0, 1.0, math.inf):
-        assert torch.equal(flags.total_norm(grads, norm_type), torch.nn.utils.get_total_norm(grads, norm_type))
-    mixed = grads + [torch.randn(5, dtype=torch.float64)]  # several dtypes: torch's own path
-    assert torch.equal(flags.total_norm(mixed), torch.nn.utils.get_total_norm(mixed))
-
-
-def test_state_check_sees_in_place_writes_new_storage_and_huge_finite_values() -> None:
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1), nn.Linear(1100, 1000))
-    check = StateCheck()
-    assert not bool(check.flag(model))
-    weight = model[0].weight
-    with torch.no_grad():
-        weight[3, 2] = float("nan")  # in place: the cached views see it
-    assert bool(check.flag(model))
-    with torch.no_grad():
-        weight[3, 2] = 0.0
-        model[1].running_var[0] = float("inf")  # a buffer
-    assert bool(check.flag(model))
-    with torch.no_grad():
-        model[1].running_var[0] = 1.0
-        model[3].weight[0, 0] = float("-inf")  # a large tensor (aminmax path)
-    assert bool(check.flag(model))
-    with torch.no_grad():
-        model[3].weight[0, 0] = 3e38  # huge but finite: no overflow to a false alarm
-    assert not bool(check.flag(model))
-    model[2].bias.data = torch.full((1,), float("nan"))  # storage replaced: re-collected
-    assert bool(check.flag(model))
-
-
-Point = collections.namedtuple("Point", "x y")
-
-
-@dataclasses.dataclass
-class Item:
-    feats: torch.Tensor
-    label: int
-
-
-def test_find_batch_nonfinite_walks_any_nesting():
-    x = torch.zeros(4, 3)
-    x[2, 1] = NAN
-    x[3, 0] = INF
-    batch = {"a": [Point(torch.ones(2), x)], "b": (Item(torch.zeros(2, 2), 1), "text"), "c": torch.arange(3)}
-    found = find.find_batch_nonfinite(batch)
-    assert len(found) == 1
-    f = found[0]
-    assert f["field"] == "batch['a'][0].y"
-    assert f["samples"] == [2, 3] and f["features"] == [0, 1] and f["nan"] == 1 and f["inf"] == 1
-    batch["b"][0].feats[1, 1] = -INF
-    assert [f["field"] for f in find.find_batch_nonfinite(batch)] == ["batch['a'][0].y", "batch['b'][0].feats"]
-
-
-def test_find_nonfinite_tensors_names_and_counts():
-    named = [("ok", torch.ones(3)), ("bad", torch.tensor([NAN, INF, 1.0])), ("int", torch.arange(2))]
-    assert find.find_nonfinite_tensors(named) == [
-        {"name": "bad", "nan": 1, "inf": 1, "numel": 3, "shape": [3]}]
 
 
 # ---------------------------------------------------------------------------------- bad inputs in a Trainer

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
+from . import models
 
 
 class SkipSteps(pl.Callback):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -19,6 +18,7 @@ from pytorch_lightning.plugins import MixedPrecision
 from torch.utils.data import TensorDataset
 
 from lightning_nanguard import NaNGuard
+from . import models
 
 
 class ScaleProbe(pl.Callback):

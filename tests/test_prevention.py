@@ -220,7 +220,8 @@ def test_reduce_lr_spike_cuts_the_lr_without_climbing_the_ladder(fit: Any) -> No
     assert event.details["lr_before"] == [0.05] and event.details["lr_after"] == [pytest.approx(0.0125)]
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0125)
     assert guard.lr_scale == 0.25 and guard.counters["lr_cuts"] == 1
-    assert guard.counters["incidents"] == 0 and guard._recovery.ladder.consecutive == 0 and not guard._recovery.ladder.adaptive_clip
+    assert guard.counters["incidents"] == 0 and guard._recovery.ladder.consecutive == 0
+    assert not guard._recovery.ladder.adaptive_clip
 
 
 def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clipping(fit: Any) -> None:
@@ -356,7 +357,6 @@ def fit_scripted(fit: Any) -> Any:
         return guard
 
     return run
-
 
 
 def test_spike_z_is_the_detection_threshold(fit_scripted: Any) -> None:

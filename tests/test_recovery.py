@@ -392,7 +392,8 @@ def test_rollback_restores_the_running_statistics_of_the_snapshot(fit: Any) -> N
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
             if guard.counters["rollbacks"] and not seen:
                 meta = guard._recovery.store.newest.meta
-                seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"], guard._losses.detector.state_dict()))
+                seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"],
+                             guard._losses.detector.state_dict()))
 
     guard = NaNGuard()  # snapshot every 50 steps; 4 NaN losses in a row: skip x3, then roll back
     fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), regression_data(), [guard, Probe()], shuffle=True, max_epochs=5)
@@ -503,7 +504,8 @@ def test_lr_cut_survives_onecycle_schedule(fit):
         return (x * float("nan"), y) if batch_idx in (3, 4) else batch
 
     lrs = {}
-    for name, guard in (("plain", None), ("guarded", NaNGuard(check={"inputs": "off"}, recovery={"reduce_lr_after": 2}))):
+    guarded = NaNGuard(check={"inputs": "off"}, recovery={"reduce_lr_after": 2})
+    for name, guard in (("plain", None), ("guarded", guarded)):
         pl.seed_everything(0, verbose=False)
         model = models.Classifier(scheduler="onecycle", batch_hook=poison if guard else None)
         fit(model, data, [guard] if guard else [], subdir=name, max_epochs=1)

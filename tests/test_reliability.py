@@ -18,7 +18,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-from . import models
 import numpy as np
 import pytest
 import pytorch_lightning as pl
@@ -27,6 +26,7 @@ from torch import nn
 
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.testing import Fault, FaultInjector
+from . import models
 
 ROOT = Path(__file__).parents[1]
 DATA = models.classification_data(n=512)

@@ -33,7 +33,8 @@ def poisoned_loader():
 
 @pytest.fixture
 def guarded_fit(fit):
-    """``guarded_fit(subdir=None, **trainer_kwargs)``: a quiet guard on the poisoned loader; returns (guard, trainer)."""
+    """``guarded_fit(subdir=None, **trainer_kwargs)``: a quiet guard on the poisoned loader; returns
+    ``(guard, trainer)``."""
 
     def run(subdir=None, **trainer_kwargs):
         guard = NaNGuard(logging={"verbose": False})

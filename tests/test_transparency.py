@@ -49,7 +49,8 @@ def test_healthy_adamw_onecycle_dropout_run_has_no_events_and_identical_weights(
     guard = NaNGuard()
     fit(guarded, data, [guard], subdir="guarded", shuffle=True, max_epochs=8)
 
-    assert guard._losses.detector.stats.count == 128 and guard._losses.detector.stats.ready  # detection was live for 78 steps
+    stats = guard._losses.detector.stats
+    assert stats.count == 128 and stats.ready  # detection was live for 78 steps
     assert guard._clipper.zclip.threshold() is not None
     assert guard.events == [] and guard.counters["spikes"] == 0 and guard.counters["clipped_steps"] == 0
     assert same_weights(plain, guarded)
