@@ -136,8 +136,9 @@ def all_finite(module: nn.Module) -> bool:
 
 
 def same_weights(a: nn.Module, b: nn.Module) -> bool:
-    """Bitwise equal state dicts (weights and buffers)."""
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    """Bitwise equal state dicts (same keys, same weights and buffers)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def read_events(root: Any) -> list[dict]:

@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 from lightning_nanguard.config import iter_keys
-from .test_suite import defined_tests
+from .test_suite import defined_tests, parsed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,9 +75,9 @@ KEY_TESTS: dict[str, list[str]] = {
 
 def _source_with_decorators(node_id: str) -> str:
     path, name = node_id.split("::")
-    tree = ast.parse((ROOT / path).read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
-    return "\n".join(ast.unparse(d) for d in node.decorator_list) + "\n" + ast.unparse(node)
+    lines = (ROOT / path).read_text().splitlines()
+    node = next(n for n in parsed(ROOT / path).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return "\n".join(lines[min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1:node.end_lineno])
 
 
 def test_every_key_and_no_other_is_in_the_registry():

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 from pathlib import Path
 from typing import Iterable
 
 TESTS = Path(__file__).parent
+
+
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of a source file (parsed once per session)."""
+    return ast.parse(path.read_text(), filename=str(path))
 
 
 def defined_tests(paths: Iterable[Path] = ()) -> dict[str, list[str]]:
@@ -15,7 +22,7 @@ def defined_tests(paths: Iterable[Path] = ()) -> dict[str, list[str]]:
     from the source of ``paths`` (default: every ``tests/**/test_*.py``)."""
     found: dict[str, list[str]] = collections.defaultdict(list)
     for path in sorted(paths) or sorted(TESTS.rglob("test_*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = parsed(path)
         nodes = list(tree.body) + [n for c in tree.body if isinstance(c, ast.ClassDef) and c.name.startswith("Test")
                                    for n in c.body]
         for node in nodes:
