@@ -1,8 +1,13 @@
-"""Small real LightningModules and data shared by the tests."""
+"""Small real LightningModules, data and pure helpers shared by the tests (``from .models import ...``).
+
+What a test builds under its ``tmp_path`` (Trainers, fits) comes from the fixtures of ``tests/conftest.py``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -23,6 +28,14 @@ def classification_data(n: int = 512, features: int = 16, classes: int = 4, seed
     y = torch.randint(0, classes, (n,), generator=g)
     x = centers[y] + torch.randn(n, features, generator=g)
     return TensorDataset(x, y)
+
+
+def poison_rows(data: TensorDataset, rows: list[int], value: float) -> TensorDataset:
+    """A copy of ``data`` whose input row ``rows[i]`` holds ``value`` (alternating sign) in feature ``i``."""
+    x = data.tensors[0].clone()
+    for i, r in enumerate(rows):
+        x[r, i % x.shape[1]] = value if i % 2 == 0 else -value
+    return TensorDataset(x, data.tensors[1])
 
 
 class Regression(pl.LightningModule):
@@ -80,6 +93,18 @@ class Classifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class NaNLossOnBatches(Regression):
+    """Regression (AdamW) whose loss is multiplied by NaN on the batches ``bad`` (NaN gradients everywhere)."""
+
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__(lr=0.02, optimizer="adamw")
+        self.bad = bad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx in self.bad else loss
+
+
 class EpsZeroEmbedding(pl.LightningModule):
     """Adam with ``eps=0`` and embedding rows no batch uses: their update is 0/0, so they turn NaN after the
     first step while every gradient stays finite (a classic silent failure)."""
@@ -102,6 +127,30 @@ def accuracy(model: pl.LightningModule, data: TensorDataset) -> float:
     x, y = data.tensors
     with torch.no_grad():
         return float((model(x).argmax(-1) == y).float().mean())
+
+
+def all_finite(module: nn.Module) -> bool:
+    """Every floating parameter and buffer of ``module`` is finite."""
+    return all(bool(torch.isfinite(t).all()) for t in list(module.parameters()) + list(module.buffers())
+               if t.is_floating_point())
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Bitwise equal state dicts (same keys, same weights and buffers)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def read_events(root: Any) -> list[dict]:
+    """The records of ``<root>/nanguard/events.jsonl`` (or of the file ``root`` itself)."""
+    path = Path(root)
+    path = path if path.is_file() else path / "nanguard" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def detected_steps(faults: Iterable[Any]) -> list[int]:
+    """Where the guard sees each fault: at its step, or one later for parameters (read with the next flags)."""
+    return sorted(s + (f.kind == ("parameter",)) for f in faults for s in f.steps)
 
 
 def loader(data: TensorDataset, batch_size: int = 32, shuffle: bool = False) -> DataLoader:
