@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
@@ -141,3 +142,53 @@ class SnapshotSpy(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._capture(trainer, pl_module)
+
+
+def graph(nodes: int = 12, features: int = 6, layout: torch.layout = torch.sparse_coo,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random undirected graph: its symmetric-normalised adjacency with self-loops as a sparse tensor in
+    ``layout`` (COO coalesced, or CSR/CSC), the dense 0/1 adjacency (a reconstruction target) and node
+    features."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float().triu(1)
+    a = a + a.t()
+    target = a.clone()
+    a = a + torch.eye(nodes)
+    d = a.sum(1).rsqrt()
+    norm = (d[:, None] * a * d[None, :]).to_sparse_coo().coalesce()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        adj = norm if layout is torch.sparse_coo else norm.to_sparse(layout=layout)
+    return adj, target, torch.randn(nodes, features, generator=g)
+
+
+def graph_loader(x: torch.Tensor, batches: int = 8, adj: Optional[torch.Tensor] = None, seed: int = 1) -> DataLoader:
+    """``batches`` full-graph batches: noisy copies of the node features ``x`` (with ``adj`` in front when the
+    adjacency travels in the batch: ``(adj, x)``)."""
+    g = torch.Generator().manual_seed(seed)
+    items = [x + 0.1 * torch.randn(x.shape, generator=g) for _ in range(batches)]
+    data = [(adj.clone(), item) for item in items] if adj is not None else items
+    return DataLoader(data, batch_size=None)
+
+
+class SparseGraphAutoencoder(pl.LightningModule):
+    """Two GCN layers over a sparse normalised adjacency and an inner-product decoder (seed 000's graph
+    autoencoder). The adjacency is a sparse buffer, or travels in the batch as ``(adj, x)``."""
+
+    def __init__(self, adj: torch.Tensor, target: torch.Tensor, features: int, hidden: int = 8,
+                 lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.register_buffer("adj", adj)
+        self.register_buffer("target", target)
+        self.encoder = nn.Linear(features, hidden)
+        self.gcn = nn.Linear(hidden, hidden)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        adj, x = batch if isinstance(batch, (tuple, list)) else (self.adj, batch)
+        h = torch.relu(adj @ self.encoder(x))
+        z = adj @ self.gcn(h)
+        return nn.functional.binary_cross_entropy_with_logits(z @ z.t(), self.target)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..layouts import is_strided, stored_values
 from ..tree import iter_tensors
 
 __all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",
@@ -51,8 +52,10 @@ def _is_library(filename: str) -> bool:
 
 
 def floats_of(obj: Any) -> list[Tensor]:
-    """The non-empty floating tensors of a nested input/output structure."""
-    return [t for _, t in iter_tensors(obj) if t.is_floating_point() and t.numel()]
+    """The non-empty floating tensors of a nested input/output structure (sparse ones: their stored values)."""
+    values = (t if is_strided(t) else stored_values(t, path)
+              for path, t in iter_tensors(obj, "") if t.is_floating_point())
+    return [t for t in values if t is not None and t.numel()]
 
 
 def _stats(tensors: list[Tensor]) -> Optional[Tensor]:

@@ -31,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from ..detect.flags import any_nonfinite_flag
+from ..layouts import copy_back, deepcopy_memo, is_strided
 from ..tree import map_tensors
-from .recorders import FirstBadOp, FrameRecorder, GraphWatch, format_frames, forward_trace
+from .recorders import FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace
 
 __all__ = ["ReplayResult", "replay_window", "preserved_state", "parse_anomaly_error", "rng_state", "set_rng_state"]
 
@@ -99,7 +100,10 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
                 owner = module.get_submodule(owner_name) if owner_name else module
                 if owner._buffers.get(attr) is not buf:
                     owner._buffers[attr] = buf  # the forward replaced the buffer object: put the original back
-                buf.copy_(saved)
+                if is_strided(buf):
+                    buf.copy_(saved)
+                else:  # a sparse buffer (its layout may not copy in place)
+                    copy_back(module, name, buf, saved)
         for m, mode in modes.items():
             m.training = mode
         set_rng_state(rng)
@@ -171,7 +175,7 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
             res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
             grads = _grads(loss, named) if loss is not None and res.loss_finite else []
     rec.read()
-    bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not bool(torch.isfinite(g).all())]
+    bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
     res.nonfinite_grads = bad_grads[:20]
     first_fwd = rec.first_bad(rec.forward_frames)
     res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads)
@@ -245,7 +249,7 @@ def _to_double(obj: Any) -> Any:
 
 def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: ReplayResult) -> dict:
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
-    twin = copy.deepcopy(module).double()
+    twin = copy.deepcopy(module, deepcopy_memo(module)).double()  # a CSR buffer has no storage to deepcopy
     twin.log, twin.log_dict = _noop, _noop  # type: ignore[method-assign]
     named = [(n, p) for n, p in twin.named_parameters() if p.requires_grad]
     previous = torch.get_default_dtype()
