@@ -3,7 +3,8 @@
 A graph network keeps its adjacency as a sparse buffer, a batch may carry one, and an embedding with
 ``sparse=True`` has sparse gradients. Every check of the guard reads the *stored values* of such a tensor
 (a sparse tensor's implicit zeros are finite; COO is coalesced first, so duplicates are judged by their
-sum), every copy keeps its layout, and a finder names the sparse indices of a bad entry. A layout the guard
+sum), every copy keeps its layout (snapshots, the float64 twin, a rollback), and a finder names the sparse
+indices of a bad entry. A layout the guard
 cannot read (e.g. mkldnn) is skipped, with one warning per layout and name: a safety callback never
 crashes a healthy run over a tensor it does not understand.
 """
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["COMPRESSED", "is_strided", "stored_values", "raw_values", "checkable", "coo_parts", "nbytes",
-           "copy_to_cpu", "deepcopy_memo", "copy_back", "load_module_state", "unchecked", "warn_once"]
+           "copy_to_cpu", "deepcopy_memo", "load_module_state", "unchecked", "warn_once"]
 
 COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _warned: set[tuple[str, ...]] = set()
@@ -125,36 +126,34 @@ def deepcopy_memo(module: nn.Module) -> dict[int, Any]:
     return memo
 
 
-def copy_back(module: nn.Module, name: str, current: Tensor, saved: Tensor) -> Tensor:
-    """Restore buffer ``name`` of ``module`` (now ``current``) to ``saved``, in place where the layout allows;
-    a compressed sparse buffer whose number of stored elements changed is replaced by a copy of ``saved``.
-    Returns the tensor the module holds afterwards."""
+def _copy_back(module: nn.Module, name: str, current: Tensor, saved: Tensor) -> None:
+    """Restore buffer ``name`` of ``module`` (now ``current``) to ``saved``: in place where the layout allows,
+    else (a compressed buffer with another number of stored elements) by putting a copy of ``saved`` in its
+    place."""
     with torch.no_grad():
         try:
             if current.layout in COMPRESSED and current.values().shape != saved.values().shape:
                 raise RuntimeError("compressed layouts copy only the same number of stored elements")
             current.copy_(saved)
-            return current
+            return
         except RuntimeError:
             pass
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
-    restored = saved.detach().clone().to(current.device)
-    owner._buffers[attr] = restored
-    return restored
+    owner._buffers[attr] = saved.detach().clone().to(current.device)
 
 
 def load_module_state(module: nn.Module, state: dict[str, Any]) -> None:
-    """``module.load_state_dict(state)`` (strict), where a buffer that is not strided is put back by
-    :func:`copy_back`: a compressed sparse buffer whose number of stored elements changed since ``state`` was
-    taken cannot be copied in place."""
+    """``module.load_state_dict(state)`` (strict), where a buffer that is not strided is put back on its own:
+    a compressed sparse buffer whose number of stored elements changed since ``state`` was taken (a graph
+    rebuilt by the forward) cannot be copied in place."""
     special = {name: buf for name, buf in module.named_buffers() if buf is not None and not is_strided(buf)
                and name in state}
     if not special:
         module.load_state_dict(state)
         return
     for name, buf in special.items():
-        copy_back(module, name, buf, state[name])
+        _copy_back(module, name, buf, state[name])
     result = module.load_state_dict({k: v for k, v in state.items() if k not in special}, strict=False)
     missing = [k for k in result.missing_keys if k not in special]
     if missing or result.unexpected_keys:

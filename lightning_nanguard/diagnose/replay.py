@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..detect.flags import any_nonfinite_flag
-from ..layouts import copy_back, deepcopy_memo, is_strided
+from ..layouts import deepcopy_memo
 from ..tree import map_tensors
 from .recorders import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
                         is_compiled, public_name)
@@ -101,10 +101,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
                 owner = module.get_submodule(owner_name) if owner_name else module
                 if owner._buffers.get(attr) is not buf:
                     owner._buffers[attr] = buf  # the forward replaced the buffer object: put the original back
-                if is_strided(buf):
-                    buf.copy_(saved)
-                else:  # a sparse buffer (its layout may not copy in place)
-                    copy_back(module, name, buf, saved)
+                buf.copy_(saved)
         for m, mode in modes.items():
             m.training = mode
         set_rng_state(rng)

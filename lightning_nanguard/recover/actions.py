@@ -11,8 +11,6 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..layouts import copy_back, is_strided
-
 __all__ = ["skip_step", "scale_lr", "current_lrs", "BufferUndo"]
 
 # param-group keys that hold absolute learning rates (OneCycleLR, CyclicLR and the chainable schedulers)
@@ -82,11 +80,10 @@ class BufferUndo:
     memory; ``undo()`` copies them back. Which buffers are written: those of normalisation layers that
     track running statistics (their kernels update in place without bumping the version counter), plus
     any buffer whose version counter was seen to move during a forward. Constant buffers (masks,
-    positional tables) are never copied. A sparse buffer that a forward writes is copied in its own layout.
+    positional tables) are never copied.
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
         self.named = [(n, b) for n, b in module.named_buffers() if b is not None]
         self._mutable: set[str] = set()
         for prefix, sub in module.named_modules():
@@ -101,9 +98,6 @@ class BufferUndo:
         for n, b in self.named:
             self._versions[n] = b._version
             if n in self._mutable:
-                if not is_strided(b):  # a sparse buffer written by the forward: a copy in its own layout
-                    self._backup[n] = b.detach().clone()
-                    continue
                 if n not in self._backup or self._backup[n].shape != b.shape:
                     self._backup[n] = torch.empty_like(b)
                 src.append(b.detach())
@@ -120,12 +114,9 @@ class BufferUndo:
         """Restore the buffers backed up by ``arm()``; returns their names."""
         restored = []
         with torch.no_grad():
-            for i, (n, b) in enumerate(self.named):
+            for n, b in self.named:
                 if n in self._backup:
-                    if is_strided(b):
-                        b.copy_(self._backup[n])
-                    else:
-                        self.named[i] = (n, copy_back(self.module, n, b, self._backup[n]))
+                    b.copy_(self._backup[n])
                     restored.append(n)
         self._learn()  # a buffer written for the first time is backed up from the next arm() on
         for n, b in self.named:
