@@ -2,11 +2,10 @@
 
 A graph network keeps its adjacency as a sparse buffer, a batch may carry one, and an embedding with
 ``sparse=True`` has sparse gradients. Every check of the guard reads the *stored values* of such a tensor
-(a sparse tensor's implicit zeros are finite; COO is coalesced first, so duplicates are judged by their
-sum), every copy keeps its layout (snapshots, the float64 twin, a rollback), and a finder names the sparse
-indices of a bad entry. A layout the guard
-cannot read (e.g. mkldnn) is skipped, with one warning per layout and name: a safety callback never
-crashes a healthy run over a tensor it does not understand.
+(a sparse tensor's implicit zeros are finite), every copy keeps its layout (snapshots, the float64 twin, a
+rollback), and a finder names the sparse indices of a bad entry. A layout the guard cannot read (e.g.
+mkldnn) is skipped, with one warning per layout and name: a safety callback never crashes a healthy run
+over a tensor it does not understand.
 """
 
 from __future__ import annotations
@@ -59,11 +58,14 @@ def raw_values(t: Tensor) -> Optional[Tensor]:
     return None
 
 
-def stored_values(t: Tensor, name: Optional[str] = None) -> Optional[Tensor]:
-    """The values a check must read, as a strided tensor: ``t`` itself when strided, the coalesced values of
-    a COO tensor, the values of a compressed or nested one; None (after one warning) for a layout it cannot
-    read."""
-    if t.layout is torch.sparse_coo:
+def stored_values(t: Tensor, name: Optional[str] = None, coalesce: bool = True) -> Optional[Tensor]:
+    """The values a check must read, as a strided tensor: ``t`` itself when strided, the values of a COO tensor
+    (coalesced, unless ``coalesce`` is False), the values of a compressed or nested one; None (after one
+    warning) for a layout it cannot read.
+
+    A device flag needs no coalescing (no sort, no sync): a NaN/Inf stored anywhere makes the coalesced tensor
+    non-finite too. Finders and norms coalesce, so that indices are unique and duplicates are summed."""
+    if t.layout is torch.sparse_coo and coalesce:
         return t.detach().coalesce()._values()
     values = raw_values(t)
     if values is None:
@@ -77,7 +79,7 @@ def checkable(named: Iterable[tuple[str, Tensor]]) -> list[Tensor]:
     out = []
     for name, t in named:
         if t.is_floating_point() or t.is_complex():
-            values = stored_values(t, name)
+            values = stored_values(t, name, coalesce=False)
             if values is not None:
                 out.append(values.detach())
     return out

@@ -28,7 +28,7 @@ def outputs_nonfinite_flag(outputs: list[Tensor]) -> Optional[Tensor]:
     slow, one sum per tensor accumulated in float64: a sum is non-finite iff a value is, and cannot overflow
     for float32/float16/bfloat16 values.
     """
-    outputs = [t if is_strided(t) else stored_values(t) for t in outputs]
+    outputs = [t if is_strided(t) else stored_values(t, coalesce=False) for t in outputs]
     outputs = [t for t in outputs if t is not None]  # sparse or nested outputs: their stored values
     if not outputs:
         return None

@@ -39,7 +39,7 @@ def any_nonfinite_flag(tensors: Sequence[Tensor]) -> Optional[Tensor]:
       element): small tensors are concatenated into bounded chunks and reduced as ``sum(chunk * 0)``, which is
       0 when every value is finite and NaN otherwise; large tensors use ``aminmax`` (one pass, no copy).
     """
-    floats = [t.detach() if is_strided(t) else stored_values(t) for t in tensors
+    floats = [t.detach() if is_strided(t) else stored_values(t, coalesce=False) for t in tensors
               if t.is_floating_point() or t.is_complex()]
     return dense_nonfinite_flag([t for t in floats if t is not None])  # sparse, nested: their stored values
 
