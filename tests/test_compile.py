@@ -5,6 +5,7 @@ the LightningModule, and the whole LightningModule passed to ``fit`` compiled.""
 
 from __future__ import annotations
 
+import shutil
 from typing import Any, Optional
 
 import pytest
@@ -89,6 +90,8 @@ def test_healthy_compiled_run_is_transparent(tmp_path: Any, how: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="inductor needs a C++ compiler on CPU")
 def test_inductor_compiled_model_healthy_and_incident(tmp_path: Any) -> None:
     """The default backend (inductor, C++ code generation on CPU): transparent when healthy; an incident
     diagnosed like eager, with no recompilation. Slow: compiling takes seconds (tens on a cold cache)."""
