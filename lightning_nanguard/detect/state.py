@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .find import find_nonfinite_tensors
 from ..layouts import checkable, is_strided
+from .find import find_nonfinite_tensors
 from .flags import CPU_CHUNK, dense_nonfinite_flag
 
 __all__ = ["StateCheck"]
@@ -69,7 +69,7 @@ class StateCheck:
     def _collect(self, module: nn.Module) -> None:
         named = [(n, t) for n, t in self.named(module) if t.is_floating_point() or t.is_complex()]
         sources = [t for _, t in named if is_strided(t)]
-        # sparse and nested tensors: their stored values, taken at every check (coalescing may reallocate them)
+        # sparse and nested tensors: their stored values, taken at every check (a copy of another sparsity moves them)
         self._layouts = [(n, t) for n, t in named if not is_strided(t)]
         tensors = [t.detach() for t in sources]
         self._module, self._tensors = module, sources  # the parameters themselves: ``.data =`` moves their pointer
