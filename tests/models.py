@@ -6,6 +6,7 @@ What a test builds under its ``tmp_path`` (Trainers, fits) comes from the fixtur
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -190,3 +191,95 @@ class SnapshotSpy(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._capture(trainer, pl_module)
+
+
+def graph(nodes: int = 12, features: int = 6, layout: torch.layout = torch.sparse_coo,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random undirected graph: its symmetric-normalised adjacency with self-loops as a sparse tensor in
+    ``layout`` (COO coalesced, or CSR/CSC), the dense 0/1 adjacency (a reconstruction target) and node
+    features."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float().triu(1)
+    a = a + a.t()
+    target = a.clone()
+    a = a + torch.eye(nodes)
+    d = a.sum(1).rsqrt()
+    norm = (d[:, None] * a * d[None, :]).to_sparse_coo().coalesce()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        adj = norm if layout is torch.sparse_coo else norm.to_sparse(layout=layout)
+    return adj, target, torch.randn(nodes, features, generator=g)
+
+
+def graph_loader(x: torch.Tensor, batches: int = 8, adj: Optional[torch.Tensor] = None, seed: int = 1) -> DataLoader:
+    """``batches`` full-graph batches: noisy copies of the node features ``x`` (with ``adj`` in front when the
+    adjacency travels in the batch: ``(adj, x)``)."""
+    g = torch.Generator().manual_seed(seed)
+    items = [x + 0.1 * torch.randn(x.shape, generator=g) for _ in range(batches)]
+    data = [(adj.clone(), item) for item in items] if adj is not None else items
+    return DataLoader(data, batch_size=None)
+
+
+class SparseGraphAutoencoder(pl.LightningModule):
+    """Two GCN layers over a sparse normalised adjacency and an inner-product decoder (seed 000's graph
+    autoencoder). The adjacency is a sparse buffer, or travels in the batch as ``(adj, x)``."""
+
+    def __init__(self, adj: torch.Tensor, target: torch.Tensor, features: int, hidden: int = 8,
+                 lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.register_buffer("adj", adj)
+        self.register_buffer("target", target)
+        self.encoder = nn.Linear(features, hidden)
+        self.gcn = nn.Linear(hidden, hidden)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        adj, x = batch if isinstance(batch, (tuple, list)) else (self.adj, batch)
+        h = torch.relu(adj @ self.encoder(x))
+        z = adj @ self.gcn(h)
+        return nn.functional.binary_cross_entropy_with_logits(z @ z.t(), self.target)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+class SquareNet(pl.LightningModule):
+    """Linear -> x*x -> Linear on ``(x, y)`` batches (a tuple, a dict, or anything with ``.x``/``.y``): a
+    finite but huge input feature overflows float32 in ``net.1``. ``compile_net``: a torch.compile backend
+    for the inner network (compiled as a submodule)."""
+
+    def __init__(self, compile_net: Optional[str] = None) -> None:
+        super().__init__()
+        net = nn.Sequential(nn.Linear(4, 8), Square(), nn.Linear(8, 1))
+        self.net = torch.compile(net, backend=compile_net) if compile_net else net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, dict):
+            x, y = batch["x"], batch["y"]
+        elif hasattr(batch, "x"):
+            x, y = batch.x, batch.y
+        else:
+            x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def overflow_data(bad_batch: Optional[int] = 2, batches: int = 8, batch_size: int = 8) -> TensorDataset:
+    """Regression data for :class:`SquareNet`; with ``bad_batch``, one feature of one sample of that batch is
+    1e25: finite, but its square overflows float32 (finite again in float64)."""
+    g = torch.Generator().manual_seed(0)
+    n = batches * batch_size
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    if bad_batch is not None:
+        x[batch_size * bad_batch + 4, 2] = 1e25
+    return TensorDataset(x, y)

@@ -17,10 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from ..config import CheckConfig
+from ..layouts import checkable
 from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
-from .flags import StepFlags, any_nonfinite_flag, nonfinite_flag
+from .flags import StepFlags, dense_nonfinite_flag, nonfinite_flag
 from .state import StateCheck
 from .sync import StepSync
 
@@ -67,7 +68,7 @@ class StepEvidence:
             self.activations.step_start(step)
         self.window.append((batch, batch_idx))
         if self.check.inputs == "always":
-            flag = any_nonfinite_flag([t for _, t in iter_tensors(batch)])
+            flag = dense_nonfinite_flag(checkable(iter_tensors(batch)))  # sparse tensors: their stored values
             if flag is not None:
                 self._input_bad = flag if self._input_bad is None else self._input_bad | flag
         return first

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from ..config import ClipConfig, RecoveryConfig
 from ..detect.amp import grad_scaler
+from ..layouts import load_module_state
 from ..report.events import NaNEvent
 from .actions import BufferUndo, current_lrs, scale_lr, skip_step
 from .ladder import Plan, RecoveryLadder
@@ -136,7 +137,7 @@ class Recovery:
         assert self.store is not None and self.store.newest is not None
         snap = self.store.newest
         state = self.store.load(snap)
-        pl_module.load_state_dict(state["module"])
+        load_module_state(pl_module, state["module"])
         for opt, opt_state in zip(trainer.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)
         for sched_cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
