@@ -10,14 +10,14 @@ from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
-from .detect.amp import OverflowWatch, ensure_unscaled, grad_scaler
+from .detect.amp import OverflowWatch, clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from .detect.evidence import StepEvidence
-from .detect.flags import Outcome, StepFlags, classify
+from .detect.flags import NORM, Outcome, StepFlags, classify, skip_flag
 from .detect.spikes import LossWatch
-from .detect.sync import StepSync
+from .detect.sync import StepSync, choose_sync
 from .diagnose.diagnoser import Diagnoser
 from .errors import NaNGuardError
-from .incidents import Responder
+from .incidents import LateStep, Responder
 from .recover.checkpoint import nonfinite_entries, optimizer_state_nonfinite, rebuild
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
@@ -136,6 +136,9 @@ class NaNGuard(pl.Callback):
                                     self._recovery, self._diagnoser, self._recorder)
         self._sync = StepSync()
         self._outcome: Optional[Outcome] = None  # set by the optimizer step, consumed at the batch's end
+        self.lagged = False  # check.sync as chosen at fit start: flags read one step late
+        self._late: Optional[LateStep] = None  # the lagged step whose flags are not read yet
+        self._staged: Optional[LateStep] = None  # the lagged step now running (until its batch ends)
 
     # ------------------------------------------------------------------------------------------- views
 
@@ -192,6 +195,11 @@ class NaNGuard(pl.Callback):
         assert self._recorder.out_dir is not None
         self._recovery.start(trainer, pl_module, self._recorder.out_dir)
         self._sync = self._responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type)
+        check = self.config.check
+        self.lagged, why = choose_sync(check.sync, trainer, pl_module, check.spike_action)
+        if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
+            why += " (recovery.snapshot is off: nothing to roll back to)"
+        say(trainer, f"[nanguard] sync: {'lagged' if self.lagged else 'eager'} ({why})")
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._resumed = False  # callback state is restored before this hook on every strategy
@@ -209,6 +217,7 @@ class NaNGuard(pl.Callback):
         self._snapshot(trainer, pl_module)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._flush(trainer, pl_module)  # the last lagged step's flags
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
@@ -218,7 +227,10 @@ class NaNGuard(pl.Callback):
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # the last training step's weights are read only with the next step's flags: read them now, so that
         # validation (and checkpoints picked by its metrics) never runs on weights poisoned by that step
-        if trainer.sanity_checking or self._recovery.stopped:
+        if trainer.sanity_checking:
+            return
+        self._flush(trainer, pl_module)
+        if self._recovery.stopped:
             return
         bad = self._evidence.state_bad(consume=True)
         if bad is not None and trainer.world_size > 1:
@@ -227,6 +239,9 @@ class NaNGuard(pl.Callback):
             self._responder.parameter_incident(trainer, pl_module, where="validation_start")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self._staged is not None:
+            clear_device_skip(self._staged.optimizer, self._staged.skip)
+        self._late = self._staged = None
         self._stop_hooks()
         self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
         self._recorder.flush()
@@ -252,7 +267,10 @@ class NaNGuard(pl.Callback):
         scaler = grad_scaler(trainer)
         if scaler is not None:
             ensure_unscaled(scaler, optimizer)
-        if self._recovery.stopped or self._recovery.skip_batches_left > 0:
+        # lagged: the previous step's flags, read now that this step's work is queued; a rollback they call for
+        # skips this step too, unless its gradients were taken on the very weights restored
+        skip_now = self._late is not None and self._judge_late(trainer, pl_module)
+        if self._recovery.stopped or self._recovery.skip_batches_left > 0 or skip_now:
             self._recovery.skip(params)
             self._outcome = Outcome.SKIPPED
             return
@@ -263,37 +281,108 @@ class NaNGuard(pl.Callback):
         clipping = cfg.clip.max_norm is not None or ladder.adaptive_clip or cfg.check.spike_action == "clip"
         norm = self._sync.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
         device = params[0].device if params else torch.device("cpu")
+        if self.lagged:
+            self._stage(trainer, optimizer, params, norm, device, scaler)
+            return
         flags = self._evidence.read(norm, device, scaler, self._sync)  # the one host-device sync of the step
         # several processes: the flags were reduced over ranks, so everything below is identical on every rank
         norm = self._sync.global_norm(norm, flags.grad_norm)
+        self._outcome = self._judge(trainer, pl_module, optimizer, params, flags, norm, scaler is not None)
+
+    def _judge(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any, params: list[Tensor],
+               flags: StepFlags, norm: Optional[Tensor], scaled: bool, late: Optional[LateStep] = None) -> Outcome:
+        """The step's outcome from its flags, and what follows on the host (``late``: read one step later)."""
+        cfg = self.config
         self._clipper.last_norm = flags.grad_norm
-        loss = flags.loss if self._evidence.loss_checked else None
+        checked = self._evidence.loss_checked if late is None else late.loss_checked
+        loss = flags.loss if checked else None
         spike_z = None if flags.local_bad else self._losses.observe(loss)
         grads_bad = cfg.check.gradients and flags.grads_bad
-        scaled = scaler is not None
-        self._outcome = classify(flags, grads_bad, scaled, self._overflow.observe(flags, grads_bad, scaled))
-        if self._outcome is Outcome.INCIDENT:
-            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled)
-        elif self._outcome is Outcome.HEALTHY:
-            self._healthy(trainer, pl_module, params, norm, flags, spike_z)
+        outcome = classify(flags, grads_bad, scaled, self._overflow.observe(flags, grads_bad, scaled))
+        if outcome is Outcome.INCIDENT:
+            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled, late)
+        elif outcome is Outcome.HEALTHY:
+            outcome = self._healthy(trainer, pl_module, params, norm, flags, spike_z, late)
+        return outcome
 
     def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
-                 norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float]) -> None:
+                 norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float],
+                 late: Optional[LateStep] = None) -> Outcome:
         clip_to = None
         if spike_z is not None:
-            spike = self._responder.spike(trainer, pl_module, params, flags, spike_z)
+            spike = self._responder.spike(trainer, pl_module, params, flags, spike_z, late)
             if spike.skip:
-                self._outcome = Outcome.SKIPPED
-                return
+                return Outcome.SKIPPED
             clip_to = spike.clip_to
         self._evidence.grads_were_finite = True
         ladder = self._recovery.ladder
         ladder.healthy()
-        self._clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
-        if norm is not None and self._clipper.clipping_persists(ladder.adaptive_clip):
-            self._responder.clipping_persists(trainer, params, flags)
-            self._outcome = Outcome.INCIDENT
-        self._losses.healthy(flags.loss if self._evidence.loss_checked else None)
+        outcome = Outcome.HEALTHY
+        if late is None:
+            self._clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
+        elif late.has_norm:
+            self._clipper.observe(flags.grad_norm, late.limit)  # clipped on the device already
+        if (norm is not None or late is not None and late.has_norm) and self._clipper.clipping_persists(
+                ladder.adaptive_clip):
+            self._responder.clipping_persists(trainer, params, flags, late)
+            outcome = Outcome.INCIDENT
+        self._losses.healthy(flags.loss if (self._evidence.loss_checked if late is None else late.loss_checked)
+                             else None)
+        return outcome
+
+    # ------------------------------------------------------------------------------ lagged reads
+
+    def _stage(self, trainer: "pl.Trainer", optimizer: Any, params: list[Tensor], norm: Optional[Tensor],
+               device: torch.device, scaler: Optional[Any]) -> None:
+        """``check.sync: lagged``: skip on the device if the flags say so, clip on the device, and start the
+        copy of the flags to the host; the step is judged when they are read (:meth:`_judge_late`)."""
+        vec = self._evidence.vector(norm, device, scaler, self._sync)  # reduced over ranks: the same everywhere
+        if norm is not None and self._sync.sharded:
+            norm = vec[NORM].to(norm.dtype)  # the completed norm
+        # under a GradScaler, non-finite gradients are its own (routine) overflows: its found_inf skips them
+        skip = skip_flag(vec, self.config.check.gradients and scaler is None)
+        device_skip = skip_on_device(optimizer, skip, scaler)
+        limit = self._clipper.clip_on_device(params, norm, self._recovery.ladder.adaptive_clip)
+        self._evidence.stage(vec)
+        self._staged = LateStep(
+            step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self._evidence.batch_idx,
+            window=list(self._evidence.window), rng=list(self._diagnoser._rng),
+            lrs=[g["lr"] for g in optimizer.param_groups], skip=skip, device_skip=device_skip, limit=limit,
+            has_norm=norm is not None, loss_checked=self._evidence.loss_checked, scaled=scaler is not None,
+            optimizer=optimizer, local=self._sync.last_local)
+        self._outcome = Outcome.PENDING
+
+    def _judge_late(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", current: bool = True) -> bool:
+        """Read and judge the lagged step. ``current``: a step is under way whose gradients were taken on the
+        weights that step left; returns True when that step must be skipped (its weights were rolled back)."""
+        late, self._late = self._late, None
+        assert late is not None
+        flags = self._evidence.take()
+        pristine = self._recovery.pristine
+        outcome = self._judge(trainer, pl_module, late.optimizer, [], flags, None, late.scaled, late)
+        # what the device did with it: skipped where its skip flag was set and the optimizer honours it (under a
+        # GradScaler, also on an overflow)
+        flagged = flags.local_bad or self.config.check.gradients and flags.grads_bad
+        applied = not (late.device_skip and flagged or late.scaled and flags.grads_bad)
+        if outcome is Outcome.HEALTHY:
+            self._recovery.healthy_step()
+        if outcome in (Outcome.HEALTHY, Outcome.ROUTINE_OVERFLOW):
+            self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
+        if not self._responder.pending:
+            return False
+        # the current step's gradients hold for the restored weights only if nothing was applied since them
+        keep = current and pristine and not applied
+        rollbacks = self._recovery.rollbacks
+        self._responder.finish(trainer, pl_module, keep_step=keep)
+        rolled_back = self._recovery.rollbacks > rollbacks
+        return current and (self._recovery.stopped or rolled_back and not self._recovery.kept_step)
+
+    def _flush(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+        """Judge the lagged step now (train end, validation, a checkpoint, a due snapshot); True if there was one."""
+        if self._late is None:
+            return False
+        self._judge_late(trainer, pl_module, current=False)
+        return True
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -302,7 +391,9 @@ class NaNGuard(pl.Callback):
             return  # a non-final micro-batch of gradient accumulation
         self._evidence.step_end()
         self._diagnoser.step_end()
-        if self._responder.pending:
+        if outcome is Outcome.PENDING:
+            self._after_staged(trainer, pl_module)
+        elif self._responder.pending:
             self._responder.finish(trainer, pl_module)
             if not self._recovery.stopped:  # weights can go bad during a skipped step too
                 self._evidence.after_step(pl_module)
@@ -319,10 +410,29 @@ class NaNGuard(pl.Callback):
     def _after_healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._recovery.healthy_step()
         self._evidence.after_step(pl_module)  # read with the next step's flags
+        self._maybe_snapshot(trainer, pl_module)
+        self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
+
+    def _after_staged(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """End of a lagged step: undo its buffer writes where it was skipped (on the device), flag the weights
+        it left, and leave its flags to the next step; read them now only if a snapshot may be due."""
+        staged, self._staged = self._staged, None
+        assert staged is not None
+        clear_device_skip(staged.optimizer, staged.skip)
+        self._recovery.undo_buffers_where(staged.skip)
+        self._evidence.after_step(pl_module)  # read with the next step's flags
+        self._late = staged
+        # a snapshot copies the weights to the host and waits anyway: judge the step first, never keep unread state
+        if self._recovery.snapshot_due(ahead=1) and not self._recovery.stopped:
+            healthy = self._recovery.healthy_since_snapshot
+            self._flush(trainer, pl_module)
+            if self._recovery.healthy_since_snapshot > healthy:  # judged healthy
+                self._maybe_snapshot(trainer, pl_module)
+
+    def _maybe_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # never snapshot a run whose gradient norm is running away: finite is not known-good
         if self._recovery.snapshot_due() and not self._clipper.diverging():
             self._snapshot(trainer, pl_module)
-        self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
 
     def _snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._recovery.store is None:
@@ -341,6 +451,8 @@ class NaNGuard(pl.Callback):
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
+        if self._flush(trainer, pl_module):  # the lagged step's verdict belongs in the checkpoint (and may roll back)
+            rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         if not self.config.check.parameters:
             return
         exempt = self._evidence.state.exempt

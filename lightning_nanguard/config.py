@@ -106,11 +106,19 @@ class CheckConfig(_Section):
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",
                                 lo=0.0, lo_open=True)
+    sync: Literal["auto", "eager", "lagged"] = _opt(
+        "auto", "when the step's flags reach the host: eager (one sync per step, exact host-side skip), lagged "
+                "(read one step late, bad steps skipped on the device: no sync), auto (lagged off the CPU when "
+                "every optimizer can skip on the device, e.g. fused=True, else eager)")
 
     def _validate(self) -> None:
         if isinstance(self.activations, int) and self.activations < 1:
             raise ConfigError(f"check.activations: got {self.activations!r}; allowed: 'off', 'on_incident', "
                               "'always' or an int N >= 1 (check every N steps)")
+        if self.sync == "lagged" and self.spike_action in ("skip_step", "clip"):
+            raise ConfigError(f"check.sync: got 'lagged' with check.spike_action {self.spike_action!r}, which acts "
+                              "on the spiking step itself, before a lagged read sees its loss; allowed: 'eager' or "
+                              "'auto' (auto then runs eager), or check.spike_action 'off', 'warn' or 'reduce_lr'")
 
 
 @dataclass

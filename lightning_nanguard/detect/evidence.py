@@ -25,7 +25,7 @@ from .flags import StepFlags, dense_nonfinite_flag, nonfinite_flag
 from .state import StateCheck
 from .sync import StepSync
 
-__all__ = ["StepEvidence"]
+__all__ = ["StepEvidence", "HostCopy"]
 
 
 class StepEvidence:
@@ -51,6 +51,7 @@ class StepEvidence:
         self._state_bad: Optional[Tensor] = None  # parameters/buffers after the previous optimizer step
         self._read = False  # manual optimization: the losses since the last read belong to the next step
         self._nan: dict[torch.device, Tensor] = {}
+        self.host = HostCopy()
 
     @property
     def batch_idx(self) -> int:
@@ -106,8 +107,9 @@ class StepEvidence:
         """Drop the pending parameter/buffer flag (a rollback replaced the weights it was computed on)."""
         self._state_bad = None
 
-    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> StepFlags:
-        """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
+    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> Tensor:
+        """The step's :class:`StepFlags` vector on the device, stacked with ``norm`` and agreed across ranks
+        (one all-reduce under DDP); nothing is read."""
         zero = torch.zeros((), device=device)
         nan = self._nan.get(device)
         if nan is None:
@@ -122,9 +124,53 @@ class StepEvidence:
                  "grad_scale": scale_flag(scaler, device) if scaler is not None else nan}
         self._state_bad = None
         self._read = True
-        vec = torch.stack([parts[name] for name in StepFlags._fields])
-        return StepFlags.from_values(sync.reduce(vec).tolist())
+        return sync.reduce(torch.stack([parts[name] for name in StepFlags._fields]))
+
+    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> StepFlags:
+        """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
+        return StepFlags.from_values(self.vector(norm, device, scaler, sync).tolist())
+
+    def stage(self, vec: Tensor) -> None:
+        """Start copying ``vec`` to the host without waiting (``check.sync: lagged``); :meth:`take` reads it."""
+        self.host.put(vec)
+
+    def take(self) -> StepFlags:
+        """The staged vector's values (by now copied: its step's work finished while the next one was queued)."""
+        return StepFlags.from_values(self.host.take())
 
     def step_end(self) -> None:
         self.activations.step_end()
         self.window.clear()
+
+
+class HostCopy:
+    """A flag vector on its way to the host: copied without a wait, read one optimizer step later.
+
+    CUDA: a non-blocking copy into pinned host memory and an event recorded behind it; by the time the next
+    step reads it, the event has long completed, so the read waits for nothing (it only synchronises on the
+    event if it has not). CPU: every op has finished when it returns; the vector is kept as it is. Other
+    devices: the vector stays on the device and the read copies it (a wait, one step late).
+    """
+
+    def __init__(self) -> None:
+        self.buffer: Optional[Tensor] = None
+        self._event: Optional[Any] = None
+
+    def put(self, vec: Tensor) -> None:
+        vec = vec.detach()
+        if vec.is_cuda:
+            if self.buffer is None or self.buffer.shape != vec.shape or self.buffer.dtype != vec.dtype:
+                self.buffer = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            self.buffer.copy_(vec, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self.buffer, self._event = vec, None
+
+    def take(self) -> list[float]:
+        assert self.buffer is not None, "nothing was staged"
+        if self._event is not None:
+            if not self._event.query():
+                self._event.synchronize()
+            self._event = None
+        return self.buffer.tolist()

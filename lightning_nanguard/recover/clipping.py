@@ -161,6 +161,30 @@ class Clipper:
             self.zclip.update(norm_value)
             self.history.append(norm_value)
 
+    def clip_on_device(self, params: list[Tensor], norm: Optional[Tensor], adaptive: bool) -> Optional[float]:
+        """Clip without reading this step's norm (``check.sync: lagged``); returns the limit applied.
+
+        The limit comes from the statistics of the steps already read (a host float, as on the eager path);
+        the comparison with this step's norm is made on the device: where ``norm > limit`` the gradients are
+        scaled exactly as :meth:`clip` scales them, elsewhere by exactly 1 (bitwise unchanged). The step's
+        norm is learned by :meth:`observe` once it is read.
+        """
+        limit = self.threshold(adaptive)
+        if norm is not None and limit is not None:
+            # compared in float64 like the host's float; a zero norm makes the coefficient clamp to exactly 1.0
+            above = (norm if norm.device.type == "mps" else norm.double()) > limit
+            torch.nn.utils.clip_grads_with_norm_(params, limit, torch.where(above, norm, torch.zeros_like(norm)))
+        if self.cfg.agc_clip_factor is not None:
+            adaptive_grad_clip_(params, self.cfg.agc_clip_factor)
+        return limit
+
+    def observe(self, norm_value: float, limit: Optional[float]) -> None:
+        """Learn a lagged step's norm, once read; ``limit``: what :meth:`clip_on_device` applied to it."""
+        if limit is not None and norm_value > limit:
+            self.clipped_steps += 1
+        self.zclip.update(norm_value)
+        self.history.append(norm_value)
+
     def clipping_persists(self, adaptive: bool) -> bool:
         """The adaptive clip had to act on ``CLIPS_BEFORE_LR_CUT`` steps in a row: the norm grows faster than
         its statistics can follow, a divergence that clipping slows but does not stop."""
