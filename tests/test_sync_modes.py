@@ -431,3 +431,42 @@ def test_lagged_give_up_raises_from_the_next_step(fit):
     g = guard("lagged", recovery={"max_skips": 1, "max_rollbacks": 0, "on_give_up": "raise"})
     with pytest.raises(NaNGuardError, match="gave up at step 6"):
         fit(Net(bad=tuple(range(5, 30))), models.regression_data(n=512), [g], batch_size=16, steps=20)
+
+
+# -------------------------------------------------------------------------------------------------- DDP
+
+
+@pytest.mark.slow  # one spawned 2-process run, ~10 s
+@pytest.mark.ddp
+def test_lagged_ddp_agrees_on_every_rank_with_one_all_reduce_per_step(tmp_path):
+    """tests/ddp_scripts/ddp_guard.py with check.sync lagged and a fused AdamW: rank 1 alone sees the bad batches;
+    both ranks skip on the device and take the same late decisions, for the same one all-reduce per step."""
+    import subprocess
+
+    from .test_distributed import BAD_STEPS, SCRIPT
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "lagged"], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert r0["lagged"] and r1["lagged"]
+    summary = [[(e["step"], e["kind"], e["actions"]) for e in r["events"]] for r in (r0, r1)]
+    assert summary[0] == summary[1] and [s for s, _, _ in summary[0]] == BAD_STEPS
+    assert all(e["rank"] == 1 and e["details"]["ranks"] == [1] for r in (r0, r1) for e in r["events"])
+    assert r0["counters"]["rollbacks"] == 1 == r1["counters"]["rollbacks"]
+    for key, value in r0["state"].items():
+        assert torch.equal(value, r1["state"][key]) and torch.isfinite(value).all(), key
+    for r in (r0, r1):
+        calls, start, per_step = r["calls"], 0, []
+        for rec in r["steps"]:
+            per_step.append((rec["batch_idx"], [(n, k) for n, g, k in calls[start:rec["calls"]] if g]))
+            start = rec["calls"]
+        gathers = sum(c.count(("all_gather_object", -1)) for _, c in per_step)
+        assert gathers == len(BAD_STEPS) - (BAD_STEPS[-1] == per_step[-1][0])  # a last bad step: gathered at the end
+        for batch_idx, step_calls in per_step[1:]:
+            reduces = [c for c in step_calls if c[0] == "all_reduce"]
+            assert reduces in ([], [("all_reduce", 5)]), (batch_idx, step_calls)  # [] : skipped by a late rollback
+            if batch_idx not in BAD_STEPS and batch_idx - 1 not in BAD_STEPS:
+                assert step_calls == [("all_reduce", 5)], (batch_idx, step_calls)
