@@ -43,26 +43,37 @@ class NaNGuard(pl.Callback):
 
     1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers are backed
        up, and with ``check.inputs: always`` its floating tensors become a device flag;
-    2. ``on_before_backward``: the loss of each micro-batch becomes a device flag and a device sum;
-    3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss flags and sum, the
-       flag over the parameters and buffers written by the previous step, and the activation flag are
-       stacked and read at once, the step's one host-device sync (after one small all-reduce under DDP);
-       the step's :class:`~.detect.flags.Outcome` follows:
+    2. ``on_before_backward``: the loss of each micro-batch joins the step's device sum (non-finite if any is);
+    3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss, its flag, the
+       parameter/buffer flag (where one was taken) and the activation flag are stacked into one vector (one
+       small all-reduce under DDP). With ``check.sync: eager`` (the default on the CPU) it is read at once,
+       the step's one host-device sync, and the step's :class:`~.detect.flags.Outcome` follows:
 
        - healthy: clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
          loss spike is recorded and acted on (``check.spike_action``);
        - routine overflow (16-mixed): the GradScaler skips the step by itself;
        - incident: the step is skipped without touching optimizer state (grads set to ``None``), its
-         buffer writes are undone, the bad micro-batch is replayed to name the module, op and cause, and
-         the recovery ladder plans what follows;
+         buffer writes are undone, the bad micro-batch is replayed to name the module, op, weight and cause,
+         and the recovery ladder plans what follows.
+
+       With ``check.sync: lagged`` (``auto`` off the CPU when every optimizer can skip on the device) nothing
+       is read: a device flag skips a bad step inside the optimizer (``found_inf`` of a fused optimizer, or
+       the GradScaler's), clipping compares the norm with its limit on the device, and the vector is copied
+       to the host without a wait. It is read at the next step's ``on_before_optimizer_step``, when that
+       step's work is queued, and the step is judged then, as above, with its own step number and batches;
+       a rollback it calls for also skips the step under way unless that step's gradients were taken on the
+       restored weights. Train end, validation, a checkpoint and a due snapshot read it at once;
     4. ``on_train_batch_end``: the plan is carried out (clip from now on, cut the LR in a way schedulers
        keep, roll back to a known-good snapshot, skip the next batches, give up: restore, then stop or
-       raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file);
-       after a healthy step the parameters and buffers become a device flag for the next read, and a
-       snapshot is taken every ``recovery.snapshot_every`` healthy steps.
+       raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file),
+       and a snapshot is taken every ``recovery.snapshot_every`` healthy steps.
+
+    The weights are checked (``check.parameters``) on every incident, before a snapshot, a checkpoint or
+    validation, and at the end of fit; a bad weight that the next forward reads already spoils its loss. While
+    ``check.loss`` or ``check.gradients`` is off, every step's update is checked as well.
 
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
-    the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more.
+    the guard.
 
     Example::
 

@@ -93,8 +93,9 @@ class CheckConfig(_Section):
     gradients: bool = _opt(True, "check one fused total gradient norm at every optimizer step")
     inputs: Literal["off", "on_incident", "always"] = _opt(
         "on_incident", "check every floating tensor of the batch: only after an incident, every step, or never")
-    parameters: bool = _opt(True, "check parameters and buffers after every optimizer step, before snapshots "
-                                  "and before checkpoints are written")
+    parameters: bool = _opt(True, "check parameters and buffers: on every incident, before snapshots, checkpoints "
+                                  "and validation, at the end of fit, and after every step while loss or "
+                                  "gradients is off")
     activations: Union[Literal["off", "on_incident", "always"], int] = _opt(
         "on_incident", "module outputs: off, during the incident replay, every step, or every N steps")
     spike_action: Literal["off", "warn", "skip_step", "clip", "reduce_lr"] = _opt(

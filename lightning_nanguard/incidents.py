@@ -151,17 +151,19 @@ class Responder:
             ctx.rng_states = list(late.rng)
         if scaled:
             ctx.scaler_overflows, ctx.grad_scale = self.overflow.overflows, self.overflow.scale
-        if event.kind == "parameter":
-            ctx.param_findings = self.evidence.state.find(pl_module)
-            if ctx.param_findings and all(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):
+        if late is None:
+            self.recovery.undo_buffers()
+        # a bad weight read by the forward spoils the loss before any pass over the weights sees it: look now
+        ctx.param_findings = self._weight_findings(pl_module, event.kind == "parameter", late)
+        if ctx.param_findings:
+            event.kind = "parameter"
+            if all(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):
                 event.kind = "buffer"
         elif cfg.check.inputs != "off":
             ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(window)
                                   for f in find_batch_nonfinite(b)]
             if ctx.input_findings:
                 event.kind = "input"
-        if late is None:
-            self.recovery.undo_buffers()
         with self.evidence.activations.paused():
             extra = self.diagnoser.diagnose(ctx, self.recorder.events)
         extra = share_incident(self.sync, event, extra, None if late is None else late.local)  # one account for all
@@ -181,6 +183,22 @@ class Responder:
         if plan.enable_adaptive_clip:
             event.add_action("clip")
         self.pending.append(Pending(event, plan, ctx, extra))
+
+    def _weight_findings(self, pl_module: "pl.LightningModule", flagged: bool, late: Optional[LateStep]) -> list[dict]:
+        """The non-finite parameters and buffers behind an incident (``check.parameters``; syncs: incident only).
+
+        ``flagged``: the step's flags already say so. A lagged step is judged while the next one runs: its own
+        weights are the current ones only if it was skipped on the device, and the buffers now hold the next
+        step's writes, so only its parameters are looked at (nothing when its update was applied)."""
+        if not self.config.check.parameters and not flagged:
+            return []
+        if late is not None and not flagged and not late.device_skip:
+            return []
+        findings = self.evidence.state.find(pl_module)
+        if late is not None and not flagged:
+            params = {n for n, _ in pl_module.named_parameters()}
+            findings = [f for f in findings if f["name"] in params]
+        return findings
 
     def spike(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
               flags: StepFlags, z: float, late: Optional[LateStep] = None) -> SpikeResponse:

@@ -58,19 +58,23 @@ def record(e: Any) -> dict:
 @pytest.fixture
 def pair(fit):
     """``pair(make_model, guard_kwargs, steps=24, data=None)``: the same seeded fit with an eager and a lagged guard;
-    returns ``{"eager": (model, guard), "lagged": (model, guard)}``."""
+    returns ``{"eager": (model, guard), "lagged": (model, guard)}``; ``pair.fit_one(sync, ...)``: one of them
+    (``extra``: callbacks before the guard)."""
 
-    def run(make_model, guard_kwargs: Optional[dict] = None, steps: int = 24, data: Any = None, **kwargs: Any):
-        out = {}
-        for sync in ("eager", "lagged"):
+    class Pair:
+        @staticmethod
+        def fit_one(sync: str, make_model, guard_kwargs: Optional[dict] = None, steps: int = 24, data: Any = None,
+                    extra: Optional[list] = None, **kwargs: Any):
             pl.seed_everything(0, verbose=False)
             model, g = make_model(), guard(sync, **copy.deepcopy(guard_kwargs or {}))
-            fit(model, data if data is not None else models.regression_data(n=512), [g], subdir=sync,
-                batch_size=16, steps=steps, **kwargs)
-            out[sync] = (model, g)
-        return out
+            fit(model, data if data is not None else models.regression_data(n=512), (extra or []) + [g],
+                subdir=sync, batch_size=16, steps=steps, **kwargs)
+            return model, g
 
-    return run
+        def __call__(self, make_model, guard_kwargs: Optional[dict] = None, **kwargs: Any):
+            return {sync: self.fit_one(sync, make_model, guard_kwargs, **kwargs) for sync in ("eager", "lagged")}
+
+    return Pair()
 
 
 def assert_same_run(runs: dict) -> None:
@@ -181,6 +185,23 @@ def test_lagged_rollback_after_applied_steps_also_skips_the_step_under_way(pair)
     assert not models.same_weights(a, b) and models.all_finite(b)
 
 
+def test_lagged_names_a_nan_weight_like_eager(pair):
+    """A NaN weight (written after step 7's update) spoils step 8's loss; the lagged judgement, while step 9 runs,
+    still finds it among the parameters the skipped step 8 ran on, and rolls back (skipping step 9 too)."""
+    from lightning_nanguard.testing import Fault, FaultInjector
+
+    runs = {}
+    for sync in ("eager", "lagged"):
+        runs[sync] = pair.fit_one(sync, lambda: Net(), {"recovery": {"snapshot_every": 5}},
+                                  extra=[FaultInjector([Fault("parameter", steps=[7])])])
+    (a, ga), (b, gb) = runs["eager"], runs["lagged"]
+    assert [record(e) for e in ga.events] == [record(e) for e in gb.events]
+    (e,) = gb.events
+    assert (e.step, e.kind, e.culprit) == (8, "parameter", e.details["nonfinite_parameters"][0]["name"])
+    assert "rollback" in e.actions and e.details["restored_step"] == 5
+    assert gb.counters["skipped_steps"] == ga.counters["skipped_steps"] + 1 and models.all_finite(b)
+
+
 def test_lagged_with_a_non_fused_optimizer_rolls_the_applied_step_back(pair):
     """AdamW without fused=True cannot skip on the device: the bad step is applied (NaN weights), then rolled back."""
     runs = pair(lambda: Net(bad=(12,), fused=False), {"recovery": {"snapshot_every": 5}})
@@ -224,16 +245,18 @@ def test_device_clipping_matches_host_clipping(pair):
 
 
 def test_batchnorm_statistics_of_a_skipped_step_are_undone_on_the_device(pair):
-    data = models.poison_rows(models.classification_data(n=512), [16 * 6 + 2], NAN)
+    """Bad inputs in batches 6 and 7: each step's NaN running statistics are undone on the device; step 6 is judged
+    while step 7's NaN statistics are in the buffers, and is still an input incident, not a buffer one."""
+    data = models.poison_rows(models.classification_data(n=512), [16 * 6 + 2, 16 * 7 + 5], NAN)
 
     class Fused(models.Classifier):
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
 
     runs = pair(lambda: Fused(), data=data, steps=12)
-    assert [e.kind for e in runs["lagged"][1].events] == ["input"]
+    assert [(e.step, e.kind) for e in runs["lagged"][1].events] == [(6, "input"), (7, "input")]
     bn = runs["lagged"][0].net[1]
-    assert torch.isfinite(bn.running_mean).all() and int(bn.num_batches_tracked) == 11  # 12 steps, one undone
+    assert torch.isfinite(bn.running_mean).all() and int(bn.num_batches_tracked) == 10  # 12 steps, two undone
     assert_same_run(runs)
 
 

@@ -21,7 +21,7 @@ from ..layouts import checkable
 from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
-from .flags import StepFlags, dense_nonfinite_flag, nonfinite_flag
+from .flags import StepFlags, dense_nonfinite_flag
 from .state import StateCheck
 from .sync import StepSync
 
@@ -45,12 +45,12 @@ class StepEvidence:
         self.activations = ActivationCheck(check.activations)
         self.state = StateCheck()
         self.grads_were_finite = True
-        self._loss_bad: Optional[Tensor] = None
         self._loss_sum: Optional[Tensor] = None
         self._input_bad: Optional[Tensor] = None
         self._state_bad: Optional[Tensor] = None  # parameters/buffers after the previous optimizer step
+        self._state_module: Optional[nn.Module] = None  # its weights changed since they were last checked
         self._read = False  # manual optimization: the losses since the last read belong to the next step
-        self._nan: dict[torch.device, Tensor] = {}
+        self._consts: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self.host = HostCopy()
 
     @property
@@ -65,7 +65,7 @@ class StepEvidence:
         """A micro-batch starts; returns True when it is the first of an optimizer step."""
         first = not self.window
         if first:
-            self._loss_bad = self._loss_sum = self._input_bad = None
+            self._loss_sum = self._input_bad = None
             self.activations.step_start(step)
         self.window.append((batch, batch_idx))
         if self.check.inputs == "always":
@@ -80,49 +80,68 @@ class StepEvidence:
         if not self.check.loss:
             return
         if self._read:
-            self._loss_bad = self._loss_sum = None
+            self._loss_sum = None
             self._read = False
         loss = loss.detach()
-        flag = nonfinite_flag(loss)
-        value = unscale_value(loss.float().sum(), scaler)
-        self._loss_bad = flag if self._loss_bad is None else self._loss_bad | flag
+        # a sum is non-finite when any term is (NaN and +-Inf propagate): the step's flag is taken from it
+        value = loss if loss.dtype is torch.float32 and loss.dim() == 0 else loss.float().sum()
+        value = unscale_value(value, scaler)
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
+    @property
+    def state_every_step(self) -> bool:
+        """Is every step's update checked by a pass over the parameters and buffers? Only while ``check.loss`` or
+        ``check.gradients`` is off: otherwise a bad weight that the next forward reads spoils that step's loss
+        (or gradients), and the incident path names it; one that no forward reads is found before the next
+        snapshot, checkpoint or validation, and at the end of fit (``check.parameters``)."""
+        return self.check.parameters and not (self.check.loss and self.check.gradients)
+
     def after_step(self, module: nn.Module) -> None:
-        """After an optimizer step: the flag over every parameter and buffer, read with the next step's."""
+        """After an optimizer step: the weights changed since they were last checked. With
+        :attr:`state_every_step`, their flag (read with the next step's)."""
         if self.check.parameters:
-            self._state_bad = self.state.flag(module)
+            self._state_module = module
+            if self.state_every_step:
+                self._state_bad = self.state.flag(module)
 
     def state_bad(self, consume: bool) -> Optional[bool]:
-        """Read the pending parameter/buffer flag now (one sync; snapshot and validation time only); None
-        when there is none. ``consume``: it is not read again with the next step's flags."""
+        """Read the flag of the weights changed since the last check now (one sync; snapshot and validation time
+        only); None when they did not change. ``consume``: not checked again until the next step changes them."""
+        if self._state_bad is None and self._state_module is not None:
+            self._state_bad = self.state.flag(self._state_module)
         if self._state_bad is None:
             return None
         bad = bool(self._state_bad)
         if consume:
-            self._state_bad = None
+            self._state_bad = self._state_module = None
         return bad
 
     def forget_state(self) -> None:
         """Drop the pending parameter/buffer flag (a rollback replaced the weights it was computed on)."""
-        self._state_bad = None
+        self._state_bad = self._state_module = None
 
     def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> Tensor:
         """The step's :class:`StepFlags` vector on the device, stacked with ``norm`` and agreed across ranks
         (one all-reduce under DDP); nothing is read."""
-        zero = torch.zeros((), device=device)
-        nan = self._nan.get(device)
-        if nan is None:
-            nan = self._nan[device] = torch.full((), math.nan, device=device)
+        consts = self._consts.get(device)
+        if consts is None:  # stacked, never written: shared by every step
+            consts = self._consts[device] = (torch.zeros((), device=device), torch.full((), math.nan, device=device))
+        zero, nan = consts
 
         def part(t: Optional[Tensor]) -> Tensor:
-            return zero if t is None else t.float().to(device)
+            if t is None:
+                return zero
+            if t.dtype is not torch.float32:
+                t = t.float()
+            return t if t.device == device else t.to(device)
 
-        parts = {"grad_norm": part(norm), "loss": part(self._loss_sum), "loss_bad": part(self._loss_bad),
+        loss_bad = None if self._loss_sum is None else ~torch.isfinite(self._loss_sum)
+        parts = {"grad_norm": part(norm), "loss": part(self._loss_sum), "loss_bad": part(loss_bad),
                  "input_bad": part(self._input_bad), "param_bad": part(self._state_bad),
                  "activation_bad": part(self.activations.take()),
                  "grad_scale": scale_flag(scaler, device) if scaler is not None else nan}
-        self._state_bad = None
+        if self._state_bad is not None:  # checked with this step's flags
+            self._state_bad = self._state_module = None
         self._read = True
         return sync.reduce(torch.stack([parts[name] for name in StepFlags._fields]))
 
