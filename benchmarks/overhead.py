@@ -91,6 +91,25 @@ def timed_hooks(guard: Any) -> dict[str, list[float]]:
     return spent
 
 
+CLIP = "Lightning's _clip_gradients"
+
+
+def timed_call(obj: Any, name: str) -> list[float]:
+    """Wrap ``obj.name`` (on the instance) to record the CPU time of every call, in ms."""
+    times: list[float] = []
+    method = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            times.append(1e3 * (time.process_time() - start))
+
+    setattr(obj, name, wrapper)
+    return times
+
+
 def load_baseline(path: Path) -> Any:
     """The ``NaNGuard`` class of the package folder ``path``, imported as ``nanguard_baseline``."""
     spec = importlib.util.spec_from_file_location("nanguard_baseline", path / "__init__.py",
@@ -163,6 +182,8 @@ def run_once(make_model: Callable[[], Any], data: Any, config: str, steps: int, 
     pl.seed_everything(0, verbose=False)
     model = make_model()
     trainer = make_trainer(root, callbacks=[timer] + extra, max_steps=steps, max_epochs=10_000, **kwargs)
+    if hooks is not None and config == "clip=1.0":  # Lightning's own clipping, timed like the guard's hooks
+        hooks.setdefault(CLIP, []).append(timed_call(trainer.precision_plugin, "_clip_gradients"))
     trainer.fit(model, data)
     return timer
 
@@ -181,13 +202,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.baseline is not None:
         before = load_baseline(args.baseline.resolve())
-        CONFIGS["NaNGuard() before"] = ({}, lambda: [before()])
+        at = list(CONFIGS).index("NaNGuard()") + 1
+        items = list(CONFIGS.items())
+        items.insert(at, ("NaNGuard() before", ({}, lambda: [before()])))
+        CONFIGS.clear()
+        CONFIGS.update(items)
     common.single_thread()
     repeats = args.repeats or (1 if args.quick else 4)
     steps = args.steps or (25 if args.quick else 50)
     configs = list(CONFIGS) if not args.only else ["plain"] + [c for c in args.only if c != "plain"]
     if args.baseline is not None and "NaNGuard() before" not in configs:
-        configs.insert(configs.index("NaNGuard()") if "NaNGuard()" in configs else len(configs), "NaNGuard() before")
+        configs.insert(configs.index("NaNGuard()") + 1 if "NaNGuard()" in configs else len(configs),
+                       "NaNGuard() before")
     root = Path(tempfile.mkdtemp(prefix="nanguard-overhead-"))
 
     start = time.perf_counter()
@@ -226,7 +252,7 @@ def main() -> None:
         for config, per_hook in per_config.items():
             if per_hook:
                 ms = {h: statistics.median(t for fit_times in per_hook.get(h, []) for t in fit_times[args.warmup:])
-                      for h in HOOKS if any(per_hook.get(h, []))}
+                      for h in HOOKS + (CLIP,) if any(per_hook.get(h, []))}
                 hook_rows.append({"workload": name, "config": config, "ms": ms, "total": sum(ms.values())})
 
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -245,10 +271,13 @@ def main() -> None:
 
 def render_hooks(hook_rows: list[dict]) -> str:
     """The guard's own CPU time per hook on a healthy step (median), per workload and guard."""
-    lines = ["Per-hook CPU time of the guard on a healthy step, ms (median over steps and repeats):", "",
-             "| workload | guard | " + " | ".join(HOOKS) + " | sum |", "|---|---|" + "---:|" * (len(HOOKS) + 1)]
+    lines = ["Per-hook CPU time of the guard on a healthy step, and of Lightning's own clipping (`clip=1.0`: "
+             "`_clip_gradients`), ms (median over steps and repeats):", "",
+             "| workload | configuration | " + " | ".join(HOOKS) + " | sum |", "|---|---|" + "---:|" * (len(HOOKS) + 1)]
     for r in hook_rows:
         cells = [f"{r['ms'][h]:.3f}" if h in r["ms"] else "-" for h in HOOKS]
+        if CLIP in r["ms"]:
+            cells = ["-", "-", f"{r['ms'][CLIP]:.3f} (clipping)", "-"]
         lines.append(f"| {r['workload']} | {r['config']} | " + " | ".join(cells) + f" | {r['total']:.3f} |")
     return "\n".join(lines)
 
