@@ -247,6 +247,8 @@ def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: Replay
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
     twin = copy.deepcopy(module).double()
     twin.log, twin.log_dict = _noop, _noop  # type: ignore[method-assign]
+    if "_trainer" in vars(module):  # a LightningModule drops its trainer when copied: global_rank, global_step,
+        twin.__dict__["_trainer"] = module.__dict__["_trainer"]  # current_epoch must read as in the replay
     named = [(n, p) for n, p in twin.named_parameters() if p.requires_grad]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
