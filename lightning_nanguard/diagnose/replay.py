@@ -56,6 +56,7 @@ class ReplayResult:
     float64: Optional[dict] = None
     errors: list[str] = field(default_factory=list)
     frames_text: str = ""
+    forward_rows: list[dict] = field(default_factory=list)  # module calls up to the first non-finite output
 
 
 def rng_state() -> dict[str, Any]:
@@ -174,6 +175,7 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
     bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not bool(torch.isfinite(g).all())]
     res.nonfinite_grads = bad_grads[:20]
     first_fwd = rec.first_bad(rec.forward_frames)
+    res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
     res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads)
     if first_fwd is not None:
         res.forward = first_fwd.row()
