@@ -135,7 +135,7 @@ class Responder:
 
         self.evidence.grads_were_finite = math.isfinite(flags.grad_norm)
         plan = self.recovery.ladder.incident(trainer.global_step, event.kind, can_roll_back=self.recovery.can_roll_back,
-                                             cause=event.cause, relative_update=_relative_update(event))
+                                             cause=event.cause, safe_factor=_safe_factor(event))
         self.recovery.skip(params)
         event.add_action("skip_step")
         if plan.enable_adaptive_clip:
@@ -159,7 +159,7 @@ class Responder:
             return False
         plan = self.recovery.ladder.incident(trainer.global_step, "divergence",
                                              can_roll_back=self.recovery.can_roll_back, cause=event.cause,
-                                             relative_update=_relative_update(event))
+                                             safe_factor=_safe_factor(event))
         plan.rollback_before = evidence.get("onset_step")
         self.recovery.skip(params)
         self.recovery.undo_buffers()
@@ -300,9 +300,10 @@ class Responder:
         self._record(trainer, event, ctx, extra)
 
 
-def _relative_update(event: NaNEvent) -> Optional[float]:
+def _safe_factor(event: NaNEvent) -> Optional[float]:
+    """The LR factor at which the diagnosis' relative update would be safe (cause ``learning_rate``)."""
     found = event.details.get("relative_update")
-    return found["relative_update"] if found else None
+    return found["safe_lr"] / found["lr"] if found and found["lr"] > 0 else None
 
 
 def _buffer_names(pl_module: "pl.LightningModule") -> set[str]:

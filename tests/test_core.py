@@ -73,8 +73,8 @@ def test_too_high_lr_is_rescued(tmp_path):
     assert event.details["restored_step"] == event.details["divergence"]["onset_step"] == 0
     rel = event.details["relative_update"]
     assert rel["relative_update"] > 1 and rel["lr"] == 1.5  # one step moved the weights by more than their size
-    assert guard.lr_scale == pytest.approx(min(guard.config.recovery.divergence_lr_factor,
-                                               1 / rel["relative_update"]))
+    assert rel["safe_lr"] == pytest.approx(1.5 / rel["relative_update"])  # SGD: where one step moves them by 1x
+    assert guard.lr_scale == pytest.approx(min(guard.config.recovery.divergence_lr_factor, rel["safe_lr"] / 1.5))
     assert guard.counters["incidents"] == 1 and guard.counters["rollbacks"] == 1
     # events.jsonl holds the same events, one flushed line each
     lines = (tmp_path / "guarded" / "nanguard" / "events.jsonl").read_text().splitlines()

@@ -13,10 +13,11 @@ It needs no warm-up. Three rules (``check.divergence_*``; ``g`` is ``divergence_
 - **gradient-norm growth**: the same on the total gradient norm, and only while the loss grew by ``g``
   over the same streak too. The gradient norm alone legitimately grows fast (LR warm-up, a zero-initialised
   layer, escaping a plateau), but then the loss falls.
-- **far above the first loss**: the loss stayed above ``F`` times the first loss of the run for ``k + 2``
-  consecutive steps (e.g. AdamW at lr=10: 5.5, then about 2,000 for good, never NaN). The first loss is the
-  untrained model's: a healthy run falls below it, and a loss that legitimately rises (warm-up, one-cycle,
-  noisy batches) stays within a few times it.
+- **far above the first loss**: the loss stayed above ``F`` times the first loss of the run, and ``10``
+  times every loss before it left that level, for ``k + 2`` consecutive steps (e.g. AdamW at lr=10: 5.5,
+  then about 2,000 for good, never NaN). The first loss is the untrained model's: a healthy run falls below
+  it, and a loss that legitimately rises (warm-up, one-cycle, noisy batches) stays within a few times it;
+  the record condition keeps one lucky-low first batch from making the usual level look "far above".
 
 Losses that are zero or negative (log-likelihoods, contrastive objectives) have no growth factor: the loss
 rules are off for them, the gradient-norm rule needs a positive loss too. An event re-arms only after the
@@ -74,6 +75,9 @@ class DivergenceWatch:
         self.above: list[tuple[int, float, float]] = []  # consecutive (step, loss, norm) above factor * first_loss
         self.latched = False  # the far-above rule fired; re-armed when the loss falls back below its threshold
         self.onset: tuple[int, Optional[float], float] = (0, None, math.nan)  # the step before `above` began
+        self.seen_max = -math.inf  # every loss before the current `above` run
+        self.above_floor = -math.inf  # RECORD_FACTOR x seen_max when the `above` run began
+        self.streak_latched = False  # a growth streak fired; re-armed by a step without growth
 
     def growing(self) -> bool:
         """A divergence may be under way: the loss far above its first value, or grown ``g``-fold at each of
@@ -98,7 +102,7 @@ class DivergenceWatch:
         return self._far_above(step, loss) or self._streak()
 
     def _streak(self) -> Optional[dict[str, Any]]:
-        if len(self.window) < self.steps + 1:
+        if len(self.window) < 2:
             return None
         steps = [s for s, _, _ in self.window]
         losses = [v for _, v, _ in self.window]
@@ -111,35 +115,45 @@ class DivergenceWatch:
         elif (growth_streak(norms, self.growth) >= self.steps and norms[-1] >= RECORD_FACTOR * self.norm_max
               and (_ratio(losses[0], losses[-1]) or 0.0) >= self.growth):
             rule = "grad_norm_growth"
-        if rule is None:
+        if rule is None or self.streak_latched:
+            self.streak_latched = self.streak_latched and (growth_streak(losses, self.growth) > 0
+                                                           or growth_streak(norms, self.growth) > 0)
             return None
+        self.streak_latched = True  # one event per streak: the next needs a step without growth first
+        self.latched = self.latched or bool(self.above)  # and the same episode is not reported again as far above
         evidence = {"rule": rule, "steps": steps, "losses": losses, "grad_norms": norms, "onset_step": steps[0],
                     "onset_loss": losses[0], "onset_grad_norm": norms[0], "growth": self.growth}
         if rule == "loss_growth" and self.loss_max > -math.inf:
             evidence["loss_max_before"] = self.loss_max
         if rule == "grad_norm_growth" and self.norm_max > -math.inf:
             evidence["grad_norm_max_before"] = self.norm_max
-        # a fresh streak is needed for the next event
-        self.loss_max = max([self.loss_max] + [v for v in losses if v is not None])
-        self.norm_max = max([self.norm_max] + [v for v in norms if math.isfinite(v)])
-        self.window.clear()
         return evidence
 
     def _far_above(self, step: int, loss: Optional[float]) -> Optional[dict[str, Any]]:
         first = self.first_loss
         if loss is None or first is None or first <= 0:
             return None
+        try:
+            return self._above(step, loss, first)
+        finally:
+            self.seen_max = max(self.seen_max, loss)
+
+    def _above(self, step: int, loss: float, first: float) -> Optional[dict[str, Any]]:
         if loss < self.factor * first:
-            self.above, self.latched = [], False
+            self.above, self.latched = [], False  # back near the early level: re-armed
             return None
         if self.latched:
             return None
-        if not self.above:  # the last step below the threshold: where the run left its early level
+        if not self.above:  # the last step below: where the run left its early level
             self.onset = self.window[-2] if len(self.window) > 1 else (step - 1, first, math.nan)
+            self.above_floor = RECORD_FACTOR * self.seen_max  # and far above every loss before, too
+        if loss < self.above_floor:
+            self.above = []
+            return None
         self.above.append((step, loss, self.window[-1][2]))
         if len(self.above) < self.steps + 2:
             return None
-        self.latched = True
+        self.latched = self.streak_latched = True
         return {"rule": "loss_above_first", "steps": [s for s, _, _ in self.above],
                 "losses": [v for _, v, _ in self.above], "grad_norms": [v for _, _, v in self.above],
                 "first_loss": first, "factor": self.factor, "onset_step": self.onset[0],
@@ -150,7 +164,8 @@ class DivergenceWatch:
     def state_dict(self) -> dict[str, Any]:
         return {"first_loss": self.first_loss, "window": [list(w) for w in self.window], "loss_max": self.loss_max,
                 "norm_max": self.norm_max, "above": [list(a) for a in self.above], "latched": self.latched,
-                "onset": list(self.onset)}
+                "onset": list(self.onset), "seen_max": self.seen_max, "above_floor": self.above_floor,
+                "streak_latched": self.streak_latched}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         first = state.get("first_loss")
@@ -161,5 +176,8 @@ class DivergenceWatch:
         self.norm_max = float(state.get("norm_max", -math.inf))
         self.above = [(int(s), float(lo), float(n)) for s, lo, n in state.get("above", [])]
         self.latched = bool(state.get("latched", False))
+        self.seen_max = float(state.get("seen_max", -math.inf))
+        self.above_floor = float(state.get("above_floor", -math.inf))
+        self.streak_latched = bool(state.get("streak_latched", False))
         step, loss, norm = state.get("onset", (0, None, math.nan))
         self.onset = (int(step), None if loss is None else float(loss), float(norm))

@@ -23,12 +23,16 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "LAYER_GROWTH", "ACTIVATION_GROWTH", "SHORT_GROWTH",
+__all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "LAYER_GROWTH", "ACTIVATION_GROWTH", "SHORT_GROWTH",
            "expected_scale", "fan_in", "InitialScales", "norms", "oversized", "relative_update", "layer_growth",
            "activation_growth", "short_growth", "growth_onset"]
 
 INIT_RATIO = 1e3  # a weight this many times 1/sqrt(fan_in), at fit start and now, was initialised wrongly
 RELATIVE_UPDATE_LR = 1.0  # one step moving the weights by their own size (healthy: ~1e-3): the LR is too high
+# the relative update an LR cut aims at: SGD's is measured with the real gradient (a sane LR moves freshly
+# initialised weights by up to about their size in the first steps); an adaptive optimizer's, lr x sqrt(n), is
+# the largest step it can take, and healthy runs sit at 1e-3..1e-2 of the weights' size
+SAFE_RELATIVE_UPDATE = {"sgd": 1.0, "adaptive": 1e-2}
 LAYER_GROWTH = 100.0  # per-layer gradient RMS, input side over output side
 ACTIVATION_GROWTH = 1e3  # abs-max growth over a chain of weight layers in one forward pass
 ACTIVATION_CHAIN = 4  # consecutive weight layers, each at least doubling the abs-max
@@ -119,7 +123,8 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
                     reference_step: Optional[int] = None) -> Optional[dict[str, Any]]:
     """``lr x |update| / |w|`` of one step (see the module docstring), with the gradient norm ``grad_norm`` and
     the weights whose norms ``reference`` holds (parameter name -> norm, from the onset of the growth) or,
-    without one, the current ones. The largest over the optimizers' param groups; None when nothing can be computed."""
+    without one, the current ones. The largest over the optimizers' param groups, with ``safe_lr``: the LR
+    at which it would be :data:`SAFE_RELATIVE_UPDATE`; None when nothing can be computed."""
     names = {id(p): n for n, p in module.named_parameters()}
     best: Optional[dict[str, Any]] = None
     for opt in optimizers:
@@ -146,7 +151,7 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
             if best is None or rel > best["relative_update"]:
                 best = {"relative_update": rel, "lr": lr, "optimizer": kind, "weight_norm": w,
                         "update_norm": step, "grad_norm": grad_norm if kind == "sgd" else None,
-                        "reference_step": reference_step}
+                        "reference_step": reference_step, "safe_lr": lr * SAFE_RELATIVE_UPDATE[kind] / rel}
     return best
 
 
@@ -201,21 +206,24 @@ def activation_growth(rows: Sequence[dict], module: nn.Module) -> Optional[dict[
         if any(True for _ in sub.children()) or not any(p.dim() >= 2 for p in sub.parameters(recurse=False)):
             continue
         layers.append(row)
+    def out(row: dict) -> float:  # an output that overflowed from finite inputs grew without bound
+        return math.inf if row.get("out_nonfinite") and not row.get("in_nonfinite") else row["out_abs_max"]
+
     best: list[dict] = []
     run: list[dict] = []
     for row in layers:
-        before = run[-1]["out_abs_max"] if run else row["in_abs_max"]
-        grown = before > 0 and row["out_abs_max"] >= 2 * before
-        run = run + [row] if grown else ([row] if row["in_abs_max"] > 0 and row["out_abs_max"] >= 2 * row[
-            "in_abs_max"] else [])
+        if run and out(row) >= 2 * out(run[-1]):
+            run.append(row)
+        else:
+            run = [row] if row["in_abs_max"] > 0 and out(row) >= 2 * row["in_abs_max"] else []
         if len(run) > len(best):
             best = list(run)
     if len(best) < ACTIVATION_CHAIN:
         return None
-    start, end = best[0]["in_abs_max"], best[-1]["out_abs_max"]
-    if not start > 0 or not (end >= ACTIVATION_GROWTH * start or not math.isfinite(end)):
+    start, end = best[0]["in_abs_max"], out(best[-1])
+    if not end >= ACTIVATION_GROWTH * start:
         return None
-    return {"layers": [r["module"] for r in best], "abs_max": [start] + [r["out_abs_max"] for r in best]}
+    return {"layers": [r["module"] for r in best], "abs_max": [start] + [out(r) for r in best]}
 
 
 def short_growth(values: Sequence[float], ratio: float = SHORT_GROWTH,

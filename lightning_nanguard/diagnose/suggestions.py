@@ -68,9 +68,8 @@ def suggest(ev: NaNEvent, cause: str, input_findings: Optional[list[dict]] = Non
     if cause == "learning_rate" and d.get("relative_update"):
         f = d["relative_update"]
         return (f"The learning rate ({f['lr']:.3g}) is too high: one step moves the weights by "
-                f"{f['relative_update']:.3g}x their own size (healthy: about 1e-3). Lower it below "
-                f"{f['lr'] / max(f['relative_update'], 1.0):.3g} (where one step moves them by less than their "
-                "size), or add warm-up.")
+                f"{f['relative_update']:.3g}x their own size. Lower it to about {f['safe_lr']:.3g} or below, or "
+                "add warm-up.")
     if cause == "exploding_gradient" and (d.get("layer_growth") or d.get("activation_growth")):
         what = "gradients grow layer by layer towards the input" if d.get("layer_growth") else \
             "activations grow layer by layer"

@@ -12,10 +12,10 @@ Rungs, in order of escalation:
 
    - ``learning_rate`` and ``exploding_gradient``: cut at the first incident of a run of incidents, and again
      after each rollback forced because skipping did not help; ``exploding_gradient`` by ``lr_factor``,
-     ``learning_rate`` by ``recovery.divergence_lr_factor`` or, if that leaves one step moving the weights
-     by more than their own size (the diagnosis' relative update times the factor above 1), by
-     ``1 / relative_update`` (the LR at which that rule of the diagnosis would no longer fire; at most
-     1000-fold in one cut);
+     ``learning_rate`` by ``recovery.divergence_lr_factor`` or, if that is not enough, down to the LR at which
+     the diagnosis' relative update would be safe (``safe_lr`` in its evidence: SGD moving the weights by at
+     most their own size per step, an adaptive optimizer's largest step at 1% of it; at most 10,000-fold in
+     one cut);
    - ``input``, ``initialization``, ``overflow``, ``precision`` and ``backward_op`` name a problem a smaller
      LR cannot fix (bad data, bad weights, a dtype's range, an op's domain): never cut;
    - no cause, ``unknown`` or ``optimizer``: cut after a rollback forced because skipping did not help
@@ -47,7 +47,7 @@ __all__ = ["Plan", "RecoveryLadder", "LR_CAUSES", "NO_LR_CUT"]
 LR_CAUSES = ("learning_rate", "exploding_gradient")  # the dynamics diverge: a smaller LR is the remedy
 NO_LR_CUT = ("input", "initialization", "overflow", "precision", "backward_op")  # a smaller LR cannot help
 # the smallest factor of one cut (a relative update measured on weights that are already broken can be absurd)
-LARGEST_CUT = 1e-3
+LARGEST_CUT = 1e-4
 
 
 @dataclass
@@ -88,10 +88,11 @@ class RecoveryLadder:
         self.failed_rollbacks = 0
 
     def incident(self, step: int, kind: str, *, can_roll_back: bool, cause: Optional[str] = None,
-                 relative_update: Optional[float] = None, diverging: bool = False) -> Plan:
+                 safe_factor: Optional[float] = None, diverging: bool = False) -> Plan:
         """Plan the response to an incident (or a ``divergence`` event) at ``step`` with the diagnosed ``cause``
-        (``diverging=True``: the same as ``cause="exploding_gradient"``). ``relative_update``: the diagnosis'
-        ``lr x |update| / |w|``; a ``learning_rate`` cut brings it below 1 if ``divergence_lr_factor`` does not."""
+        (``diverging=True``: the same as ``cause="exploding_gradient"``). ``safe_factor``: the LR factor at
+        which the diagnosis' relative update would be safe; a ``learning_rate`` cut goes that far if
+        ``divergence_lr_factor`` does not."""
         if diverging and cause is None:
             cause = "exploding_gradient"
         plan = Plan()
@@ -142,8 +143,8 @@ class RecoveryLadder:
             self._recent.clear()
             if cause == "learning_rate":
                 plan.lr_factor = self.cfg.divergence_lr_factor
-                if relative_update is not None and relative_update * plan.lr_factor > 1.0:
-                    plan.lr_factor = max(1.0 / relative_update, LARGEST_CUT)
+                if safe_factor is not None and safe_factor < plan.lr_factor:
+                    plan.lr_factor = max(safe_factor, LARGEST_CUT)
             plan.reasons.append("the learning rate is too high" if cause == "learning_rate" else
                                 "exploding gradients" if cause == "exploding_gradient" else
                                 "the loss is running away" if by_divergence else
