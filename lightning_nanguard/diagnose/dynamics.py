@@ -139,7 +139,7 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
             n = sum(p.numel() for p in params)
             w = max(w, math.sqrt(n) * 1e-3)  # zero-initialised parameters: compare to a small but non-zero scale
             if _sgd_like(group):
-                if not math.isfinite(grad_norm):
+                if not math.isfinite(grad_norm) or grad_norm <= 0:  # unknown (e.g. check.gradients off)
                     continue
                 momentum = float(group.get("momentum") or 0.0)
                 step = lr * grad_norm / (1.0 - momentum if momentum < 1.0 else 1.0)
