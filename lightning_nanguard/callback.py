@@ -50,7 +50,10 @@ class NaNGuard(pl.Callback):
        stacked and read at once, the step's one host-device sync (after one small all-reduce under DDP);
        the step's :class:`~.detect.flags.Outcome` follows:
 
-       - healthy: clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
+       - healthy: a loss or gradient norm running away while finite is a ``divergence`` event (from the
+         host floats just read; ``check.divergence``: by default the step is skipped and, at its end, the
+         run rolls back to a snapshot from before the growth and the LR is cut as the cause allows);
+         otherwise clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
          loss spike is recorded and acted on (``check.spike_action``);
        - routine overflow (16-mixed): the GradScaler skips the step by itself;
        - incident: the step is skipped without touching optimizer state (grads set to ``None``), its

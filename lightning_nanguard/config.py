@@ -174,9 +174,8 @@ class RecoveryConfig(_Section):
     reduce_lr_on_rollback: bool = _opt(True, "cut the LR after a rollback forced because skipping did not help "
                                              "(not for bad inputs or a one-off bad parameter)")
     divergence_lr_factor: float = _opt(
-        0.1, "LR factor of a cut when the diagnosis names the learning rate (cause learning_rate), or smaller so "
-             "that one step moves the weights by less than their own size", lo=0.0, hi=1.0, lo_open=True,
-        hi_open=True)
+        0.1, "LR factor of a cut for a divergence, or when the diagnosis names the learning rate (then smaller if "
+             "one step would still move the weights too far)", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
     min_lr_scale: float = _opt(1e-4, "floor of the cumulative LR scale", lo=0.0, hi=1.0, lo_open=True)
     snapshot: Literal["memory", "disk", "off"] = _opt(
         "memory", "where known-good state is kept: preallocated CPU memory, atomic files, or nowhere")

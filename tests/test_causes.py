@@ -98,17 +98,18 @@ def _mlp_run(tmp_path: Any, divergence: str) -> tuple[NaNGuard, LossTrace]:
 
 def test_deep_mlp_whose_gradient_norm_explodes_is_exploding_gradient_not_overflow(tmp_path: Any) -> None:
     """Defaults: caught as a divergence before the NaN; the relative update at the onset was small (the LR was
-    sane for the initial weights) and the norm grew geometrically: exploding_gradient, LR halved."""
+    sane for the initial weights) and the norm grew geometrically: exploding_gradient; a divergence cuts the
+    LR by divergence_lr_factor."""
     guard, trace = _mlp_run(tmp_path, "act")
     first = guard.events[0]
     assert (first.kind, first.cause) == ("divergence", "exploding_gradient")
-    assert first.details["divergence"]["rule"] == "grad_norm_growth"
+    assert first.details["divergence"]["rule"] in ("loss_blowup", "grad_norm_growth")
     norms = first.details["divergence"]["grad_norms"]
     assert all(b >= 2 * a for a, b in zip(norms, norms[1:])) and norms[-1] > 1000 * norms[0]
     assert first.details["relative_update"]["relative_update"] < dynamics.RELATIVE_UPDATE_LR
     assert first.details["grad_norm_growth"] == norms[-3:]
     assert first.actions == ["skip_step", "clip", "rollback", "reduce_lr"]
-    assert first.details["lr_after"] == [0.035 * guard.config.recovery.lr_factor]
+    assert first.details["lr_after"] == [pytest.approx(0.035 * guard.config.recovery.divergence_lr_factor)]
     assert all(math.isfinite(v) for v in trace.losses)  # acted before anything was non-finite
 
 
@@ -224,7 +225,7 @@ def test_relative_update_for_sgd_and_adaptive_optimizers() -> None:
     adam = torch.optim.Adam(net.parameters(), lr=0.5)
     found = dynamics.relative_update([adam], net, grad_norm=math.nan)
     assert found["optimizer"] == "adaptive" and found["relative_update"] == pytest.approx(0.5 * 10 / 1.0)
-    assert found["safe_lr"] == pytest.approx(0.5 * 1e-2 / 5.0)
+    assert found["safe_lr"] == pytest.approx(0.5 * dynamics.SAFE_RELATIVE_UPDATE["adaptive"] / 5.0)
     # a reference (the weights at the onset) replaces the current ones
     found = dynamics.relative_update([adam], net, math.nan, reference={"weight": 10.0}, reference_step=3)
     assert found["relative_update"] == pytest.approx(0.5) and found["reference_step"] == 3
@@ -271,7 +272,7 @@ def test_lr_causes_cut_at_the_first_incident_and_on_rollback(cause: str) -> None
     ladder = _ladder(max_skips=2)
     plans = [ladder.incident(s, "loss", can_roll_back=True, cause=cause, safe_factor=0.02) for s in range(3)]
     assert [(p.reduce_lr, p.rollback) for p in plans] == [(True, False), (False, False), (True, True)]
-    cfg = RecoveryConfig()
+    cfg = RecoveryConfig()  # a NaN after exploding gradients may be a one-off outlier: recovery.lr_factor
     expected = min(cfg.divergence_lr_factor, 0.02) if cause == "learning_rate" else None
     assert plans[0].lr_factor == expected
 
@@ -280,7 +281,7 @@ def test_a_divergence_rolls_back_and_cuts_at_once_and_the_cut_is_bounded() -> No
     ladder = _ladder()
     plan = ladder.incident(3, "divergence", can_roll_back=True, cause="learning_rate", safe_factor=1e-9)
     assert plan.rollback and plan.reduce_lr and plan.lr_factor == LARGEST_CUT
-    plan = _ladder().incident(3, "divergence", can_roll_back=True, cause="unknown")
-    assert plan.rollback and plan.reduce_lr and plan.lr_factor is None  # recovery.lr_factor
+    plan = _ladder().incident(3, "divergence", can_roll_back=True, cause="unknown", safe_factor=1e-9)
+    assert plan.rollback and plan.reduce_lr and plan.lr_factor == RecoveryConfig().divergence_lr_factor
     plan = _ladder().incident(3, "divergence", can_roll_back=True, cause="overflow")
     assert plan.rollback and not plan.reduce_lr

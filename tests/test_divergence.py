@@ -112,6 +112,15 @@ def test_loss_growing_geometrically_fires_after_divergence_steps_ratios() -> Non
     assert events[0]["losses"] == pytest.approx([34.3 * 9.0 ** i for i in range(4)])
 
 
+def test_a_blow_up_within_two_steps_after_a_healthy_history() -> None:
+    """Healthy, then 25x and 1e5x in two steps (a deep net going to NaN at the next step): caught, but only
+    once k + 3 losses were seen (at the start of a run the k-step streak decides)."""
+    events = feed(DivergenceWatch(), [7.0, 14.0, 7.7, 10.1, 16.4, 10.5, 258.0, 3.4e7])
+    assert [(e["fired_at"], e["rule"], e["onset_step"]) for e in events] == [(7, "loss_blowup", 5)]
+    assert feed(DivergenceWatch(), [7.0, 258.0, 3.4e7]) == []
+    assert feed(DivergenceWatch(), [7.0, 14.0, 7.7, 10.1, 16.4, 10.5, 258.0, 1.6e3]) == []  # not 100x of 16.4
+
+
 def test_growth_below_the_factor_or_shorter_than_the_streak_is_not_divergence() -> None:
     watch = DivergenceWatch(growth=2.0, steps=3)
     assert feed(watch, [1.0 * 1.9 ** i for i in range(8)]) == []  # 1.9x per step: below divergence_growth
@@ -172,6 +181,7 @@ def test_loss_far_above_its_first_value_fires_once_after_k_plus_2_steps() -> Non
 
 def test_zero_and_negative_losses_disable_the_loss_rules() -> None:
     assert feed(DivergenceWatch(), [-1.0, -0.5, 0.0, -4.0, -40.0, -400.0, 0.0, 1e-9, 1.0, 100.0]) == []
+    assert feed(DivergenceWatch(), [0.5, 0.0, 0.1, 0.3, 0.9, 2.7, 8.1, 50.0, 1e4, 1e8]) == []  # a hinge loss
     assert feed(DivergenceWatch(), [None, None, None, None, None]) == []  # check.loss off: no loss, no rules
 
 
@@ -220,8 +230,8 @@ def test_adamw_at_lr_10_on_a_small_transformer_is_caught_though_never_nan(tmp_pa
     assert (first.kind, first.cause, first.step) == ("divergence", "learning_rate", steps + 2)
     assert first.details["divergence"]["rule"] == "loss_above_first"
     assert first.details["restored_step"] == 0 and "reduce_lr" in first.actions
-    # Adam moves every weight by about lr per step: 10 is hundreds of times the weights' size; the cut goes
-    # to where that step is 1% of it (at most 10,000-fold in one cut)
+    # Adam moves every weight by about lr per step: 10 is hundreds of times the weights' RMS; the cut goes to
+    # where that step is SAFE_RELATIVE_UPDATE["adaptive"] of it (at most 10,000-fold in one cut)
     rel = first.details["relative_update"]
     assert rel["optimizer"] == "adaptive" and rel["relative_update"] > 100
     assert guard.lr_scale == pytest.approx(max(rel["safe_lr"] / 10.0, 1e-4))

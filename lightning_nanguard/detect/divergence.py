@@ -2,7 +2,7 @@
 
 :class:`DivergenceWatch` is fed the loss and the total gradient norm of every healthy optimizer step, the
 host floats the guard reads once per step anyway: no device work, no sync, nothing that changes training.
-It needs no warm-up. Three rules (``check.divergence_*``; ``g`` is ``divergence_growth``, ``k``
+It needs no warm-up. Four rules (``check.divergence_*``; ``g`` is ``divergence_growth``, ``k``
 ``divergence_steps``, ``F`` ``divergence_factor``):
 
 - **loss growth**: the loss grew by at least ``g`` at each of the last ``k`` steps, and its last value is
@@ -10,6 +10,9 @@ It needs no warm-up. Three rules (``check.divergence_*``; ``g`` is ``divergence_
   is nothing before the streak, the streak alone). A loss that grows ``g``-fold step after step is the
   signature of unstable dynamics; noise does not compound like that, and the record condition keeps the
   heavy-tailed losses of tiny batches from looking like it.
+- **loss blow-up**: the loss grew by ``g**2`` at each of the last 2 steps and ends ``100`` times every loss
+  before them (a run that goes from healthy to NaN in three steps; only after ``k + 3`` losses, so that the
+  first steps of a run answer to the rule above).
 - **gradient-norm growth**: the same on the total gradient norm, and only while the loss grew by ``g``
   over the same streak too. The gradient norm alone legitimately grows fast (LR warm-up, a zero-initialised
   layer, escaping a plateau), but then the loss falls.
@@ -19,8 +22,9 @@ It needs no warm-up. Three rules (``check.divergence_*``; ``g`` is ``divergence_
   it, and a loss that legitimately rises (warm-up, one-cycle, noisy batches) stays within a few times it;
   the record condition keeps one lucky-low first batch from making the usual level look "far above".
 
-Losses that are zero or negative (log-likelihoods, contrastive objectives) have no growth factor: the loss
-rules are off for them, the gradient-norm rule needs a positive loss too. An event re-arms only after the
+A loss that reaches zero or goes negative (hinge losses, log-likelihoods, contrastive objectives) has no
+growth factor: once one is seen, the rules are off for the rest of the fit (the gradient-norm rule needs the
+loss to grow too); only non-finite values are caught then. An event re-arms only after the
 evidence resets (a new streak; for the last rule, a loss back below ``F`` times the first).
 
 The watch belongs to the known-good state: snapshots keep it and a rollback restores it.
@@ -78,6 +82,8 @@ class DivergenceWatch:
         self.seen_max = -math.inf  # every loss before the current `above` run
         self.above_floor = -math.inf  # RECORD_FACTOR x seen_max when the `above` run began
         self.streak_latched = False  # a growth streak fired; re-armed by a step without growth
+        self.seen = 0  # losses observed
+        self.positive = True  # every loss so far was > 0 (the loss rules need it)
 
     def growing(self) -> bool:
         """A divergence may be under way: the loss far above its first value, or grown ``g``-fold at each of
@@ -92,6 +98,9 @@ class DivergenceWatch:
             return None
         if loss is not None and self.first_loss is None:
             self.first_loss = loss
+        self.seen += loss is not None
+        if loss is not None and loss <= 0:
+            self.positive = False  # not a positive quantity: growth factors of the loss mean nothing
         if len(self.window) == self.window.maxlen:
             _, old_loss, old_norm = self.window[0]
             if old_loss is not None:
@@ -107,11 +116,16 @@ class DivergenceWatch:
         steps = [s for s, _, _ in self.window]
         losses = [v for _, v, _ in self.window]
         norms = [v for _, _, v in self.window]
-        if None in losses:
+        if None in losses or not self.positive:
             return None
         rule = None
+        fast = self.growth ** 2
+        before = max([self.loss_max] + losses[:-3])
         if growth_streak(losses, self.growth) >= self.steps and losses[-1] >= RECORD_FACTOR * self.loss_max:
             rule = "loss_growth"
+        elif (self.seen >= self.steps + 3 and growth_streak(losses, fast) >= 2
+              and losses[-1] >= RECORD_FACTOR ** 2 * before):
+            rule = "loss_blowup"
         elif (growth_streak(norms, self.growth) >= self.steps and norms[-1] >= RECORD_FACTOR * self.norm_max
               and (_ratio(losses[0], losses[-1]) or 0.0) >= self.growth):
             rule = "grad_norm_growth"
@@ -121,17 +135,21 @@ class DivergenceWatch:
             return None
         self.streak_latched = True  # one event per streak: the next needs a step without growth first
         self.latched = self.latched or bool(self.above)  # and the same episode is not reported again as far above
+        first = -3 if rule == "loss_blowup" else 0
+        steps, losses, norms = steps[first:], losses[first:], norms[first:]
         evidence = {"rule": rule, "steps": steps, "losses": losses, "grad_norms": norms, "onset_step": steps[0],
                     "onset_loss": losses[0], "onset_grad_norm": norms[0], "growth": self.growth}
         if rule == "loss_growth" and self.loss_max > -math.inf:
             evidence["loss_max_before"] = self.loss_max
+        if rule == "loss_blowup":
+            evidence["loss_max_before"] = before
         if rule == "grad_norm_growth" and self.norm_max > -math.inf:
             evidence["grad_norm_max_before"] = self.norm_max
         return evidence
 
     def _far_above(self, step: int, loss: Optional[float]) -> Optional[dict[str, Any]]:
         first = self.first_loss
-        if loss is None or first is None or first <= 0:
+        if loss is None or first is None or not self.positive:
             return None
         try:
             return self._above(step, loss, first)
@@ -165,7 +183,8 @@ class DivergenceWatch:
         return {"first_loss": self.first_loss, "window": [list(w) for w in self.window], "loss_max": self.loss_max,
                 "norm_max": self.norm_max, "above": [list(a) for a in self.above], "latched": self.latched,
                 "onset": list(self.onset), "seen_max": self.seen_max, "above_floor": self.above_floor,
-                "streak_latched": self.streak_latched}
+                "streak_latched": self.streak_latched, "seen": self.seen,
+                "positive": self.positive}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         first = state.get("first_loss")
@@ -179,5 +198,7 @@ class DivergenceWatch:
         self.seen_max = float(state.get("seen_max", -math.inf))
         self.above_floor = float(state.get("above_floor", -math.inf))
         self.streak_latched = bool(state.get("streak_latched", False))
+        self.seen = int(state.get("seen", 0))
+        self.positive = bool(state.get("positive", True))
         step, loss, norm = state.get("onset", (0, None, math.nan))
         self.onset = (int(step), None if loss is None else float(loss), float(norm))

@@ -31,8 +31,8 @@ INIT_RATIO = 1e3  # a weight this many times 1/sqrt(fan_in), at fit start and no
 RELATIVE_UPDATE_LR = 1.0  # one step moving the weights by their own size (healthy: ~1e-3): the LR is too high
 # the relative update an LR cut aims at: SGD's is measured with the real gradient (a sane LR moves freshly
 # initialised weights by up to about their size in the first steps); an adaptive optimizer's, lr x sqrt(n), is
-# the largest step it can take, and healthy runs sit at 1e-3..1e-2 of the weights' size
-SAFE_RELATIVE_UPDATE = {"sgd": 1.0, "adaptive": 1e-2}
+# the largest step it can take: healthy runs use 1% (large models) to 10% (small ones) of the weights' RMS
+SAFE_RELATIVE_UPDATE = {"sgd": 1.0, "adaptive": 0.05}
 LAYER_GROWTH = 100.0  # per-layer gradient RMS, input side over output side
 ACTIVATION_GROWTH = 1e3  # abs-max growth over a chain of weight layers in one forward pass
 ACTIVATION_CHAIN = 4  # consecutive weight layers, each at least doubling the abs-max

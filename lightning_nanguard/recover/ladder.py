@@ -11,11 +11,13 @@ Rungs, in order of escalation:
 3. the LR is cut on evidence that the dynamics diverge, and only then: actions follow the cause.
 
    - ``learning_rate`` and ``exploding_gradient``: cut at the first incident of a run of incidents, and again
-     after each rollback forced because skipping did not help; ``exploding_gradient`` by ``lr_factor``,
-     ``learning_rate`` by ``recovery.divergence_lr_factor`` or, if that is not enough, down to the LR at which
+     after each rollback forced because skipping did not help; ``exploding_gradient`` by ``lr_factor`` (a
+     NaN after a gradient outlier may be a one-off), ``learning_rate`` and any ``divergence`` (a run caught
+     running away: half the LR usually lands just below the edge) by ``recovery.divergence_lr_factor`` and,
+     for ``learning_rate``, further if that is not enough: down to the LR at which
      the diagnosis' relative update would be safe (``safe_lr`` in its evidence: SGD moving the weights by at
-     most their own size per step, an adaptive optimizer's largest step at 1% of it; at most 10,000-fold in
-     one cut);
+     most their own size per step, an adaptive optimizer's largest step at 5% of their RMS; at most
+     10,000-fold in one cut);
    - ``input``, ``initialization``, ``overflow``, ``precision`` and ``backward_op`` name a problem a smaller
      LR cannot fix (bad data, bad weights, a dtype's range, an op's domain): never cut;
    - no cause, ``unknown`` or ``optimizer``: cut after a rollback forced because skipping did not help
@@ -141,10 +143,10 @@ class RecoveryLadder:
         if by_cause or by_divergence or by_rollback or by_count:
             plan.reduce_lr = True
             self._recent.clear()
-            if cause == "learning_rate":
+            if cause == "learning_rate" or kind == "divergence":
                 plan.lr_factor = self.cfg.divergence_lr_factor
-                if safe_factor is not None and safe_factor < plan.lr_factor:
-                    plan.lr_factor = max(safe_factor, LARGEST_CUT)
+            if cause == "learning_rate" and safe_factor is not None and safe_factor < plan.lr_factor:
+                plan.lr_factor = max(safe_factor, LARGEST_CUT)
             plan.reasons.append("the learning rate is too high" if cause == "learning_rate" else
                                 "exploding gradients" if cause == "exploding_gradient" else
                                 "the loss is running away" if by_divergence else
