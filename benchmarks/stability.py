@@ -312,7 +312,9 @@ def run(case: Case, setup: str, root: Path, reference: bool = False) -> dict[str
         first = guard.events[0] if guard.events else None
         row["first_event"] = None if first is None else {"kind": first.kind, "cause": first.cause, "step": first.step,
                                                           "culprit": first.culprit, "actions": first.actions}
-        row["events"] = [{"step": e.step, "kind": e.kind, "cause": e.cause, "actions": e.actions} for e in guard.events]
+        row["events"] = len(guard.events)
+        row["first_events"] = [{"step": e.step, "kind": e.kind, "cause": e.cause, "actions": e.actions}
+                               for e in guard.events[:8]]
         row.update({k: guard.counters.get(k, 0) for k in
                     ("incidents", "spikes", "skipped_steps", "rollbacks", "lr_cuts", "clipped_steps")})
         row["divergences"] = sum(e.kind == "divergence" for e in guard.events)
@@ -376,7 +378,7 @@ def main() -> None:
             if "incidents" in r:
                 ev = r["first_event"]
                 first = "-" if ev is None else f"{ev['kind']}/{ev['cause']}@{ev['step']}"
-                cells = [first, str(len(r["events"])), str(r["lr_cuts"]), str(r["rollbacks"]), str(r["skipped_steps"]),
+                cells = [first, str(r["events"]), str(r["lr_cuts"]), str(r["rollbacks"]), str(r["skipped_steps"]),
                          str(r["clipped_steps"]), str(r["steps_lost"]), "yes" if r["gave_up"] else "no"]
             else:
                 cells = ["-"] * 8

@@ -86,7 +86,7 @@ class Responder:
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  **evidence: Any) -> IncidentContext:
         return self.diagnoser.context(trainer, pl_module, event, norm_history=list(self.clipper.history),
-                                      loss_history=list(self.losses.history), reference=self.recovery.weight_norms_at,
+                                      loss_history=list(self.losses.history), reference=self.recovery.weights_at,
                                       **evidence)
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:

@@ -82,8 +82,8 @@ class IncidentContext:
     grad_scale: Optional[float] = None  # 16-mixed: the scaler's scale at this step
     only_gradients: bool = False  # the gradients were the only non-finite evidence of the step
     initial: Optional[dynamics.InitialScales] = None  # parameter norms at fit start, read on demand
-    # the newest snapshot at or before a step: (its step, parameter name -> norm), or None
-    reference: Optional[Callable[[int], Optional[tuple[int, dict[str, float]]]]] = None
+    # the newest snapshot at or before a step: (its step, its module state dict), or None
+    reference: Optional[Callable[[int], Optional[tuple[int, dict[str, Any]]]]] = None
     divergence: Optional[dict] = None  # the divergence watch's evidence (a divergence event)
 
 
@@ -204,7 +204,10 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
     step, grad_norm = _onset(ctx)
     reference: Optional[tuple[int, dict[str, float]]] = None
     if step is not None and ctx.reference is not None:
-        reference = ctx.reference(step)
+        found = ctx.reference(step)
+        if found is not None:
+            trainable = [n for n, p in ctx.pl_module.named_parameters() if p.requires_grad and n in found[1]]
+            reference = (found[0], dict(zip(trainable, dynamics.norms(found[1][n] for n in trainable))))
     initial = ctx.initial.read() if ctx.initial is not None else {}
     if reference is None and initial:
         reference = (0, initial)

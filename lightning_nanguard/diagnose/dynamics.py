@@ -52,16 +52,27 @@ def expected_scale(shape: Sequence[int]) -> Optional[float]:
 
 
 def norms(tensors: Iterable[Tensor]) -> list[float]:
-    """Float64 2-norms (exact for values near float32's max), read at once."""
-    values = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) for t in tensors]
-    if not values:
+    """2-norms, read at once, in each tensor's own dtype (no float64 copy of a large weight); a norm that
+    overflows its dtype (values near float32's max) is recomputed scaled by the tensor's abs-max."""
+    ts = [t.detach() for t in tensors]
+    if not ts:
         return []
-    device = values[0].device
-    return torch.stack([v.to(device) for v in values]).tolist()
+    device = ts[0].device
+    values = torch.stack([torch.linalg.vector_norm(t).double().to(device) for t in ts]).tolist()
+    for i, (t, v) in enumerate(zip(ts, values)):
+        if math.isinf(v):
+            top = float(torch.linalg.vector_norm(t, math.inf))
+            if math.isfinite(top) and top > 0:
+                values[i] = top * float(torch.linalg.vector_norm(t / top))
+    return values
 
 
 class InitialScales:
-    """The norm of every parameter at fit start, queued on the device at :meth:`record` and read on demand."""
+    """The norm of every parameter at fit start, queued on the device at :meth:`record` and read on demand.
+
+    Each parameter costs two reductions in its own dtype (2-norm and abs-max) and no copy; where the 2-norm
+    overflowed the dtype, the abs-max (a lower bound of the 2-norm) stands in for it.
+    """
 
     def __init__(self) -> None:
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -71,17 +82,18 @@ class InitialScales:
     def record(self, module: nn.Module) -> None:
         named = list(module.named_parameters())
         self._shapes = {n: tuple(p.shape) for n, p in named}
-        self._pending = [torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in named]
+        self._pending = [torch.stack([torch.linalg.vector_norm(p.detach()).float(),
+                                      torch.linalg.vector_norm(p.detach(), math.inf).float()]) for _, p in named]
         self._values = None
 
     def read(self) -> dict[str, float]:
         """Parameter name -> its 2-norm at fit start (empty before :meth:`record`)."""
         if self._values is None:
-            values: list[float] = []
+            pairs: list[list[float]] = []
             if self._pending:
                 device = self._pending[0].device
-                values = torch.stack([v.to(device) for v in self._pending]).tolist()
-            self._values = dict(zip(self._shapes, values))
+                pairs = torch.stack([v.to(device) for v in self._pending]).tolist()
+            self._values = {n: (two if math.isfinite(two) else top) for n, (two, top) in zip(self._shapes, pairs)}
             self._pending = []
         return self._values
 

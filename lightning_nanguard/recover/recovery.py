@@ -6,8 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-import torch
-
 from ..config import ClipConfig, RecoveryConfig
 from ..detect.amp import grad_scaler
 from ..report.events import NaNEvent
@@ -139,15 +137,12 @@ class Recovery:
             return None
         return next((snap for snap in reversed(self.store.ring) if snap.step <= step), None)
 
-    def weight_norms_at(self, step: int) -> Optional[tuple[int, dict[str, float]]]:
-        """``(snapshot step, parameter name -> norm)`` of :meth:`newest_before` (incident time only)."""
+    def weights_at(self, step: int) -> Optional[tuple[int, dict[str, Any]]]:
+        """``(snapshot step, module state dict)`` of :meth:`newest_before` (incident time only: it loads a copy)."""
         snap = self.newest_before(step)
         if snap is None or self.store is None:
             return None
-        module = self.store.load(snap)["module"]
-        names = [k for k, v in module.items() if getattr(v, "is_floating_point", lambda: False)()]
-        values = [torch.linalg.vector_norm(module[k], dtype=torch.float64) for k in names]
-        return snap.step, dict(zip(names, torch.stack(values).tolist() if values else []))
+        return snap.step, self.store.load(snap)["module"]
 
     def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int) -> None:
         """Restore the newest snapshot, then re-apply the LR cuts made since it was taken."""
