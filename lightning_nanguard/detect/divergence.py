@@ -24,8 +24,9 @@ It needs no warm-up. Four rules (``check.divergence_*``; ``g`` is ``divergence_g
 
 A loss that reaches zero or goes negative (hinge losses, log-likelihoods, contrastive objectives) has no
 growth factor: once one is seen, the rules are off for the rest of the fit (the gradient-norm rule needs the
-loss to grow too); only non-finite values are caught then. An event re-arms only after the
-evidence resets (a new streak; for the last rule, a loss back below ``F`` times the first).
+loss to grow too); only non-finite values are caught then. One event per episode: the growth rules re-arm
+after a step without growth, the far-above rule once the loss is back below ``F`` times the first, and an
+event of either silences the other meanwhile.
 
 The watch belongs to the known-good state: snapshots keep it and a rollback restores it.
 """

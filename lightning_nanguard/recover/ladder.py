@@ -149,7 +149,7 @@ class RecoveryLadder:
                 plan.lr_factor = max(safe_factor, LARGEST_CUT)
             plan.reasons.append("the learning rate is too high" if cause == "learning_rate" else
                                 "exploding gradients" if cause == "exploding_gradient" else
-                                "the loss is running away" if by_divergence else
+                                "a divergence, whatever its cause, runs at too high an LR" if by_divergence else
                                 "skipping did not help" if by_rollback else "repeated incidents")
         return plan
 
