@@ -24,6 +24,7 @@ from .recover.recovery import Recovery
 from .report.events import NaNEvent
 from .report.progress import say
 from .report.recorder import Recorder
+from .usage_errors import usage_errors
 
 try:  # the callback works in both packages' Trainers; it subclasses the classic one
     import pytorch_lightning as pl
@@ -106,13 +107,14 @@ class NaNGuard(pl.Callback):
         name: Optional[str] = None,
     ) -> None:
         super().__init__()
-        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
-            raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+        with usage_errors():  # under LightningCLI: a one-line parser error naming the key, not a traceback
+            if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+                raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+            base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
+            given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
+            sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
+            self.config = NaNGuardConfig(**sections)
         self.name = name
-        base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
-        given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
-        sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
-        self.config = NaNGuardConfig(**sections)
         self._build()
         self._resumed = False
 
