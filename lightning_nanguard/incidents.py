@@ -259,13 +259,19 @@ class Responder:
                                      f"Report: {self.recorder.report_path(event)}")
 
     def anomaly_error(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", error: BaseException) -> None:
-        """``anomaly.mode: always`` raised at the op in backward: diagnose and record it (the error then
-        propagates)."""
+        """torch's anomaly mode raised at the op in backward (``anomaly.mode: always``, or the user's own,
+        e.g. ``Trainer(detect_anomaly=True)``): diagnose and record it (the error then propagates)."""
         found = self.diagnoser.anomaly_error(error)
         if found is None:
             return
-        event = self._event(trainer, "gradient")
+        event = self._event(trainer, "loss" if self.evidence.loss_bad() else "gradient")
         ctx = self.diagnoser.context(trainer, pl_module, event, batches=list(self.evidence.window))
+        if self.config.check.inputs != "off":
+            ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(self.evidence.window)
+                                  for f in find_batch_nonfinite(b)]
+            if ctx.input_findings:
+                event.kind = "input"
+        event.details["detected_at"] = "anomaly_mode"
         extra = self.diagnoser.diagnose_error(ctx, found)
         event.add_action("raise")
         self._record(trainer, event, ctx, extra)
