@@ -182,6 +182,9 @@ class RecoveryConfig(_Section):
                              lo=0)
     on_give_up: Literal["stop", "raise"] = _opt(
         "stop", "after restoring the last good weights: stop the Trainer, or raise NaNGuardError")
+    restore_at_end: bool = _opt(
+        True, "when fit ends while recovery is unfinished (the last steps were skipped incidents, or a rollback "
+              "is not yet confirmed), restore the newest known-good snapshot")
 
 
 @dataclass

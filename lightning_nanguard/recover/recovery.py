@@ -155,6 +155,22 @@ class Recovery:
         self.healthy_since_snapshot = 0
         self.rollbacks += 1
 
+    @property
+    def unfinished(self) -> bool:
+        """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
+        snapshot after healthy training (and the guard has not given up)."""
+        return not self.stopped and (self.ladder.consecutive > 0 or self.ladder.failed_rollbacks > 0)
+
+    def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                       scaler_overflows: int = 0) -> Optional[int]:
+        """Roll back to the newest snapshot (fit ends while recovery is unfinished); returns its step, or None
+        without one."""
+        if not self.store or self.store.newest is None:
+            return None
+        self.rollback(trainer, pl_module, scaler_overflows)
+        self.ladder.consecutive = 0
+        return self.store.newest.step
+
     def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent) -> None:
         """Multiply every learning rate by ``lr_factor``, down to ``min_lr_scale`` of the original."""
         new_scale = max(self.lr_scale * self.cfg.lr_factor, self.cfg.min_lr_scale)
