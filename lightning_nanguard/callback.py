@@ -244,7 +244,7 @@ class NaNGuard(pl.Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):
-            self._recovery.step_start()
+            self._recovery.step_start(trainer)
         self._diagnoser.micro_batch()
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
@@ -304,6 +304,8 @@ class NaNGuard(pl.Callback):
         outcome, self._outcome = self._outcome, None
         if outcome is None:
             return  # a non-final micro-batch of gradient accumulation
+        if outcome in (Outcome.INCIDENT, Outcome.SKIPPED):  # the step left no trace in what the user logged
+            self._recovery.undo_metrics()
         self._evidence.step_end()
         self._diagnoser.step_end()
         if self._responder.pending:
