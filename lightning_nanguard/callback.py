@@ -42,8 +42,9 @@ class NaNGuard(pl.Callback):
 
     One optimizer step, as the guard sees it:
 
-    1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers are backed
-       up, and with ``check.inputs: always`` its floating tensors become a device flag;
+    1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers, the module's
+       torchmetrics states and Lightning's logged aggregates are backed up (at the step's first micro-batch),
+       and with ``check.inputs: always`` its floating tensors become a device flag;
     2. ``on_before_backward``: the loss of each micro-batch becomes a device flag and a device sum;
     3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss flags and sum, the
        flag over the parameters and buffers written by the previous step, and the activation flag are
@@ -56,14 +57,15 @@ class NaNGuard(pl.Callback):
        - incident: the step is skipped without touching optimizer state (grads set to ``None``), its
          buffer writes are undone, the bad micro-batch is replayed to name the module, op and cause, and
          the recovery ladder plans what follows;
-    4. ``on_train_batch_end``: the plan is carried out (clip from now on, cut the LR in a way schedulers
-       keep, roll back to a known-good snapshot, skip the next batches, give up: restore, then stop or
-       raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file);
+    4. ``on_train_batch_end``: a skipped step's metric updates and logged values are undone; the plan is
+       carried out (clip from now on, cut the LR in a way schedulers keep, roll back to a known-good
+       snapshot, skip the next batches, give up: restore, then stop or raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file);
        after a healthy step the parameters and buffers become a device flag for the next read, and a
        snapshot is taken every ``recovery.snapshot_every`` healthy steps.
 
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
-    the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more.
+    the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more
+    (and the newest snapshot restored if fit ends while recovery is unfinished, ``recovery.restore_at_end``).
 
     Example::
 
