@@ -306,8 +306,6 @@ class NaNGuard(pl.Callback):
         outcome, self._outcome = self._outcome, None
         if outcome is None:
             return  # a non-final micro-batch of gradient accumulation
-        if outcome in (Outcome.INCIDENT, Outcome.SKIPPED):  # the step left no trace in what the user logged
-            self._recovery.undo_metrics()
         self._evidence.step_end()
         self._diagnoser.step_end()
         if self._responder.pending:
@@ -319,6 +317,9 @@ class NaNGuard(pl.Callback):
         elif outcome is Outcome.SKIPPED and self._recovery.skip_batches_left > 0:
             self._recovery.skip_batches_left -= 1
             self._recovery.undo_buffers()
+        if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not self._recovery.stopped:
+            # a rescued step leaves no trace in what the user logged; a failed run (given up) is not hidden
+            self._recovery.undo_metrics()
         if outcome is Outcome.ROUTINE_OVERFLOW:  # log the lowered scale like a healthy step
             self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
         if self.config.logging.progress_bar:

@@ -225,3 +225,15 @@ def test_metric_backup_never_syncs_with_the_device():
             undo.arm()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_run_the_guard_gives_up_on_still_stops_early_stopping_cleanly(tmp_path):
+    """Every step poisoned: the guard gives up; the failed steps are not hidden (the give-up step's NaN stays
+    in the epoch aggregate), so a strict EarlyStopping sees the metric and stops instead of raising."""
+    x, y = (t.clone() for t in models.classification_data(n=32 * 20).tensors)
+    x[::32, 0] = float("nan")  # one bad sample in every batch
+    stop = EarlyStopping(monitor="train_loss_epoch", strict=True, check_finite=True)
+    guard = NaNGuard(recovery={"max_skips": 1, "max_rollbacks": 1})
+    probe, trainer = _fit(tmp_path, models.MetricsClassifier(), TensorDataset(x, y), guard, (stop,))
+    assert guard.stopped and trainer.should_stop and len(probe.epochs) == 1
+    assert math.isnan(float(probe.epochs[0]["callback:train_loss_epoch"]))

@@ -14,7 +14,8 @@ the metric's ``_defaults``) into preallocated buffers on the same device in one 
 the rest by reference: no allocation in steady state, no host-device sync. :meth:`MetricUndo.undo`, after a
 skipped step (every micro-batch of it, manual optimization included), puts the states back, with the update
 count, and drops the step's cached values: as if the batches never happened. A value the step logged on
-step level only is not logged for the skipped step; a key first logged in it is removed.
+step level only is not logged for the skipped step; a key first logged in it is removed. (Once the guard has
+given up, the failed steps are not hidden: the run stops with them in its logs.)
 """
 
 from __future__ import annotations
