@@ -59,9 +59,10 @@ class NaNGuard(pl.Callback):
          the recovery ladder plans what follows;
     4. ``on_train_batch_end``: a skipped step's metric updates and logged values are undone; the plan is
        carried out (clip from now on, cut the LR in a way schedulers keep, roll back to a known-good
-       snapshot, skip the next batches, give up: restore, then stop or raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file);
-       after a healthy step the parameters and buffers become a device flag for the next read, and a
-       snapshot is taken every ``recovery.snapshot_every`` healthy steps.
+       snapshot, skip the next batches, give up: restore, then stop or raise), the event is recorded
+       (``guard.events``, ``events.jsonl``, every logger, a report file); after a healthy step the
+       parameters and buffers become a device flag for the next read, and a snapshot is taken every
+       ``recovery.snapshot_every`` healthy steps.
 
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
     the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more

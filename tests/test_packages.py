@@ -70,7 +70,8 @@ def test_unified_class_behaves_the_same_in_a_lightning_pytorch_trainer(tmp_path)
         results.append(({k: v.clone() for k, v in model.state_dict().items()},
                         [e.to_dict() for e in guard.events]))
     (weights_pl, events_pl), (weights_l, events_l) = results
-    assert [(e["step"], e["kind"], e["actions"][0]) for e in events_l] == [(b, "loss", "skip_step") for b in NAN_BATCHES]
+    assert [(e["step"], e["kind"], e["actions"][0]) for e in events_l] == [
+        (b, "loss", "skip_step") for b in NAN_BATCHES]
     assert events_pl == events_l
     assert all(torch.equal(weights_pl[k], weights_l[k]) for k in weights_pl)
 

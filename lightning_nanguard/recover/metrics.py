@@ -72,7 +72,8 @@ class MetricUndo:
         if results:
             self._keys = set(results)
             logged = list(results.values())
-            metrics = [*metrics, *logged, *(getattr(r, "value", None) for r in logged if not getattr(r, "is_tensor", True))]
+            objects = [getattr(r, "value", None) for r in logged if not getattr(r, "is_tensor", True)]
+            metrics = [*metrics, *logged, *objects]
         else:
             self._keys = None if results is None else set()
         src: list[Tensor] = []
@@ -88,7 +89,7 @@ class MetricUndo:
                 saved = _Saved(metric)
             live[key] = saved
             state = metric.__dict__
-            saved.update_count = state["_update_count"]
+            saved.update_count = state.get("_update_count", 0)
             saved.forward_cache = state.get("_forward_cache")
             saved.has_reset = state.get("has_reset", _UNSET)
             if saved.lists:
@@ -103,7 +104,8 @@ class MetricUndo:
                     src.append(value)
                     dst.append(buf)
                 elif isinstance(value, Tensor):
-                    if buf is None or buf.shape != value.shape or buf.dtype != value.dtype or buf.device != value.device:
+                    if (buf is None or buf.shape != value.shape or buf.dtype != value.dtype
+                            or buf.device != value.device):
                         buf = tensors[attr] = torch.empty_like(value, memory_format=torch.contiguous_format)
                     saved.sources[attr] = value
                     src.append(value)
