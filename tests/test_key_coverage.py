@@ -65,6 +65,8 @@ KEY_TESTS: dict[str, list[str]] = {
     "recovery.confirm_after": [f"{PC}::test_confirm_after_takes_the_confirming_snapshot_sooner"],
     "recovery.skip_batches": [f"{PC}::test_skip_batches_after_rollback"],
     "recovery.on_give_up": [f"{PC}::test_every_batch_poisoned_ends_bounded_with_the_last_good_weights"],
+    "recovery.restore_at_end": [
+        "tests/test_train_end.py::test_restore_at_end_decides_whether_the_broken_final_weights_are_kept"],
     "logging.events_file": [f"{RC}::test_events_file_switch"],
     "logging.loggers": [f"{RC}::test_loggers_switch"],
     "logging.reports": [f"{RC}::test_reports_switch"],

@@ -87,6 +87,10 @@ class StepEvidence:
         self._loss_bad = flag if self._loss_bad is None else self._loss_bad | flag
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
+    def loss_bad(self) -> bool:
+        """Read the loss flag of the step so far (one sync: outside the step decision, incidents only)."""
+        return self._loss_bad is not None and not self._read and bool(self._loss_bad)
+
     def after_step(self, module: nn.Module) -> None:
         """After an optimizer step: the flag over every parameter and buffer, read with the next step's."""
         if self.check.parameters:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..detect.flags import any_nonfinite_flag
 from ..layouts import deepcopy_memo
+from ..recover.metrics import MetricUndo
 from ..tree import map_tensors
 from .recorders import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
                         is_compiled, public_name)
@@ -82,8 +83,10 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 @contextmanager
 def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Restore RNG, buffers, train modes and ``log``/``log_dict`` of ``module`` on exit."""
+    """Restore RNG, buffers, torchmetrics states, train modes and ``log``/``log_dict`` of ``module`` on exit."""
     rng = rng_state()
+    metrics = MetricUndo(module)  # a replayed training_step must not count its batch in the user's metrics again
+    metrics.arm()
     modes = {m: m.training for m in module.modules()}
     buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
     shadowed = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
@@ -104,6 +107,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
                 buf.copy_(saved)
         for m, mode in modes.items():
             m.training = mode
+        metrics.undo()
         set_rng_state(rng)
 
 
