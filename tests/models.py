@@ -258,6 +258,33 @@ class SquareNet(pl.LightningModule):
         net = nn.Sequential(nn.Linear(4, 8), Square(), nn.Linear(8, 1))
         self.net = torch.compile(net, backend=compile_net) if compile_net else net
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, dict):
+            x, y = batch["x"], batch["y"]
+        elif hasattr(batch, "x"):
+            x, y = batch.x, batch.y
+        else:
+            x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def overflow_data(bad_batch: Optional[int] = 2, batches: int = 8, batch_size: int = 8) -> TensorDataset:
+    """Regression data for :class:`SquareNet`; with ``bad_batch``, one feature of one sample of that batch is
+    1e25: finite, but its square overflows float32 (finite again in float64)."""
+    g = torch.Generator().manual_seed(0)
+    n = batches * batch_size
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    if bad_batch is not None:
+        x[batch_size * bad_batch + 4, 2] = 1e25
+    return TensorDataset(x, y)
+
+
 class MetricsClassifier(pl.LightningModule):
     """A classifier that reports like real training code: ``self.log("train_loss", on_step=True, on_epoch=True)``
     and torchmetrics objects updated in ``training_step`` (a ``MeanMetric`` of the loss, a ``MulticlassAccuracy``
@@ -285,29 +312,6 @@ class MetricsClassifier(pl.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if isinstance(batch, dict):
-            x, y = batch["x"], batch["y"]
-        elif hasattr(batch, "x"):
-            x, y = batch.x, batch.y
-        else:
-            x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-
-def overflow_data(bad_batch: Optional[int] = 2, batches: int = 8, batch_size: int = 8) -> TensorDataset:
-    """Regression data for :class:`SquareNet`; with ``bad_batch``, one feature of one sample of that batch is
-    1e25: finite, but its square overflows float32 (finite again in float64)."""
-    g = torch.Generator().manual_seed(0)
-    n = batches * batch_size
-    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
-    if bad_batch is not None:
-        x[batch_size * bad_batch + 4, 2] = 1e25
-    return TensorDataset(x, y)
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
         if batch_idx in self.drop:
