@@ -20,16 +20,17 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import test_diagnosis as T  # noqa: E402
+from tests import test_detection  # noqa: E402
+from tests import test_diagnosis as T  # noqa: E402
 from lightning_nanguard import NaNGuard  # noqa: E402
-from models import loader, regression_data  # noqa: E402
+from tests.models import loader, regression_data  # noqa: E402
 
 FAILED = []
 
@@ -79,7 +80,7 @@ def main() -> None:
         check(f"seed case {precision}", e.culprit == "decoder.features" and e.cause in ("overflow", "precision")
               and t.global_step < 10, info)
 
-    guard, model = NaNGuard(check={"activations": "always"}), T.SideBranch()
+    guard, model = NaNGuard(check={"activations": "always"}), test_detection.SideBranch()
     with torch.no_grad():
         model.aux[0].bias.fill_(-100.0)
     trainer(callbacks=[guard], max_steps=4).fit(model, loader(regression_data(128, 8), batch_size=32))

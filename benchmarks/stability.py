@@ -353,8 +353,8 @@ def main() -> None:
     lines = [f"Runs going wrong, {epochs} epoch(s), same seed and data per case ({stamp}; {machine()}; "
              "single-threaded, on a machine shared with other jobs: the numbers are deterministic, the times are not "
              "reported).", "",
-             "**Summary, `NaNGuard()` defaults** (first event: kind / cause at step; first non-finite step: without the "
-             "guard -> with it; final loss against the reference run)", "",
+             "**Summary, `NaNGuard()` defaults** (first event: kind / cause at step; first non-finite step: without "
+             "the guard -> with it; final loss against the reference run)", "",
              "| case | first event | first non-finite step | steps lost | LR cuts | rollbacks | gave up | final loss "
              "| reference | ratio |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for name, rows in results.items():
@@ -370,8 +370,8 @@ def main() -> None:
     lines.append("")
     for name, rows in results.items():
         lines += [f"**{name}**", "",
-                  "| setup | final loss | x reference | first non-finite step | non-finite steps | first event | events "
-                  "| LR cuts | rollbacks | skipped | clipped | steps lost | gave up |",
+                  "| setup | final loss | x reference | first non-finite step | non-finite steps | first event "
+                  "| events | LR cuts | rollbacks | skipped | clipped | steps lost | gave up |",
                   "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             ratio = "-" if r.get("ratio_to_reference") is None else f"{r['ratio_to_reference']:.2f}"

@@ -25,6 +25,7 @@ from .recover.recovery import Recovery
 from .report.events import NaNEvent
 from .report.progress import say
 from .report.recorder import Recorder
+from .usage_errors import usage_errors
 
 try:  # the callback works in both packages' Trainers; it subclasses the classic one
     import pytorch_lightning as pl
@@ -42,8 +43,9 @@ class NaNGuard(pl.Callback):
 
     One optimizer step, as the guard sees it:
 
-    1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers are backed
-       up, and with ``check.inputs: always`` its floating tensors become a device flag;
+    1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers, the module's
+       torchmetrics states and Lightning's logged aggregates are backed up (at the step's first micro-batch),
+       and with ``check.inputs: always`` its floating tensors become a device flag;
     2. ``on_before_backward``: the loss of each micro-batch becomes a device flag and a device sum;
     3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss flags and sum, the
        flag over the parameters and buffers written by the previous step, and the activation flag are
@@ -59,14 +61,16 @@ class NaNGuard(pl.Callback):
        - incident: the step is skipped without touching optimizer state (grads set to ``None``), its
          buffer writes are undone, the bad micro-batch is replayed to name the module, op and cause, and
          the recovery ladder plans what follows;
-    4. ``on_train_batch_end``: the plan is carried out (clip from now on, cut the LR in a way schedulers
-       keep, roll back to a known-good snapshot, skip the next batches, give up: restore, then stop or
-       raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file);
-       after a healthy step the parameters and buffers become a device flag for the next read, and a
-       snapshot is taken every ``recovery.snapshot_every`` healthy steps.
+    4. ``on_train_batch_end``: a skipped step's metric updates and logged values are undone; the plan is
+       carried out (clip from now on, cut the LR in a way schedulers keep, roll back to a known-good
+       snapshot, skip the next batches, give up: restore, then stop or raise), the event is recorded
+       (``guard.events``, ``events.jsonl``, every logger, a report file); after a healthy step the
+       parameters and buffers become a device flag for the next read, and a snapshot is taken every
+       ``recovery.snapshot_every`` healthy steps.
 
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
-    the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more.
+    the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more
+    (and the newest snapshot restored if fit ends while recovery is unfinished, ``recovery.restore_at_end``).
 
     Example::
 
@@ -110,13 +114,14 @@ class NaNGuard(pl.Callback):
         name: Optional[str] = None,
     ) -> None:
         super().__init__()
-        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
-            raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+        with usage_errors():  # under LightningCLI: a one-line parser error naming the key, not a traceback
+            if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+                raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+            base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
+            given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
+            sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
+            self.config = NaNGuardConfig(**sections)
         self.name = name
-        base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
-        given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
-        sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
-        self.config = NaNGuardConfig(**sections)
         self._build()
         self._resumed = False
 
@@ -221,6 +226,8 @@ class NaNGuard(pl.Callback):
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
+        elif self.config.recovery.restore_at_end:  # finite is not recovered: never end on a divergence under way
+            self._responder.unfinished_recovery(trainer, pl_module)
         self._stop_hooks()
         self._recorder.flush()
 
@@ -249,7 +256,7 @@ class NaNGuard(pl.Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):
-            self._recovery.step_start()
+            self._recovery.step_start(trainer)
         self._diagnoser.micro_batch()
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
@@ -326,6 +333,9 @@ class NaNGuard(pl.Callback):
         elif outcome is Outcome.SKIPPED and self._recovery.skip_batches_left > 0:
             self._recovery.skip_batches_left -= 1
             self._recovery.undo_buffers()
+        if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not self._recovery.stopped:
+            # a rescued step leaves no trace in what the user logged; a failed run (given up) is not hidden
+            self._recovery.undo_metrics()
         if outcome is Outcome.ROUTINE_OVERFLOW:  # log the lowered scale like a healthy step
             self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
         if self.config.logging.progress_bar:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+from .usage_errors import usage_errors
+
 __all__ = [
     "ConfigError",
     "CheckConfig",
@@ -66,6 +68,10 @@ class _Section:
     _section: typing.ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        with usage_errors():  # under LightningCLI: a one-line parser error naming the key, not a traceback
+            self._check()
+
+    def _check(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             path = f"{self._section}.{f.name}"
@@ -190,6 +196,9 @@ class RecoveryConfig(_Section):
                              lo=0)
     on_give_up: Literal["stop", "raise"] = _opt(
         "stop", "after restoring the last good weights: stop the Trainer, or raise NaNGuardError")
+    restore_at_end: bool = _opt(
+        True, "when fit ends while recovery is unfinished (the last steps were skipped incidents, or a rollback "
+              "is not yet confirmed), restore the newest known-good snapshot")
 
 
 @dataclass
@@ -225,8 +234,9 @@ class NaNGuardConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in SECTIONS.items():
-            object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
+        with usage_errors():
+            for name, cls in SECTIONS.items():
+                object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
 
     @classmethod
     def from_mapping(cls, data: Any, *, where: str = "") -> "NaNGuardConfig":
@@ -300,7 +310,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 return _coerce(path, value, arm)
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}{_bool_hint(value, tp)}")
+        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}{_bool_hint(value, tp)}"
+                          f"{_null_hint(path, value, tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -329,6 +340,16 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return value
     raise ConfigError(f"{path}: got {_show(value)} ({type(value).__name__}); allowed: {_describe(tp)}"
                       f"{_bool_hint(value, tp)}")
+
+
+def _null_hint(path: str, value: Any, tp: Any) -> str:
+    """jsonargparse hands ``--trainer.callbacks.init_args.clip.max_norm=null`` over as the string 'None' (and
+    drops the section's other keys): say how to write null on the command line."""
+    if value not in ("None", "null") or type(None) not in typing.get_args(tp):
+        return ""
+    section, _, key = path.partition(".")
+    return (f" (a dotted null on the LightningCLI command line arrives as the string {value!r}: set it "
+            f"through its section, --trainer.callbacks.init_args.{section}='{{{key}: null}}')")
 
 
 def _bool_hint(value: Any, tp: Any) -> str:

@@ -17,9 +17,9 @@ It is what the chaos tests of this package use, and it works on any LightningMod
 Where each kind is injected (``micro_batch`` selects the micro-batch of a gradient-accumulation window):
 
 =================== =========================================================================================
-``input``           ``on_train_batch_start``: one element of a floating tensor of the batch, in place; the
-                    original value is written back after the optimizer step, so a dataset that hands out
-                    views of its storage is not corrupted.
+``input``           ``on_train_batch_start``: one element of a floating tensor of the batch (of a sparse
+                    tensor: one stored value), in place; the original value is written back after the
+                    optimizer step, so a dataset that hands out views of its storage is not corrupted.
 ``loss``            ``on_before_backward``: the loss *value* becomes NaN/Inf and so does the gradient that
                     flows out of it (a tensor hook), as a real non-finite loss would; the autograd graph is
                     not modified (no in-place op on a saved tensor).
@@ -56,6 +56,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .layouts import raw_values
 from .tree import iter_tensors, map_tensors
 
 try:
@@ -312,13 +313,17 @@ class FaultInjector(pl.Callback):
 
     @staticmethod
     def _poison(t: Tensor, p: _Planned) -> tuple[int, ...]:
-        index = _element(t, p.rng)
+        values = raw_values(t.detach())  # a sparse gradient or parameter: one of its stored values
+        if values is None:
+            values = t.detach()
+        index = _element(values, p.rng)
         with torch.no_grad():
-            t.detach()[index] = _NUMBERS[p.value]
+            values[index] = _NUMBERS[p.value]
         return index
 
     def _poison_input(self, p: _Planned, batch: Any) -> None:
-        named = [(path, t) for path, t in iter_tensors(batch)]
+        # a sparse tensor: one of its stored values (a view of its storage, so the restore reaches it)
+        named = [(path, v) for path, v in ((p, raw_values(t)) for p, t in iter_tensors(batch)) if v is not None]
         where, tensor = self._pick(p, named)
         if tensor is None:
             self._mark(p, None, None, "the batch has no floating tensor")

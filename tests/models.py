@@ -1,8 +1,14 @@
-"""Small real LightningModules and data shared by the tests."""
+"""Small real LightningModules, data and pure helpers shared by the tests (``from .models import ...``).
+
+What a test builds under its ``tmp_path`` (Trainers, fits) comes from the fixtures of ``tests/conftest.py``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -23,6 +29,14 @@ def classification_data(n: int = 512, features: int = 16, classes: int = 4, seed
     y = torch.randint(0, classes, (n,), generator=g)
     x = centers[y] + torch.randn(n, features, generator=g)
     return TensorDataset(x, y)
+
+
+def poison_rows(data: TensorDataset, rows: list[int], value: float) -> TensorDataset:
+    """A copy of ``data`` whose input row ``rows[i]`` holds ``value`` (alternating sign) in feature ``i``."""
+    x = data.tensors[0].clone()
+    for i, r in enumerate(rows):
+        x[r, i % x.shape[1]] = value if i % 2 == 0 else -value
+    return TensorDataset(x, data.tensors[1])
 
 
 class Regression(pl.LightningModule):
@@ -80,6 +94,18 @@ class Classifier(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class NaNLossOnBatches(Regression):
+    """Regression (AdamW) whose loss is multiplied by NaN on the batches ``bad`` (NaN gradients everywhere)."""
+
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__(lr=0.02, optimizer="adamw")
+        self.bad = bad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx in self.bad else loss
+
+
 class EpsZeroEmbedding(pl.LightningModule):
     """Adam with ``eps=0`` and embedding rows no batch uses: their update is 0/0, so they turn NaN after the
     first step while every gradient stays finite (a classic silent failure)."""
@@ -102,6 +128,30 @@ def accuracy(model: pl.LightningModule, data: TensorDataset) -> float:
     x, y = data.tensors
     with torch.no_grad():
         return float((model(x).argmax(-1) == y).float().mean())
+
+
+def all_finite(module: nn.Module) -> bool:
+    """Every floating parameter and buffer of ``module`` is finite."""
+    return all(bool(torch.isfinite(t).all()) for t in list(module.parameters()) + list(module.buffers())
+               if t.is_floating_point())
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Bitwise equal state dicts (same keys, same weights and buffers)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def read_events(root: Any) -> list[dict]:
+    """The records of ``<root>/nanguard/events.jsonl`` (or of the file ``root`` itself)."""
+    path = Path(root)
+    path = path if path.is_file() else path / "nanguard" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def detected_steps(faults: Iterable[Any]) -> list[int]:
+    """Where the guard sees each fault: at its step, or one later for parameters (read with the next flags)."""
+    return sorted(s + (f.kind == ("parameter",)) for f in faults for s in f.steps)
 
 
 def loader(data: TensorDataset, batch_size: int = 32, shuffle: bool = False) -> DataLoader:
@@ -141,3 +191,150 @@ class SnapshotSpy(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._capture(trainer, pl_module)
+
+
+def graph(nodes: int = 12, features: int = 6, layout: torch.layout = torch.sparse_coo,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random undirected graph: its symmetric-normalised adjacency with self-loops as a sparse tensor in
+    ``layout`` (COO coalesced, or CSR/CSC), the dense 0/1 adjacency (a reconstruction target) and node
+    features."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.rand(nodes, nodes, generator=g) < 0.3).float().triu(1)
+    a = a + a.t()
+    target = a.clone()
+    a = a + torch.eye(nodes)
+    d = a.sum(1).rsqrt()
+    norm = (d[:, None] * a * d[None, :]).to_sparse_coo().coalesce()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        adj = norm if layout is torch.sparse_coo else norm.to_sparse(layout=layout)
+    return adj, target, torch.randn(nodes, features, generator=g)
+
+
+def graph_loader(x: torch.Tensor, batches: int = 8, adj: Optional[torch.Tensor] = None, seed: int = 1) -> DataLoader:
+    """``batches`` full-graph batches: noisy copies of the node features ``x`` (with ``adj`` in front when the
+    adjacency travels in the batch: ``(adj, x)``)."""
+    g = torch.Generator().manual_seed(seed)
+    items = [x + 0.1 * torch.randn(x.shape, generator=g) for _ in range(batches)]
+    data = [(adj.clone(), item) for item in items] if adj is not None else items
+    return DataLoader(data, batch_size=None)
+
+
+class SparseGraphAutoencoder(pl.LightningModule):
+    """Two GCN layers over a sparse normalised adjacency and an inner-product decoder (seed 000's graph
+    autoencoder). The adjacency is a sparse buffer, or travels in the batch as ``(adj, x)``."""
+
+    def __init__(self, adj: torch.Tensor, target: torch.Tensor, features: int, hidden: int = 8,
+                 lr: float = 1e-2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.register_buffer("adj", adj)
+        self.register_buffer("target", target)
+        self.encoder = nn.Linear(features, hidden)
+        self.gcn = nn.Linear(hidden, hidden)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        adj, x = batch if isinstance(batch, (tuple, list)) else (self.adj, batch)
+        h = torch.relu(adj @ self.encoder(x))
+        z = adj @ self.gcn(h)
+        return nn.functional.binary_cross_entropy_with_logits(z @ z.t(), self.target)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+class SquareNet(pl.LightningModule):
+    """Linear -> x*x -> Linear on ``(x, y)`` batches (a tuple, a dict, or anything with ``.x``/``.y``): a
+    finite but huge input feature overflows float32 in ``net.1``. ``compile_net``: a torch.compile backend
+    for the inner network (compiled as a submodule)."""
+
+    def __init__(self, compile_net: Optional[str] = None) -> None:
+        super().__init__()
+        net = nn.Sequential(nn.Linear(4, 8), Square(), nn.Linear(8, 1))
+        self.net = torch.compile(net, backend=compile_net) if compile_net else net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, dict):
+            x, y = batch["x"], batch["y"]
+        elif hasattr(batch, "x"):
+            x, y = batch.x, batch.y
+        else:
+            x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def overflow_data(bad_batch: Optional[int] = 2, batches: int = 8, batch_size: int = 8) -> TensorDataset:
+    """Regression data for :class:`SquareNet`; with ``bad_batch``, one feature of one sample of that batch is
+    1e25: finite, but its square overflows float32 (finite again in float64)."""
+    g = torch.Generator().manual_seed(0)
+    n = batches * batch_size
+    x, y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+    if bad_batch is not None:
+        x[batch_size * bad_batch + 4, 2] = 1e25
+    return TensorDataset(x, y)
+
+
+class MetricsClassifier(pl.LightningModule):
+    """A classifier that reports like real training code: ``self.log("train_loss", on_step=True, on_epoch=True)``
+    and torchmetrics objects updated in ``training_step`` (a ``MeanMetric`` of the loss, a ``MulticlassAccuracy``
+    also logged as a metric object, a ``SumMetric`` of the samples seen). SGD, no dropout: a run whose bad batches
+    are skipped equals, bitwise, one that never saw them.
+
+    Args:
+        drop: batch indices whose ``training_step`` returns None before touching anything (the reference run
+            for "as if the batch never happened").
+        manual: manual optimization, logging and updating the metrics after the optimizer step.
+    """
+
+    def __init__(self, features: int = 16, classes: int = 4, hidden: int = 32, lr: float = 0.1,
+                 drop: tuple[int, ...] = (), manual: bool = False) -> None:
+        super().__init__()
+        import torchmetrics
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.lr, self.drop = lr, set(drop)
+        self.automatic_optimization = not manual
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.loss_mean = torchmetrics.MeanMetric(nan_strategy="disable")  # a NaN loss would make it NaN
+        self.accuracy = MulticlassAccuracy(num_classes=classes)
+        self.seen = torchmetrics.SumMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+        if batch_idx in self.drop:
+            return None
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.loss_mean(loss.detach())
+        self.accuracy.update(logits.detach(), y)
+        self.log("train_acc", self.accuracy, on_step=False, on_epoch=True)
+        self.seen.update(torch.tensor(float(len(y))))
+        return loss if self.automatic_optimization else None
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def metric_states(self) -> dict[str, torch.Tensor]:
+        """Every torchmetrics state of the module, cloned (``Metric.metric_state``)."""
+        return {f"{name}.{attr}": value.detach().clone() for name, m in self.named_modules()
+                if hasattr(m, "metric_state") for attr, value in m.metric_state.items()}

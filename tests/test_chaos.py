@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -20,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.testing import FAULT_KINDS, Fault, FaultInjector
+from . import models
 
 STEPS_PER_EPOCH, EPOCHS = 32, 8  # 256 optimizer steps
 # Transient faults are not a too-high learning rate: the defaults' LR cuts (after every rollback and after
@@ -47,12 +47,9 @@ def val_loss(model: nn.Module) -> float:
         return float(nn.functional.cross_entropy(model(x), y))
 
 
-def all_finite(model: nn.Module) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in list(model.parameters()) + list(model.buffers())
-               if t.is_floating_point())
-
-
 def fit(tmp_path, callbacks, model=None, **trainer_kwargs):
+    """Seed 0, then train ``model`` (default: the cosine Classifier) on TRAIN for EPOCHS, under ``tmp_path``
+    (a plain function, not the ``fit`` fixture: the module-scoped clean run uses it too)."""
     pl.seed_everything(0, verbose=False)
     model = model or models.Classifier(scheduler="cosine")
     kwargs = dict(max_epochs=EPOCHS)
@@ -72,7 +69,7 @@ def clean(tmp_path_factory):
 def assert_recovered(model, trainer, guard, clean_loss, steps=STEPS_PER_EPOCH * EPOCHS, tol=0.10):
     assert trainer.global_step == steps and not trainer.should_stop  # finished, did not give up
     assert not any(a in ("stop", "raise") for e in guard.events for a in e.actions)
-    assert all_finite(model)
+    assert models.all_finite(model)
     loss = val_loss(model)
     assert abs(loss - clean_loss) <= tol * clean_loss, (loss, clean_loss)
     return loss
@@ -112,7 +109,7 @@ def test_random_faults_of_every_kind(tmp_path, clean, rate):
     unguarded = FaultInjector.at_rate(rate, seed=SEED)
     bare, _ = fit(tmp_path / "unguarded", [unguarded])
     assert [i.to_dict() for i in unguarded.log][:3] == [i.to_dict() for i in injector.log][:3]
-    assert not all_finite(bare) and not math.isfinite(val_loss(bare))
+    assert not models.all_finite(bare) and not math.isfinite(val_loss(bare))
     print(f"\nchaos rate={rate:.0%}: clean={clean:.4f} guarded={loss:.4f} ({loss / clean:.3f}x) "
           f"unguarded={val_loss(bare)} faults={dict(Counter(i.kind for i in applied))} "
           f"incidents={guard.counters['incidents']} rollbacks={guard.counters['rollbacks']}")
@@ -198,7 +195,7 @@ class RecordVal(pl.Callback):
 
 
 @pytest.mark.parametrize("kind", ["parameter", "loss", "input"])
-def test_fault_in_the_last_step_of_an_epoch(tmp_path, clean, kind):
+def test_fault_in_the_last_step_of_an_epoch(make_trainer, clean, kind):
     """The epoch's validation must not run on weights poisoned by its last step: they are checked (one
     host read per validation) and rolled back before it starts."""
     last = [STEPS_PER_EPOCH * e - 1 for e in (1, 2, 3)]
@@ -206,7 +203,7 @@ def test_fault_in_the_last_step_of_an_epoch(tmp_path, clean, kind):
     guard, record = NaNGuard(**NO_LR_CUTS), RecordVal()
     model = WithValidation(scheduler="cosine")
     pl.seed_everything(0, verbose=False)
-    trainer = models.trainer(tmp_path, [injector, guard, record], max_epochs=EPOCHS, num_sanity_val_steps=0)
+    trainer = make_trainer([injector, guard, record], max_epochs=EPOCHS, num_sanity_val_steps=0)
     trainer.fit(model, models.loader(TRAIN, shuffle=True), models.loader(VAL, batch_size=256))
     assert_recovered(model, trainer, guard, clean)
     assert len(record.losses) == EPOCHS and all(math.isfinite(v) for v in record.losses), record.losses
@@ -262,7 +259,7 @@ def test_injector_is_reproducible_and_never_touches_the_global_rng(tmp_path):
         assert torch.equal(v, model.state_dict()[k]), k
 
 
-def test_input_fault_writes_back_a_dataset_that_hands_out_views(tmp_path):
+def test_input_fault_writes_back_a_dataset_that_hands_out_views(make_trainer):
     x, y = (t.clone() for t in TRAIN.tensors)
     original = x.clone()
     batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 256, 32)]  # views into x, no collate copy
@@ -283,7 +280,7 @@ def test_input_fault_writes_back_a_dataset_that_hands_out_views(tmp_path):
     injector = FaultInjector(Fault("input", steps=[3], value="-inf"), seed=0)
     guard = NaNGuard(logging={"verbose": False})
     pl.seed_everything(0, verbose=False)
-    models.trainer(tmp_path, [injector, guard, Probe()], max_epochs=1).fit(models.Classifier(), Views())
+    make_trainer([injector, guard, Probe()], max_epochs=1).fit(models.Classifier(), Views())
     assert Probe.poisoned_steps == [3]  # the poison really went through the view into x...
     assert [(e.step, e.kind) for e in guard.events] == [(3, "input")]  # ...the guard saw it...
     assert torch.equal(x, original)  # ...and the data are intact afterwards

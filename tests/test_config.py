@@ -357,7 +357,7 @@ def test_empty_yaml_is_the_default_config(tmp_path):
     assert NaNGuard.from_yaml(write(tmp_path, "")).config == NaNGuard().config == NaNGuardConfig()
 
 
-# ------------------------------------------------------------------------------ shipped YAML + README
+# -------------------------------------------------------------------------- shipped YAML + docs table
 
 
 def _yaml_default(value) -> str:
@@ -379,14 +379,19 @@ def test_default_yaml_lists_every_key_with_its_code_default_and_a_comment():
             assert "# " in line, f"key without a one-line comment in default.yaml: {line!r}"
 
 
-def test_readme_configuration_reference_lists_every_key_and_default():
-    readme = (ROOT / "README.md").read_text()
-    assert "## Configuration reference" in readme
-    reference = readme.split("## Configuration reference", 1)[1].split("\n## ", 1)[0]
-    for key, default, _ in iter_keys():
-        row = next((line for line in reference.splitlines() if line.startswith(f"| `{key}` |")), None)
-        assert row is not None, f"README configuration reference misses {key} (python scripts/gen_config_docs.py)"
-        assert f"`{_yaml_default(default)}`" in row, f"README default of {key} differs from the code: {row}"
+def test_configuration_docs_list_every_key_with_its_code_default():
+    """docs/configuration.md's reference table has one row per key, in order, with the code's default, and
+    is exactly what scripts/gen_config_docs.py generates (so a changed help text or range shows too)."""
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    reference = docs.split("\n## Reference\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in reference.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [key for key, _, _ in iter_keys()], \
+        "docs/configuration.md must list every key, in order (python scripts/gen_config_docs.py)"
+    for row, (key, default, _) in zip(rows, iter_keys()):
+        assert row.split(" | ")[1] == f"`{_yaml_default(default)}`", f"docs default of {key} differs from the code: {row}"
+    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 @pytest.mark.parametrize("name", ["default", "debug", "pretraining", "finetune"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
@@ -13,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
-from .models import EpsZeroEmbedding, Regression, loader, regression_data, trainer
+from .models import EpsZeroEmbedding, Regression, loader, read_events, regression_data
 
 # ------------------------------------------------------------------------------------------------ models
 
@@ -82,34 +81,6 @@ class PaddedNorm(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-class SideBranch(pl.LightningModule):
-    """A module output that never reaches the loss goes NaN: only ``check.activations`` sees it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 1)
-        self.aux = nn.Sequential(nn.Linear(8, 4), LogAct())
-        self.last_aux: Any = None
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        self.last_aux = self.aux(x).detach()  # e.g. kept for logging
-        return nn.functional.mse_loss(self.linear(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class LogAct(nn.Module):
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.log(h)
-
-
-def _events(tmp_path: Any) -> list[dict]:
-    path = next(tmp_path.rglob("events.jsonl"))
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def _padded_data(n: int = 256, features: int = 8, zero_rows: tuple[int, ...] = (40,)) -> TensorDataset:
     data = regression_data(n, features)
     x, y = data.tensors
@@ -122,7 +93,7 @@ def _padded_data(n: int = 256, features: int = 8, zero_rows: tuple[int, ...] = (
 
 
 @pytest.mark.slow
-def test_seed_case_overflow_in_submodule_matmul(tmp_path: Any) -> None:
+def test_seed_case_overflow_in_submodule_matmul(tmp_path: Any, fit: Any) -> None:
     nodes, features = 2708, 64  # Cora's node count; fewer features than 1433 keep the test fast
     g = torch.Generator().manual_seed(0)
     x = torch.rand(nodes, features, generator=g)
@@ -131,8 +102,7 @@ def test_seed_case_overflow_in_submodule_matmul(tmp_path: Any) -> None:
     adj = adj / adj.sum(1, keepdim=True)
     data = DataLoader(TensorDataset(adj[None], x[None]), batch_size=1)
     guard = NaNGuard(recovery={"max_skips": 1, "max_rollbacks": 1}, anomaly={"max_replays": 2})
-    t = trainer(tmp_path, [guard], max_steps=50, max_epochs=50)
-    t.fit(GraphAutoencoder(features), data)
+    t = fit(GraphAutoencoder(features), data, [guard], max_steps=50, max_epochs=50)
 
     first = guard.events[0]
     assert first.kind == "loss"
@@ -150,12 +120,12 @@ def test_seed_case_overflow_in_submodule_matmul(tmp_path: Any) -> None:
     assert all(math.isfinite(float(p.detach().abs().max())) for p in t.lightning_module.parameters())
     report = next(tmp_path.rglob("incident-0001-*.txt")).read_text()
     assert "frames before the first non-finite value" in report and "decoder.features (0)" in report
-    assert _events(tmp_path)[0]["culprit"] == "decoder.features"
+    assert read_events(tmp_path)[0]["culprit"] == "decoder.features"
 
 
-def test_backward_singularity_names_module_and_op(tmp_path: Any) -> None:
+def test_backward_singularity_names_module_and_op(tmp_path: Any, make_trainer: Any) -> None:
     guard = NaNGuard()
-    t = trainer(tmp_path, [guard], max_epochs=1)
+    t = make_trainer([guard], max_epochs=1)
     model = PaddedNorm()
     t.fit(model, loader(_padded_data(), batch_size=32))
 
@@ -174,14 +144,13 @@ def test_backward_singularity_names_module_and_op(tmp_path: Any) -> None:
     assert "backward (module, grad wrt outputs -> grad wrt inputs)" in report and "rownorm" in report
 
 
-def test_replay_does_not_change_training(tmp_path: Any) -> None:
+def test_replay_does_not_change_training(fit: Any) -> None:
     weights = {}
     for mode in ("on_incident", "off"):
         pl.seed_everything(0, verbose=False)
         guard = NaNGuard(anomaly={"mode": mode})
         model = PaddedNorm()
-        t = trainer(tmp_path / mode, [guard], max_epochs=2)
-        t.fit(model, loader(_padded_data(), batch_size=32, shuffle=True))
+        fit(model, _padded_data(), [guard], subdir=mode, batch_size=32, shuffle=True, max_epochs=2)
         assert len(guard.events) == 2 and guard.counters["replays"] == (2 if mode == "on_incident" else 0)
         weights[mode] = {k: v.clone() for k, v in model.state_dict().items()}
     assert weights["on_incident"].keys() == weights["off"].keys()
@@ -190,15 +159,14 @@ def test_replay_does_not_change_training(tmp_path: Any) -> None:
     assert guard.events[0].culprit is None  # mode off: no replay, no module
 
 
-def test_nan_inputs_report_sample_indices(tmp_path: Any) -> None:
+def test_nan_inputs_report_sample_indices(fit: Any) -> None:
     data = regression_data(128, 8)
     x, y = data.tensors
     x = x.clone()
     x[5, 2] = float("nan")
     x[9, 6] = float("inf")
     guard = NaNGuard()
-    t = trainer(tmp_path, [guard], max_epochs=1)
-    t.fit(Regression(), loader(TensorDataset(x, y), batch_size=32))
+    t = fit(Regression(), TensorDataset(x, y), [guard], batch_size=32, max_epochs=1)
     ev = guard.events[0]
     assert ev.kind == "input" and ev.cause == "input" and ev.batch_idx == 0
     assert ev.details["inputs"][0]["samples"] == [5, 9]
@@ -207,13 +175,12 @@ def test_nan_inputs_report_sample_indices(tmp_path: Any) -> None:
     assert len(guard.events) == 1 and t.global_step == 4
 
 
-def test_adam_eps_zero_names_parameter_and_optimizer(tmp_path: Any) -> None:
+def test_adam_eps_zero_names_parameter_and_optimizer(fit: Any) -> None:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 10, (64,), generator=g)  # rows 10..19 are never used
     data = TensorDataset(tokens, torch.randn(64, generator=g))
     guard = NaNGuard()
-    t = trainer(tmp_path, [guard], max_steps=3)
-    t.fit(EpsZeroEmbedding(rows=20), DataLoader(data, batch_size=16))
+    fit(EpsZeroEmbedding(rows=20), data, [guard], batch_size=16, max_steps=3)
     ev = guard.events[0]
     assert ev.kind == "parameter" and ev.cause == "optimizer"
     assert ev.culprit == "emb.weight"
@@ -222,63 +189,23 @@ def test_adam_eps_zero_names_parameter_and_optimizer(tmp_path: Any) -> None:
     assert "eps" in ev.suggestion
 
 
-def test_inf_weight_before_fit_is_initialization(tmp_path: Any) -> None:
+def test_inf_weight_before_fit_is_initialization(fit: Any) -> None:
     model = Regression()
     with torch.no_grad():
         model.linear.weight[0, 3] = float("inf")
     guard = NaNGuard()
-    t = trainer(tmp_path, [guard], max_epochs=1)
-    t.fit(model, loader(regression_data(64), batch_size=32))
+    t = fit(model, regression_data(64), [guard], batch_size=32, max_epochs=1)
     ev = guard.events[0]
     assert ev.cause == "initialization" and ev.culprit == "linear.weight"
     assert ev.details["detected_at"] == "fit_start"
     assert "Xavier" in ev.suggestion and t.global_step == 0
 
 
-def test_healthy_run_performs_no_replay_and_leaves_no_hooks(tmp_path: Any) -> None:
-    seen = []
-
-    class Probe(pl.Callback):
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            seen.append((torch.is_anomaly_enabled(), len(pl_module.linear._forward_hooks)))
-
-    for anomaly, activations in (("on_incident", "on_incident"), ("always", "always")):
-        seen.clear()
-        guard = NaNGuard(anomaly={"mode": anomaly}, check={"activations": activations})
-        model = Regression()
-        t = trainer(tmp_path / anomaly, [guard, Probe()], max_epochs=1)
-        t.fit(model, loader(regression_data(128), batch_size=32))
-        assert guard.events == [] and guard.counters["replays"] == 0 and t.global_step == 4
-        assert all(s == ((True, 1) if anomaly == "always" else (False, 0)) for s in seen), seen
-        assert not torch.is_anomaly_enabled()
-        assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
-
-
-@pytest.mark.parametrize("activations", ["always", 2, "off"])
-def test_activation_flag_catches_unused_branch(tmp_path: Any, activations: Any) -> None:
-    data = regression_data(128, 8)
-    guard = NaNGuard(check={"activations": activations})
-    model = SideBranch()
-    with torch.no_grad():
-        model.aux[0].bias.fill_(-100.0)  # log of negative pre-activations -> NaN in aux, loss stays finite
-    t = trainer(tmp_path, [guard], max_steps=4)
-    t.fit(model, loader(data, batch_size=32))
-    if activations == "off":
-        assert guard.events == []
-        return
-    ev = guard.events[0]
-    assert ev.kind == "activation" and ev.step == 0
-    assert ev.culprit == "aux.1" and ev.op == "LogBackward0"
-    assert "domain" in ev.suggestion and "torch.log(h)" in ev.suggestion  # NaN in float64 too: a domain error
-    assert len(guard.events) == (4 if activations == "always" else 2)
-    assert all(not m._forward_hooks for m in model.modules())
-
-
-def test_anomaly_always_stops_at_the_op_and_cleans_up_on_exception(tmp_path: Any) -> None:
+def test_anomaly_always_stops_at_the_op_and_cleans_up_on_exception(tmp_path: Any, make_trainer: Any) -> None:
     """``anomaly.mode: always`` is a debugging mode: torch raises at the op; hooks and mode are restored."""
     guard = NaNGuard(anomaly={"mode": "always"}, check={"activations": "always"})
     model = PaddedNorm()
-    t = trainer(tmp_path, [guard], max_epochs=1)
+    t = make_trainer([guard], max_epochs=1)
     with pytest.raises(RuntimeError, match="returned nan values"):
         t.fit(model, loader(_padded_data(), batch_size=32))
     assert not torch.is_anomaly_enabled()
@@ -286,7 +213,7 @@ def test_anomaly_always_stops_at_the_op_and_cleans_up_on_exception(tmp_path: Any
     assert ev.actions == ["raise"] and ev.batch_idx == 1
     assert (ev.culprit, ev.op, ev.cause) == ("rownorm", "SqrtBackward0", "backward_op")
     assert ev.details["anomaly_error"]["op"] == "MulBackward0"
-    assert _events(tmp_path)[-1]["actions"] == ["raise"]
+    assert read_events(tmp_path)[-1]["actions"] == ["raise"]
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
@@ -318,19 +245,25 @@ class OverflowNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def _fit_overflow(tmp_path: Any, bad_steps: tuple[int, ...], depth: int = 4, **sections: Any) -> NaNGuard:
-    x, y = (t.clone() for t in regression_data(8 * 16).tensors)
-    for s in bad_steps:
-        x[16 * s + 3, 5] = 1e20
-    guard = NaNGuard(logging={"verbose": False}, **sections)
-    trainer(tmp_path, [guard], max_epochs=1).fit(OverflowNet(depth), loader(TensorDataset(x, y), batch_size=16))
-    assert [(e.step, e.kind) for e in guard.events] == [(s, "loss") for s in bad_steps]
-    return guard
+@pytest.fixture
+def fit_overflow(fit: Any) -> Any:
+    """``fit_overflow(bad_steps, depth=4, **sections)``: an epoch of OverflowNet whose ``bad_steps`` overflow."""
+
+    def run(bad_steps: tuple[int, ...], depth: int = 4, **sections: Any) -> NaNGuard:
+        x, y = (t.clone() for t in regression_data(8 * 16).tensors)
+        for s in bad_steps:
+            x[16 * s + 3, 5] = 1e20
+        guard = NaNGuard(logging={"verbose": False}, **sections)
+        fit(OverflowNet(depth), TensorDataset(x, y), [guard], batch_size=16, max_epochs=1)
+        assert [(e.step, e.kind) for e in guard.events] == [(s, "loss") for s in bad_steps]
+        return guard
+
+    return run
 
 
 @pytest.mark.parametrize("float64_check", [True, False])
-def test_float64_check_tells_overflow_from_a_real_nan(tmp_path: Any, float64_check: bool) -> None:
-    guard = _fit_overflow(tmp_path, (2,), anomaly={"float64_check": float64_check})
+def test_float64_check_tells_overflow_from_a_real_nan(fit_overflow: Any, float64_check: bool) -> None:
+    guard = fit_overflow((2,), anomaly={"float64_check": float64_check})
     ev = guard.events[0]
     assert (ev.culprit, ev.details["replay"]["reproduced"]) == ("square", True)
     if float64_check:
@@ -342,9 +275,9 @@ def test_float64_check_tells_overflow_from_a_real_nan(tmp_path: Any, float64_che
 
 
 @pytest.mark.parametrize("max_replays", [0, 1, 10])
-def test_max_replays_bounds_the_replays_and_reuses_the_last_diagnosis(tmp_path: Any, max_replays: int) -> None:
+def test_max_replays_bounds_the_replays_and_reuses_the_last_diagnosis(fit_overflow: Any, max_replays: int) -> None:
     bad = (1, 3, 5)
-    guard = _fit_overflow(tmp_path, bad, anomaly={"max_replays": max_replays})
+    guard = fit_overflow(bad, anomaly={"max_replays": max_replays})
     replayed = min(max_replays, len(bad))
     assert guard.counters["replays"] == replayed
     for i, ev in enumerate(guard.events):
@@ -365,9 +298,9 @@ def _frame_rows(tmp_path: Any) -> list[str]:
 
 
 @pytest.mark.parametrize("frames", [2, 21])
-def test_frames_is_the_number_of_module_frames_in_the_report(tmp_path: Any, frames: int) -> None:
+def test_frames_is_the_number_of_module_frames_in_the_report(tmp_path: Any, fit_overflow: Any, frames: int) -> None:
     depth = 6
-    _fit_overflow(tmp_path, (1,), depth=depth, anomaly={"frames": frames})
+    fit_overflow((1,), depth=depth, anomaly={"frames": frames})
     rows = _frame_rows(tmp_path)
     calls = depth + 2  # body.0 .. body.5, body (post-order), square: the first call with a non-finite output
     assert len(rows) == min(frames, calls)

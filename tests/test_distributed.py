@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from . import models
+
 SCRIPT = Path(__file__).parent / "ddp_scripts" / "ddp_guard.py"
 BAD_STEPS = [3, 8, 13, 14, 15, 16, 20]  # the script's BAD batches, one optimizer step each
 
@@ -33,6 +35,7 @@ def ddp_run(tmp_path_factory):
     return out, ranks
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_rank_local_nan_gives_identical_decisions_and_weights(ddp_run):
     out, (r0, r1) = ddp_run
@@ -55,6 +58,7 @@ def test_rank_local_nan_gives_identical_decisions_and_weights(ddp_run):
     assert r0["lrs"] == r1["lrs"] and r0["lr_scale"] == r1["lr_scale"] < 1.0
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_sinks_are_written_by_rank_zero_only(ddp_run):
     out, (r0, _) = ddp_run
@@ -65,6 +69,7 @@ def test_sinks_are_written_by_rank_zero_only(ddp_run):
     assert len(list((out / "nanguard").glob("incident-*.txt"))) == len(BAD_STEPS)
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
     _, ranks = ddp_run
@@ -85,6 +90,7 @@ def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
                 assert names.count("all_reduce") == 1 and "all_gather_object" in names, (batch_idx, names)
 
 
+@pytest.mark.slow  # the module's one spawned 2-process run takes ~10 s
 @pytest.mark.ddp
 def test_sharded_norm_is_completed_by_the_same_all_reduce(ddp_run):
     _, ranks = ddp_run
@@ -105,7 +111,6 @@ def test_fsdp_single_device_skips_and_rolls_back(tmp_path):
     """
     import pytorch_lightning as pl
 
-    import models
     from lightning_nanguard import NaNGuard
     from lightning_nanguard.detect.sync import shards_gradients
 

@@ -265,3 +265,71 @@ def test_rollback_goes_to_a_snapshot_from_before_the_onset(tmp_path: Any) -> Non
     onset = event.details["divergence"]["onset_step"]
     assert event.kind == "divergence" and event.step > onset + 1  # snapshots were due in between
     assert event.details["restored_step"] == onset
+
+
+# --------------------------------------------------------------------------------------------- the keys
+
+
+def _demo_run(tmp_path: Any, steps: int = 16, **sections: Any) -> tuple[NaNGuard, Regression, LossTrace]:
+    """The demo's failure (the loss grows 5-20x per step from step 0), ``steps`` steps, with ``sections``."""
+    pl.seed_everything(0, verbose=False)
+    guard, model, trace = NaNGuard(logging={"verbose": False}, **sections), Regression(lr=1.5), LossTrace()
+    trainer(tmp_path, [trace, guard], max_steps=steps).fit(model, loader(regression_data(n=512)))
+    return guard, model, trace
+
+
+@pytest.mark.parametrize("mode", ["off", "warn", "act"])
+def test_check_divergence_off_warn_act(tmp_path: Any, mode: str) -> None:
+    """check.divergence: off sees nothing, warn records the event and leaves training bitwise alone, act rolls
+    back and cuts the LR."""
+    pl.seed_everything(0, verbose=False)
+    plain = Regression(lr=1.5)
+    trainer(tmp_path / "plain", [], max_steps=16).fit(plain, loader(regression_data(n=512)))
+    guard, model, trace = _demo_run(tmp_path / mode, check={"divergence": mode})
+    same = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+    events = [(e.kind, e.actions[-1]) for e in guard.events]
+    assert events == {"off": [], "warn": [("divergence", "warn")], "act": [("divergence", "reduce_lr")]}[mode]
+    assert same == (mode != "act") and (guard.lr_scale < 1) == (mode == "act")
+    assert all(math.isfinite(v) for v in trace.losses)
+
+
+@pytest.mark.parametrize("steps", [2, 3, 5])
+def test_check_divergence_steps_is_the_length_of_the_growth_streak(tmp_path: Any, steps: int) -> None:
+    guard, _, _ = _demo_run(tmp_path, check={"divergence_steps": steps})
+    first = guard.events[0]
+    assert (first.kind, first.step, first.details["divergence"]["rule"]) == ("divergence", steps, "loss_growth")
+    assert len(first.details["divergence"]["losses"]) == steps + 1
+
+
+def test_check_divergence_growth_is_the_per_step_factor(tmp_path: Any) -> None:
+    """The demo's loss grows 5-20x per step: a streak at growth 2, none at growth 30 (the far-above rule, which
+    does not look at the factor, then fires a few steps later)."""
+    default, _, _ = _demo_run(tmp_path / "2")
+    high, _, trace = _demo_run(tmp_path / "30", check={"divergence_growth": 30.0})
+    assert [(e.step, e.details["divergence"]["rule"]) for e in default.events] == [(3, "loss_growth")]
+    ratios = [b / a for a, b in zip(trace.losses, trace.losses[1:])]
+    rules = [(e.step, e.details["divergence"]["rule"]) for e in high.events if "divergence" in e.details]
+    assert max(ratios[:8]) < 30 and [rule for _, rule in rules] == ["loss_above_first"] and rules[0][0] > 3
+
+
+@pytest.mark.parametrize("factor, caught", [(100.0, True), (1e4, False)])
+def test_check_divergence_factor_is_how_far_above_the_first_loss(tmp_path: Any, factor: float, caught: bool) -> None:
+    """AdamW at lr=10 holds the loss at ~300-800x its first value: above a factor of 100, below one of 1e4."""
+    guard = NaNGuard(check={"divergence_factor": factor}, logging={"verbose": False})
+    model = GPT(lr=10.0)
+    trainer(tmp_path, [guard], max_steps=10, max_epochs=10).fit(model, DataLoader(tokens(n=128), batch_size=16))
+    assert max(model.losses[1:6]) < 1e4 * model.losses[0] < 1e4 * min(model.losses[1:6]) * 100
+    assert [(e.step, e.details["divergence"]["rule"]) for e in guard.events if "divergence" in e.details] == (
+        [(guard.config.check.divergence_steps + 2, "loss_above_first")] if caught else [])
+    assert bool(guard.events) == caught
+
+
+@pytest.mark.parametrize("factor", [0.1, 0.01])
+def test_recovery_divergence_lr_factor_is_the_cut_unless_the_diagnosis_asks_for_more(tmp_path: Any,
+                                                                                     factor: float) -> None:
+    """At least divergence_lr_factor; further when the relative update says the LR is still unsafe."""
+    guard, _, _ = _demo_run(tmp_path, recovery={"divergence_lr_factor": factor})
+    rel = guard.events[0].details["relative_update"]
+    safe = rel["safe_lr"] / rel["lr"]
+    assert 0.01 < safe < 0.1  # measured: ~0.05 for this run
+    assert guard.lr_scale == pytest.approx(min(factor, safe))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from . import models
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
+from . import models
 
 
 class SkipSteps(pl.Callback):
@@ -33,11 +33,7 @@ class SkipSteps(pl.Callback):
                     p.grad = None
 
 
-def same_weights(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-
-
-def test_accumulation_poisoned_micro_batch_skips_exactly_its_step(tmp_path):
+def test_accumulation_poisoned_micro_batch_skips_exactly_its_step(fit):
     data = models.regression_data(n=8 * 24)
     x, y = data.tensors
     poisoned_x = x.clone()
@@ -45,15 +41,14 @@ def test_accumulation_poisoned_micro_batch_skips_exactly_its_step(tmp_path):
     guarded = models.Regression(lr=0.02, optimizer="adamw")
     reference = copy.deepcopy(guarded)
     guard = NaNGuard()
-    trainer = models.trainer(tmp_path, [guard], max_steps=6, accumulate_grad_batches=4)
-    trainer.fit(guarded, models.loader(TensorDataset(poisoned_x, y), batch_size=8))
+    fit(guarded, TensorDataset(poisoned_x, y), [guard], batch_size=8, max_steps=6, accumulate_grad_batches=4)
     assert [(e.step, e.kind, e.batch_idx) for e in guard.events] == [(1, "input", 7)]  # decided at the step
     assert [f["micro_batch"] for f in guard.events[0].details["inputs"]] == [2]
     assert guard.counters["skipped_steps"] == 1
     # reference: clean data, optimizer step 1 skipped by hand; every other step identical
-    trainer = models.trainer(tmp_path / "ref", [SkipSteps({1})], max_steps=6, accumulate_grad_batches=4)
-    trainer.fit(reference, models.loader(TensorDataset(x, y), batch_size=8))
-    assert same_weights(guarded, reference)
+    fit(reference, TensorDataset(x, y), [SkipSteps({1})], subdir="ref", batch_size=8, max_steps=6,
+        accumulate_grad_batches=4)
+    assert models.same_weights(guarded, reference)
 
 
 class TwoOptimizers(pl.LightningModule):
@@ -89,20 +84,19 @@ class TwoOptimizers(pl.LightningModule):
                 torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9))
 
 
-def test_manual_optimization_guards_each_optimizer_step(tmp_path):
+def test_manual_optimization_guards_each_optimizer_step(fit):
     data = models.regression_data(n=8 * 10)
     guarded = TwoOptimizers(poison={"gen": {3}, "disc": {6}}, skip={})
     reference = copy.deepcopy(guarded)
     reference.poison, reference.skip = {}, {"gen": {3}, "disc": {6}}
     guard = NaNGuard(recovery={"reduce_lr_after": 0}, clip={"adaptive": "off"})  # skips only: comparable
-    trainer = models.trainer(tmp_path, [guard], max_epochs=1)
-    trainer.fit(guarded, models.loader(data, batch_size=8))
+    fit(guarded, data, [guard], batch_size=8, max_epochs=1)
     # two optimizer steps per batch: gen at step 2*b, disc at step 2*b + 1
     assert [(e.step, e.batch_idx, e.kind) for e in guard.events] == [(6, 3, "loss"), (13, 6, "loss")]
     assert guard.counters["skipped_steps"] == 2
     # a NaN in the generator's loss does not leak into the discriminator's step of the same batch
-    models.trainer(tmp_path / "ref", [], max_epochs=1).fit(reference, models.loader(data, batch_size=8))
-    assert same_weights(guarded, reference)
+    fit(reference, data, subdir="ref", batch_size=8, max_epochs=1)
+    assert models.same_weights(guarded, reference)
 
 
 def _package_module(base: type) -> type:
@@ -124,7 +118,7 @@ def _package_module(base: type) -> type:
 
 
 @pytest.mark.parametrize("package", ["pytorch_lightning", "lightning.pytorch"])
-def test_both_packages_run_the_same_guard(tmp_path, package):
+def test_both_packages_run_the_same_guard(tmp_path, fit, package):
     import importlib
 
     pkg = importlib.import_module(package)
@@ -146,6 +140,6 @@ def test_both_packages_run_the_same_guard(tmp_path, package):
     reference.load_state_dict(expected)
     clean_x = x.clone()
     clean_x[4 * 8, 0] = 0.0
-    ref_trainer = models.trainer(tmp_path / "ref", [SkipSteps({4})], max_epochs=1, deterministic=False)
-    ref_trainer.fit(reference, DataLoader(TensorDataset(clean_x, y), batch_size=8))
-    assert same_weights(model, reference)
+    fit(reference, TensorDataset(clean_x, y), [SkipSteps({4})], subdir="ref", batch_size=8, max_epochs=1,
+        deterministic=False)
+    assert models.same_weights(model, reference)

@@ -1,15 +1,16 @@
-"""Prevention: z-score clipping statistics, loss-spike detection and unit-wise AGC, alone and in a real Trainer."""
+"""Prevention: gradient clipping (fixed, z-score adaptive, unit-wise AGC) and loss-spike detection, alone and in
+a real Trainer."""
 
 from __future__ import annotations
 
 import json
-import pytorch_lightning as pl
 import math
 import random
 import statistics
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 
@@ -17,7 +18,9 @@ from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect.spikes import RunningStats, SpikeDetector
 from lightning_nanguard.incidents import SPIKES_BEFORE_LR_CUT
 from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
-from .models import Classifier, Regression, classification_data, loader, regression_data, trainer
+from lightning_nanguard.testing import Fault, FaultInjector
+from . import models
+from .models import Classifier, Regression, classification_data, regression_data, same_weights
 
 
 # ------------------------------------------------------------------------------------------ statistics
@@ -167,38 +170,10 @@ class SpikyRegression(Regression):
         return loss + 1000.0 if hit and self.mode == "offset" else loss
 
 
-def _fit(tmp_path: Any, model: Any, guard: Any = None, epochs: int = 3, data: Any = None, **kw: Any) -> Any:
-    tr = trainer(tmp_path, callbacks=[guard] if guard is not None else [], max_epochs=epochs, **kw)
-    tr.fit(model, loader(data if data is not None else regression_data(), shuffle=True))
-    return tr
-
-
-def _same_weights(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-
-
-def test_healthy_adamw_onecycle_dropout_run_has_no_events_and_identical_weights(tmp_path: Any) -> None:
-    import pytorch_lightning as pl
-
-    data = classification_data()
-    pl.seed_everything(0, verbose=False)
-    plain = Classifier(scheduler="onecycle", dropout=0.2)
-    _fit(tmp_path / "plain", plain, epochs=8, data=data)
-    pl.seed_everything(0, verbose=False)
-    guarded = Classifier(scheduler="onecycle", dropout=0.2)
-    guard = NaNGuard()
-    _fit(tmp_path / "guarded", guarded, guard, epochs=8, data=data)
-
-    assert guard._losses.detector.stats.count == 128 and guard._losses.detector.stats.ready  # detection was live for 78 steps
-    assert guard._clipper.zclip.threshold() is not None
-    assert guard.events == [] and guard.counters["spikes"] == 0 and guard.counters["clipped_steps"] == 0
-    assert _same_weights(plain, guarded)
-
-
-def test_bad_batch_spike_is_one_event_and_skipped(tmp_path: Any) -> None:
+def test_bad_batch_spike_is_one_event_and_skipped(tmp_path: Any, fit: Any) -> None:
     guard = NaNGuard(check={"spike_action": "skip_step", "spike_warmup": 20})
     model = SpikyRegression(at=30, mode="input")
-    _fit(tmp_path, model, guard)
+    fit(model, regression_data(), [guard], shuffle=True, max_epochs=3)
     assert [e.kind for e in guard.events] == ["spike"]
     event = guard.events[0]
     assert event.step == 30 and event.actions == ["skip_step"]
@@ -212,43 +187,44 @@ def test_bad_batch_spike_is_one_event_and_skipped(tmp_path: Any) -> None:
     assert float(nn.functional.mse_loss(model(x).detach(), y)) < 0.05  # the x1000 step never reached the weights
 
 
-def test_unguarded_bad_batch_wrecks_the_same_run(tmp_path: Any) -> None:
+def test_unguarded_bad_batch_wrecks_the_same_run(fit: Any) -> None:
     """The control for the test above: without the skip the x1000 batch ruins the weights."""
     model = SpikyRegression(at=30, mode="input")
-    _fit(tmp_path, model)
+    fit(model, regression_data(), shuffle=True, max_epochs=3)
     x, y = regression_data().tensors
     loss = float(nn.functional.mse_loss(model(x).detach(), y))
     assert not math.isfinite(loss) or loss > 1.0
 
 
-def test_warn_spike_records_but_changes_nothing(tmp_path: Any) -> None:
+def test_warn_spike_records_but_changes_nothing(fit: Any) -> None:
     import pytorch_lightning as pl
 
     pl.seed_everything(0, verbose=False)
     plain = SpikyRegression(at=30, mode="offset")
-    _fit(tmp_path / "plain", plain)
+    fit(plain, regression_data(), subdir="plain", shuffle=True, max_epochs=3)
     pl.seed_everything(0, verbose=False)
     guarded = SpikyRegression(at=30, mode="offset")
     guard = NaNGuard(check={"spike_warmup": 20})  # spike_action: warn (the default)
-    _fit(tmp_path / "guarded", guarded, guard)
+    fit(guarded, regression_data(), [guard], subdir="guarded", shuffle=True, max_epochs=3)
     assert [(e.kind, e.step, e.actions) for e in guard.events] == [("spike", 30, ["warn"])]
     assert guard.events[0].cause == "unknown"  # the gradient was normal: only the loss value jumped
-    assert _same_weights(plain, guarded)
+    assert same_weights(plain, guarded)
 
 
-def test_reduce_lr_spike_cuts_the_lr_without_climbing_the_ladder(tmp_path: Any) -> None:
+def test_reduce_lr_spike_cuts_the_lr_without_climbing_the_ladder(fit: Any) -> None:
     guard = NaNGuard(check={"spike_action": "reduce_lr", "spike_warmup": 20}, recovery={"lr_factor": 0.25})
     model = SpikyRegression(at=30, mode="offset")
-    tr = _fit(tmp_path, model, guard)
+    tr = fit(model, regression_data(), [guard], shuffle=True, max_epochs=3)
     assert [(e.kind, e.actions) for e in guard.events] == [("spike", ["reduce_lr"])]
     event = guard.events[0]
     assert event.details["lr_before"] == [0.05] and event.details["lr_after"] == [pytest.approx(0.0125)]
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0125)
     assert guard.lr_scale == 0.25 and guard.counters["lr_cuts"] == 1
-    assert guard.counters["incidents"] == 0 and guard._recovery.ladder.consecutive == 0 and not guard._recovery.ladder.adaptive_clip
+    assert guard.counters["incidents"] == 0 and guard._recovery.ladder.consecutive == 0
+    assert not guard._recovery.ladder.adaptive_clip
 
 
-def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clipping(tmp_path: Any) -> None:
+def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clipping(fit: Any) -> None:
     import pytorch_lightning as pl
 
     seen: list[float] = []
@@ -261,8 +237,7 @@ def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clippin
 
     guard = NaNGuard(check={"spike_action": "clip", "spike_warmup": 20})
     model = SpikyRegression(at=30, mode="input")
-    tr = trainer(tmp_path, callbacks=[guard, Probe()], max_epochs=3)
-    tr.fit(model, loader(regression_data(), shuffle=True))
+    fit(model, regression_data(), [guard, Probe()], shuffle=True, max_epochs=3)
     spikes = [e for e in guard.events if e.kind == "spike"]
     assert spikes and spikes[0].step == 30 and spikes[0].actions == ["clip"]
     assert seen == [pytest.approx(spikes[0].details["clip_to"], rel=1e-4)]
@@ -271,7 +246,7 @@ def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clippin
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_agc_in_a_trainer_bounds_every_unit(tmp_path: Any) -> None:
+def test_agc_in_a_trainer_bounds_every_unit(fit: Any) -> None:
     import pytorch_lightning as pl
 
     worst: list[float] = []
@@ -284,14 +259,13 @@ def test_agc_in_a_trainer_bounds_every_unit(tmp_path: Any) -> None:
 
     guard = NaNGuard(clip={"agc_clip_factor": 0.01})
     model = Classifier()
-    tr = trainer(tmp_path, callbacks=[guard, Probe()], max_epochs=1)
-    tr.fit(model, loader(classification_data(), shuffle=True))
+    fit(model, classification_data(), [guard, Probe()], shuffle=True, max_epochs=1)
     assert len(worst) == 16 * 6 and max(worst) <= 1 + 1e-5 and max(worst) > 0.99  # clipping was active
     assert guard.events == []
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it_never_stops(tmp_path: Any) -> None:
+def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it_never_stops(fit: Any) -> None:
     import pytorch_lightning as pl
 
     steps: list[tuple[int, float, float, Any]] = []  # (step, norm before, norm after, threshold used)
@@ -304,10 +278,10 @@ def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it
                           used))
 
     # the divergence watch (issue 13) would act at step 3, long before clipping warms up: this pins clipping alone
-    guard = NaNGuard(clip={"adaptive": "always", "warmup_steps": 10}, check={"spike_action": "off", "divergence": "off"})
+    guard = NaNGuard(clip={"adaptive": "always", "warmup_steps": 10},
+                     check={"spike_action": "off", "divergence": "off"})
     model = Regression(lr=1.5)  # past the SGD stability edge: the norms grow until clipping holds them
-    tr = trainer(tmp_path, callbacks=[guard, Probe()], max_epochs=2)
-    tr.fit(model, loader(regression_data(), shuffle=True))
+    tr = fit(model, regression_data(), [guard, Probe()], shuffle=True, max_epochs=2)
     clipped = [(s, before, after) for s, before, after, _ in steps if after < before * (1 - 1e-6)]
     assert clipped, "adaptive clipping never acted"
     assert all(s >= 10 for s, _, _ in clipped)  # never during the warm-up
@@ -332,104 +306,14 @@ def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it
         replay.update(before)
 
 
-def test_guard_state_dict_carries_the_statistics() -> None:
-    a = NaNGuard()
-    for v in range(1, 40):
-        a._clipper.zclip.update(float(v))
-        a._losses.detector.observe(float(v % 5))
-    b = NaNGuard()
-    b.load_state_dict(a.state_dict())
-    assert b._clipper.zclip.state_dict() == a._clipper.zclip.state_dict() and b._losses.detector.state_dict() == a._losses.detector.state_dict()
-    c = NaNGuard()  # a version-1 state dict: one flat dict of counters and statistics
-    c.load_state_dict({"counters": {"incidents": 3, "rollbacks": 1}, "lr_scale": 0.25, "event_index": 4,
-                       "norm_ema": {"count": 30, "mean": 2.0, "var": 0.25}})
-    assert c._clipper.zclip.threshold() == pytest.approx(2.0 + 2.5 * 0.5)
-    assert c.lr_scale == 0.25 and c.counters["incidents"] == 3 and c.counters["rollbacks"] == 1
-    assert c._recorder.state_dict()["index"] == 4
-
-
-# ------------------------------------------------------------------------- hot-path helpers (checks.py)
-
-
-def test_total_norm_is_bitwise_get_total_norm() -> None:
-    from lightning_nanguard.detect import flags as checks
-    from lightning_nanguard.detect.state import StateCheck
-
-    torch.manual_seed(0)
-    grads = [torch.randn(s) * 3 for s in [(16, 8), (16,), (4, 3, 3), ()]]
-    for norm_type in (2.0, 1.0, math.inf):
-        assert torch.equal(checks.total_norm(grads, norm_type), torch.nn.utils.get_total_norm(grads, norm_type))
-    mixed = grads + [torch.randn(5, dtype=torch.float64)]  # several dtypes: torch's own path
-    assert torch.equal(checks.total_norm(mixed), torch.nn.utils.get_total_norm(mixed))
-
-
-def test_state_check_sees_in_place_writes_new_storage_and_huge_finite_values() -> None:
-    from lightning_nanguard.detect import flags as checks
-    from lightning_nanguard.detect.state import StateCheck
-
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1), nn.Linear(1100, 1000))
-    check = StateCheck()
-    assert not bool(check.flag(model))
-    weight = model[0].weight
-    with torch.no_grad():
-        weight[3, 2] = float("nan")  # in place: the cached views see it
-    assert bool(check.flag(model))
-    with torch.no_grad():
-        weight[3, 2] = 0.0
-        model[1].running_var[0] = float("inf")  # a buffer
-    assert bool(check.flag(model))
-    with torch.no_grad():
-        model[1].running_var[0] = 1.0
-        model[3].weight[0, 0] = float("-inf")  # a large tensor (aminmax path)
-    assert bool(check.flag(model))
-    with torch.no_grad():
-        model[3].weight[0, 0] = 3e38  # huge but finite: no overflow to a false alarm
-    assert not bool(check.flag(model))
-    model[2].bias.data = torch.full((1,), float("nan"))  # storage replaced: re-collected
-    assert bool(check.flag(model))
-
-
-class NaNLossRegression(Regression):
-    """Healthy nn.Linear + SGD whose loss is NaN at the given optimizer steps."""
-
-    def __init__(self, nan_steps: tuple[int, ...]) -> None:
-        super().__init__(lr=0.05)
-        self.nan_steps = nan_steps
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if self.global_step in self.nan_steps else loss
-
-
-def test_rollback_restores_the_running_statistics_of_the_snapshot(tmp_path: Any) -> None:
-    """Statistics gathered while a run diverged would blind adaptive clipping and spike detection after the
-    rollback: they are part of the known-good state."""
-    import pytorch_lightning as pl
-
-    seen: list[tuple[dict, dict, dict, dict]] = []
-
-    class Probe(pl.Callback):  # after the guard's on_train_batch_end, i.e. after the rollback
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-            if guard.counters["rollbacks"] and not seen:
-                meta = guard._recovery.store.newest.meta
-                seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"], guard._losses.detector.state_dict()))
-
-    guard = NaNGuard()  # snapshot every 50 steps; 4 NaN losses in a row: skip x3, then roll back
-    tr = trainer(tmp_path, callbacks=[guard, Probe()], max_epochs=5)
-    tr.fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), loader(regression_data(), shuffle=True))
-    assert guard.counters["rollbacks"] == 1 and guard._recovery.store.newest.step >= 50
-    (zclip_snap, zclip_now, loss_snap, loss_now), = seen
-    assert zclip_now == zclip_snap and loss_now == loss_snap and zclip_now["count"] >= 50
-
-
-def test_repeated_spikes_cut_the_lr_even_when_the_action_is_warn(tmp_path: Any) -> None:
+def test_repeated_spikes_cut_the_lr_even_when_the_action_is_warn(fit: Any) -> None:
     class ThreeSpikes(SpikyRegression):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = super().training_step(batch, batch_idx)
             return loss + 1000.0 if self.global_step in (30, 34, 38) else loss
 
     guard = NaNGuard(check={"spike_warmup": 20})  # spike_action: warn
-    tr = _fit(tmp_path, ThreeSpikes(at=-1, mode="offset"), guard)
+    tr = fit(ThreeSpikes(at=-1, mode="offset"), regression_data(), [guard], shuffle=True, max_epochs=3)
     assert SPIKES_BEFORE_LR_CUT == 3
     assert [(e.kind, e.step, e.actions) for e in guard.events] == [
         ("spike", 30, ["warn"]), ("spike", 34, ["warn"]), ("spike", 38, ["reduce_lr"])]
@@ -463,37 +347,43 @@ class ScriptedLoss(Regression):
         return loss * float("nan") if self.global_step == self.nan_at else loss
 
 
-def _fit_scripted(tmp_path: Any, model: Any, check: dict, extra: Any = None) -> Any:
-    guard = NaNGuard(check=check, logging={"verbose": False})
-    steps = len(model.values)
-    tr = trainer(tmp_path, callbacks=[guard] + ([extra] if extra else []), max_steps=steps)
-    tr.fit(model, loader(regression_data(16 * steps), batch_size=16))
-    return guard
+@pytest.fixture
+def fit_scripted(fit: Any) -> Any:
+    """``fit_scripted(model, check, extra=None, subdir=None)``: one step per scripted loss; returns the guard."""
+
+    def run(model: Any, check: dict, extra: Any = None, subdir: Any = None) -> NaNGuard:
+        guard = NaNGuard(check=check, logging={"verbose": False})
+        steps = len(model.values)
+        fit(model, regression_data(16 * steps), [guard] + ([extra] if extra else []), subdir=subdir, batch_size=16,
+            max_steps=steps)
+        return guard
+
+    return run
 
 
-def test_spike_z_is_the_detection_threshold(tmp_path: Any) -> None:
+def test_spike_z_is_the_detection_threshold(fit_scripted: Any) -> None:
     values = _scripted(WARMUP, spike_z=8.0)
     f32 = [float(torch.tensor(v)) for v in values]  # the guard reads float32 losses
     expected = (f32[-1] - statistics.fmean(f32[:-1])) / statistics.pstdev(f32[:-1])
     assert expected == pytest.approx(8.0, rel=1e-5)
-    low = _fit_scripted(tmp_path / "low", ScriptedLoss(values), {"spike_z": 7.5, "spike_warmup": WARMUP})
+    low = fit_scripted(ScriptedLoss(values), {"spike_z": 7.5, "spike_warmup": WARMUP}, subdir="low")
     assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["warn"])]
     assert low.events[0].details["loss_zscore"] == pytest.approx(expected, rel=1e-6)
-    high = _fit_scripted(tmp_path / "high", ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP})
+    high = fit_scripted(ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP}, subdir="high")
     assert high.events == [] and high.counters["spikes"] == 0 and high._losses.detector.stats.count == WARMUP + 1
 
 
-def test_spike_warmup_is_the_number_of_losses_before_detection(tmp_path: Any) -> None:
+def test_spike_warmup_is_the_number_of_losses_before_detection(fit_scripted: Any) -> None:
     values = _scripted(WARMUP, spike_z=50.0)
-    ready = _fit_scripted(tmp_path / "ready", ScriptedLoss(values), {"spike_warmup": WARMUP})
+    ready = fit_scripted(ScriptedLoss(values), {"spike_warmup": WARMUP}, subdir="ready")
     assert [(e.kind, e.step) for e in ready.events] == [("spike", WARMUP)]
-    warming = _fit_scripted(tmp_path / "warming", ScriptedLoss(values), {"spike_warmup": WARMUP + 1})
+    warming = fit_scripted(ScriptedLoss(values), {"spike_warmup": WARMUP + 1}, subdir="warming")
     assert warming.events == [] and warming._losses.detector.stats.count == WARMUP + 1  # the spike fed the warm-up
 
 
-def test_spike_action_off_turns_detection_off(tmp_path: Any) -> None:
+def test_spike_action_off_turns_detection_off(fit_scripted: Any) -> None:
     values = _scripted(WARMUP, spike_z=50.0)
-    guard = _fit_scripted(tmp_path, ScriptedLoss(values), {"spike_action": "off", "spike_warmup": WARMUP})
+    guard = fit_scripted(ScriptedLoss(values), {"spike_action": "off", "spike_warmup": WARMUP})
     assert guard.events == [] and guard._losses.detector.stats.count == 0
     assert guard._losses.history[-1] == pytest.approx(values[-1])  # the loss was read, just not judged
 
@@ -509,13 +399,14 @@ class _StateProbe(pl.Callback):
 
 
 @pytest.mark.parametrize("case", ["spike_skip_step", "nan_incident", "spike_warn"])
-def test_skipped_spike_undoes_batchnorm_statistics_like_an_incident(tmp_path: Any, case: str) -> None:
+def test_skipped_spike_undoes_batchnorm_statistics_like_an_incident(fit_scripted: Any, case: str) -> None:
     values = _scripted(WARMUP, spike_z=50.0 if case != "nan_incident" else 0.0)
     model = ScriptedLoss(values, mse_weight=1e-3, nan_at=WARMUP if case == "nan_incident" else -1)
     probe = _StateProbe()
     action = "warn" if case == "spike_warn" else "skip_step"
-    guard = _fit_scripted(tmp_path, model, {"spike_action": action, "spike_warmup": WARMUP}, probe)
-    assert [(e.kind, e.step) for e in guard.events] == [("loss" if case == "nan_incident" else "spike", WARMUP)]
+    guard = fit_scripted(model, {"spike_action": action, "spike_warmup": WARMUP}, probe)
+    during = [e for e in guard.events if e.details.get("detected_at") != "train_end"]  # (it ends on the incident)
+    assert [(e.kind, e.step) for e in during] == [("loss" if case == "nan_incident" else "spike", WARMUP)]
     def changed(a: dict, b: dict) -> set:
         return {k for k in a if not torch.equal(a[k], b[k])}
 
@@ -527,3 +418,104 @@ def test_skipped_spike_undoes_batchnorm_statistics_like_an_incident(tmp_path: An
         assert moved <= at_event
     else:  # skipped: no update, and the forward's writes into the BatchNorm buffers are undone
         assert at_event == set()
+
+
+# --------------------------------------------------- clipping: clip.max_norm, clip.adaptive, clip.norm_type
+
+
+QUIET = {"verbose": False}
+
+
+def grad_norm(module: torch.nn.Module, norm_type: float = 2.0) -> float:
+    return float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters() if p.grad is not None],
+                                               norm_type))
+
+
+class Spiky(models.Regression):
+    """Healthy regression (SGD) whose loss is multiplied by ``factor`` at ``steps``: finite gradient spikes."""
+
+    def __init__(self, steps: tuple[int, ...] = (), factor: float = 30.0) -> None:
+        super().__init__(lr=0.05)
+        self.spikes, self.factor = set(steps), factor
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * self.factor if self.global_step in self.spikes else loss
+
+
+class Norms(pl.Callback):
+    """Listed before or after the guard: the gradient norms the guard saw / the optimizer will apply."""
+
+    def __init__(self, norm_types: tuple[float, ...] = (2.0,)) -> None:
+        self.norm_types, self.rows = norm_types, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.rows.append(tuple(grad_norm(pl_module, p) for p in self.norm_types))
+
+
+def test_fixed_max_norm_bounds_every_step_the_optimizer_applies(fit_steps):
+    """clip.max_norm: the norm of the applied gradient is min(norm, max_norm) at every step."""
+    max_norm = 3.0
+    guard = NaNGuard(clip={"max_norm": max_norm, "adaptive": "off"}, logging=QUIET)
+    before, after = Norms(), Norms()
+    fit_steps(Spiky(), [before, guard, after], steps=30)
+    pre, post = [r[0] for r in before.rows], [r[0] for r in after.rows]
+    assert len(post) == 30 and guard.events == []
+    assert max(pre) > max_norm and min(pre) < max_norm  # both cases happen in this run
+    for a, b in zip(pre, post):
+        assert b == pytest.approx(min(a, max_norm), rel=1e-5), (a, b)
+    assert guard.counters["clipped_steps"] == sum(a > max_norm for a in pre) > 0
+
+
+def test_smaller_of_fixed_and_adaptive_limit_wins(fit_steps):
+    """With clip.adaptive: always, each step is clipped to min(max_norm, mean + z_threshold * std) of an EMA
+    (ema_alpha) of the norms, from warmup_steps on: replayed here from the config, not read from the guard."""
+    clip = {"max_norm": 9.0, "adaptive": "always", "warmup_steps": 4, "z_threshold": 1.0, "ema_alpha": 0.8}
+    guard = NaNGuard(clip=clip, logging=QUIET)
+    before, after = Norms(), Norms()
+    fit_steps(Spiky(steps=(12, 17, 22)), [before, guard, after], steps=30)
+    replay = ZClip(clip["z_threshold"], clip["ema_alpha"], clip["warmup_steps"])
+    winners = []
+    for (a,), (b,) in zip(before.rows, after.rows):
+        adaptive = replay.threshold()
+        limit = min(clip["max_norm"], adaptive) if adaptive is not None else clip["max_norm"]
+        assert b == pytest.approx(min(a, limit), rel=1e-5), (a, b, adaptive)
+        if a > limit:
+            winners.append("adaptive" if adaptive is not None and adaptive < clip["max_norm"] else "fixed")
+        replay.update(a)
+    assert guard.events == [] and guard.counters["clipped_steps"] == len(winners)
+    assert {"adaptive", "fixed"} <= set(winners), winners  # each limit was the smaller one at some clipped step
+
+
+@pytest.mark.parametrize("adaptive", ["on_incident", "off"])
+def test_adaptive_on_incident_arms_after_an_incident_and_off_never(fit_steps, adaptive):
+    """clip.adaptive: on_incident clips a later finite spike once an incident has armed it; off never clips."""
+    guard = NaNGuard(clip={"adaptive": adaptive, "warmup_steps": 4}, logging=QUIET)
+    before, after = Norms(), Norms()
+    spike = 12
+    fit_steps(Spiky(steps=(spike,)), [FaultInjector(Fault("loss", steps=[2])), before, guard, after], steps=16)
+    assert [e.step for e in guard.events] == [2]
+    clipped = [s for s, ((a,), (b,)) in enumerate(zip(before.rows, after.rows)) if b < a * (1 - 1e-6)]
+    if adaptive == "off":
+        assert clipped == [] and not guard._recovery.ladder.adaptive_clip and guard.counters["clipped_steps"] == 0
+    else:
+        assert "clip" in guard.events[0].actions and guard._recovery.ladder.adaptive_clip
+        assert spike in clipped and guard.counters["clipped_steps"] == len(clipped)
+
+
+@pytest.mark.parametrize("norm_type", [math.inf, 1.0])
+def test_norm_type_is_the_norm_that_is_clipped(fit_steps, norm_type):
+    """clip.norm_type: the p-norm of the applied gradient is min(p-norm, max_norm); clipping the 2-norm
+    instead would leave another size (the 2-norm of the clipped gradients is not max_norm)."""
+    max_norm = 3.0
+    guard = NaNGuard(clip={"max_norm": max_norm, "norm_type": norm_type, "adaptive": "off"}, logging=QUIET)
+    before, after = Norms((norm_type,)), Norms((norm_type, 2.0))
+    fit_steps(Spiky(), [before, guard, after], steps=30)
+    clipped = 0
+    for (p_pre,), (p_post, two_post) in zip(before.rows, after.rows):
+        assert p_post == pytest.approx(min(p_pre, max_norm), rel=1e-5), (p_pre, p_post)
+        if p_pre > max_norm:
+            clipped += 1
+            assert abs(two_post - max_norm) > 0.05 * max_norm, two_post
+    assert guard.counters["clipped_steps"] == clipped > 0
+    assert guard._clipper.last_norm == pytest.approx(before.rows[-1][0], rel=1e-6)

@@ -1,9 +1,7 @@
-"""Crash safety, resume, no leaked state, and independence of guards (real Trainers, CPU).
+"""Reliability: crash safety, no leaked state, repeated fits, and independence of guards (real Trainers, CPU).
 
 - A process SIGKILLed right after its N-th incident keeps exactly N complete events in events.jsonl, and
   ``nanguard report`` reads the file even with a half-written last line.
-- A run stopped after incidents and resumed from its checkpoint keeps the guard's counters and LR scale and
-  continues numbering events.
 - After ``fit`` returns or raises, every hook the guard (or the fault injector) registered is gone, anomaly
   mode is what it was, and a second fit (same guard or a new one) repeats the first exactly.
 - Two guards in two Trainers, one fit nested inside the other, do not see each other's incidents.
@@ -20,33 +18,18 @@ import sys
 import textwrap
 from pathlib import Path
 
-from . import models
 import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.testing import Fault, FaultInjector
+from . import models
 
-TESTS = Path(__file__).parent
-ROOT = TESTS.parent
+ROOT = Path(__file__).parents[1]
 DATA = models.classification_data(n=512)
-
-
-def events_file(root) -> Path:
-    return Path(root) / "nanguard" / "events.jsonl"
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def detected_steps(faults) -> list[int]:
-    """Where the guard sees each fault: at its step, or one later for parameters (read with the next flags)."""
-    return sorted(s + (f.kind == ("parameter",)) for f in faults for s in f.steps)
 
 
 def signature(events) -> list[tuple]:
@@ -55,21 +38,26 @@ def signature(events) -> list[tuple]:
             for e in events]
 
 
-def fit(root, callbacks, model=None, data=DATA, ckpt_path=None, **kwargs):
-    pl.seed_everything(0, verbose=False)
-    model = model if model is not None else models.Classifier()
-    kwargs.setdefault("max_epochs", -1)  # runs are bounded by max_steps
-    trainer = models.trainer(root, callbacks, **kwargs)
-    trainer.fit(model, models.loader(data, shuffle=True), ckpt_path=ckpt_path)
-    return model, trainer
+@pytest.fixture
+def seeded_fit(fit):
+    """``seeded_fit(callbacks, model=None, subdir=None, **fit_kwargs)``: seed 0, then fit ``model`` (default: a new
+    Classifier) on DATA, shuffled, bounded by ``max_steps``; returns ``(model, trainer)``."""
+
+    def run(callbacks, model=None, subdir=None, **kwargs):
+        pl.seed_everything(0, verbose=False)
+        model = model if model is not None else models.Classifier()
+        kwargs.setdefault("max_epochs", -1)  # runs are bounded by max_steps
+        return model, fit(model, DATA, callbacks, subdir=subdir, shuffle=True, **kwargs)
+
+    return run
 
 
 # ------------------------------------------------------------------------------------------- crash safety
 
 CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys
-    sys.path.insert(0, sys.argv[3])
-    import models, pytorch_lightning as pl
+    import pytorch_lightning as pl
+    from tests import models  # run from the repository root
     from lightning_nanguard import NaNGuard
     from lightning_nanguard.testing import Fault, FaultInjector
 
@@ -96,16 +84,14 @@ CRASH_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_sigkill_loses_no_completed_event_and_report_reads_a_truncated_line(tmp_path):
     n = 7
-    script = tmp_path / "crash.py"
-    script.write_text(CRASH_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(n), str(TESTS)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path / "run"), str(n)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
-    path = events_file(tmp_path / "run")
+    path = tmp_path / "run" / "nanguard" / "events.jsonl"
     raw = path.read_text()
     assert raw.endswith("\n")  # every record that was written is complete
-    events = read_jsonl(path)
+    events = models.read_events(path)
     assert [e["index"] for e in events] == list(range(1, n + 1))
     assert [e["step"] for e in events] == [5 * i for i in range(1, n + 1)]
     assert all(e["actions"][0] == "skip_step" for e in events)
@@ -125,56 +111,6 @@ def test_sigkill_loses_no_completed_event_and_report_reads_a_truncated_line(tmp_
     bad = subprocess.run([sys.executable, "-m", "lightning_nanguard", "report", str(path)],
                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and ":1:" in bad.stderr and "Traceback" not in bad.stderr
-
-
-# ------------------------------------------------------------------------------------------------ resume
-
-
-class Probe(pl.Callback):
-    """Listed after the guard: what the guard holds when training (re)starts."""
-
-    def __init__(self, guard):
-        self.guard, self.at_start, self.first_step = guard, None, None
-
-    def on_train_start(self, trainer, pl_module):
-        g = self.guard
-        self.at_start = (dict(g.counters), g.lr_scale, g._recorder.state_dict()["index"], trainer.global_step)
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.first_step is None:  # the LR the first step of this fit really uses
-            self.first_step = (trainer.global_step, [grp["lr"] for grp in optimizer.param_groups])
-
-
-def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path):
-    root = tmp_path / "run"
-    # first run: two incidents in a row cut the LR (reduce_lr_after=2), bad parameters roll back
-    first = NaNGuard(logging={"verbose": False}, recovery={"reduce_lr_after": 2})
-    faults = [Fault("loss", steps=[10]), Fault("gradient", steps=[11]), Fault("parameter", steps=[30])]
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=40, save_top_k=-1)
-    _, trainer = fit(root, [FaultInjector(faults), first, ckpt], max_steps=45, enable_checkpointing=True)
-    assert [e.step for e in first.events] == detected_steps(faults)
-    assert first.lr_scale == 0.5 and first.counters["rollbacks"] == 1
-    saved = (dict(first.counters), first.lr_scale, first._recorder.state_dict()["index"])
-    path = tmp_path / "ckpt" / f"epoch={40 // (len(DATA) // 32)}-step=40.ckpt"
-    assert path.exists(), sorted(os.listdir(tmp_path / "ckpt"))
-    assert torch.load(path, weights_only=False)["callbacks"]["NaNGuard"]["recorder"]["index"] == 3
-
-    # resumed by a new process' objects: a new guard, model and Trainer
-    second = NaNGuard(logging={"verbose": False}, recovery={"reduce_lr_after": 2})
-    probe = Probe(second)
-    _, trainer = fit(root, [FaultInjector([Fault("loss", steps=[60]), Fault("input", steps=[61])]), second, probe],
-                     ckpt_path=str(path), max_steps=80)
-    counters, lr_scale, index, step = probe.at_start
-    assert (counters, lr_scale, index) == saved and step == 40
-    assert probe.first_step == (40, [pytest.approx(1e-2 * 0.5)])  # the resumed fit trains at the cut LR
-    assert [(e.index, e.step) for e in second.events] == [(4, 60), (5, 61)]
-    assert second.counters["incidents"] == 5 and second.counters["rollbacks"] == 1
-    # the loss at 60 is the second non-input incident within incident_window, counting the parameter incident
-    # at 31 that the ladder's state carried through the checkpoint: one more cut (the input at 61 does not count)
-    assert second.lr_scale == 0.25
-    # one events.jsonl across both runs: numbering continues, nothing duplicated
-    assert [(e["index"], e["step"]) for e in read_jsonl(events_file(root))] == [
-        (1, 10), (2, 11), (3, 31), (4, 60), (5, 61)]
 
 
 # -------------------------------------------------------------------------------------------- no leaks
@@ -218,7 +154,7 @@ class HooksDuringFit(pl.Callback):
     ({"anomaly": {"mode": "always"}}, []),  # a debugging mode: a NaN in backward raises (test_diagnosis)
 ], ids=["defaults", "activations-always", "activations-every3", "anomaly-always"])
 @pytest.mark.parametrize("anomaly_before", [False, True])
-def test_fit_leaves_no_hooks_and_restores_anomaly_mode(tmp_path, config, faults, anomaly_before):
+def test_fit_leaves_no_hooks_and_restores_anomaly_mode(seeded_fit, config, faults, anomaly_before):
     model = models.Classifier()
     before = hook_counts(model)
     assert all(v == 0 for v in before.values())
@@ -227,8 +163,8 @@ def test_fit_leaves_no_hooks_and_restores_anomaly_mode(tmp_path, config, faults,
     expected = anomaly_state()
     try:
         guard, during = NaNGuard(logging={"verbose": False}, **config), HooksDuringFit()
-        fit(tmp_path, [FaultInjector(faults), guard, during], model=model, max_steps=30)
-        assert [e.step for e in guard.events] == detected_steps(faults)
+        seeded_fit([FaultInjector(faults), guard, during], model=model, max_steps=30)
+        assert [e.step for e in guard.events] == models.detected_steps(faults)
         assert anomaly_state() == expected
         assert hook_counts(model) == before
         if "activations" in config.get("check", {}):
@@ -238,7 +174,7 @@ def test_fit_leaves_no_hooks_and_restores_anomaly_mode(tmp_path, config, faults,
 
 
 @pytest.mark.parametrize("anomaly", ["on_incident", "always"])
-def test_fit_that_raises_leaves_no_hooks(tmp_path, anomaly):
+def test_fit_that_raises_leaves_no_hooks(seeded_fit, anomaly):
     model = models.Classifier()
     before = hook_counts(model)
     previous = anomaly_state()
@@ -247,24 +183,24 @@ def test_fit_that_raises_leaves_no_hooks(tmp_path, anomaly):
     injector = FaultInjector(Fault(("loss", "activation"), rate=1.0), seed=0)  # every step
     # anomaly "always" is torch's debugging mode: its own RuntimeError from backward may come first
     with pytest.raises(NaNGuardError if anomaly == "on_incident" else (NaNGuardError, RuntimeError)):
-        fit(tmp_path, [injector, guard], model=model, max_steps=50)
+        seeded_fit([injector, guard], model=model, max_steps=50)
     assert hook_counts(model) == before
     assert anomaly_state() == previous
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())  # restored before raising
 
 
-def test_second_fit_with_the_same_or_a_new_guard_repeats_the_first(tmp_path):
+def test_second_fit_with_the_same_or_a_new_guard_repeats_the_first(seeded_fit):
     faults = [Fault("input", steps=[4]), Fault("gradient", steps=[9], value="-inf"),
               Fault("parameter", steps=[15]), Fault("loss", steps=range(22, 27))]
     runs = []
     guard = NaNGuard(logging={"verbose": False})
     injector = FaultInjector(faults, seed=3)
     for name, g in (("first", guard), ("same", guard), ("new", NaNGuard(logging={"verbose": False}))):
-        model, _ = fit(tmp_path / name, [injector, g], max_steps=40)
+        model, _ = seeded_fit([injector, g], subdir=name, max_steps=40)
         runs.append((signature(g.events), {k: v.clone() for k, v in model.state_dict().items()},
                      dict(g.counters), g.lr_scale, [i.to_dict() for i in injector.log]))
     first = runs[0]
-    assert [e[1] for e in first[0]] == detected_steps(faults) and any("rollback" in e[5] for e in first[0])
+    assert [e[1] for e in first[0]] == models.detected_steps(faults) and any("rollback" in e[5] for e in first[0])
     for other in runs[1:]:
         assert other[0] == first[0]  # same events, numbered from 1 again
         assert other[2:] == first[2:]  # same counters, LR scale and injected faults
@@ -290,14 +226,14 @@ class NestedFit(pl.Callback):
             np.random.set_state(states[2])
 
 
-def test_two_guards_in_two_trainers_do_not_interfere(tmp_path):
+def test_two_guards_in_two_trainers_do_not_interfere(tmp_path, seeded_fit):
     faults_a = [Fault("loss", steps=[5, 6]), Fault("parameter", steps=[30])]
     faults_b = [Fault("gradient", steps=[3, 4, 5], value="inf")]
 
     def run_a(root, extra=()):
         guard = NaNGuard(logging={"verbose": False}, recovery={"lr_factor": 0.5})
         injector = FaultInjector(faults_a, seed=0)
-        model, _ = fit(root, [injector, guard, *extra], max_steps=50)
+        model, _ = seeded_fit([injector, guard, *extra], subdir=root, max_steps=50)
         return guard, model
 
     def run_b(root):
@@ -305,23 +241,23 @@ def test_two_guards_in_two_trainers_do_not_interfere(tmp_path):
                          check={"activations": "always"})
         injector = FaultInjector(faults_b, seed=1)
         pl.seed_everything(1, verbose=False)  # the model's initialisation, wherever this runs
-        model, _ = fit(root, [injector, guard], model=models.Classifier(hidden=8), max_steps=20)
+        model, _ = seeded_fit([injector, guard], model=models.Classifier(hidden=8), subdir=root, max_steps=20)
         return guard, model
 
-    solo_a, model_a = run_a(tmp_path / "solo_a")
-    solo_b, model_b = run_b(tmp_path / "solo_b")
-    nested = NestedFit(20, lambda: run_b(tmp_path / "inner_b"))
-    outer_a, outer_model = run_a(tmp_path / "outer_a", extra=[nested])
+    solo_a, model_a = run_a("solo_a")
+    solo_b, model_b = run_b("solo_b")
+    nested = NestedFit(20, lambda: run_b("inner_b"))
+    outer_a, outer_model = run_a("outer_a", extra=[nested])
     inner_b, inner_model = nested.result
 
     assert signature(outer_a.events) == signature(solo_a.events)
     assert signature(inner_b.events) == signature(solo_b.events)
-    assert [e.step for e in solo_a.events] == detected_steps(faults_a)
-    assert [e.step for e in solo_b.events] == detected_steps(faults_b)
+    assert [e.step for e in solo_a.events] == models.detected_steps(faults_a)
+    assert [e.step for e in solo_b.events] == models.detected_steps(faults_b)
     assert (outer_a.lr_scale, inner_b.lr_scale) == (solo_a.lr_scale, solo_b.lr_scale) != (1.0, 1.0)
     for a, b in ((inner_model, model_b), (outer_model, model_a)):
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     # each guard wrote its own events file and nothing else's
-    assert [e["step"] for e in read_jsonl(events_file(tmp_path / "outer_a"))] == [e.step for e in solo_a.events]
-    assert [e["step"] for e in read_jsonl(events_file(tmp_path / "inner_b"))] == [e.step for e in solo_b.events]
+    assert [e["step"] for e in models.read_events(tmp_path / "outer_a")] == [e.step for e in solo_a.events]
+    assert [e["step"] for e in models.read_events(tmp_path / "inner_b")] == [e.step for e in solo_b.events]
     assert hook_counts(outer_model) == hook_counts(models.Classifier())

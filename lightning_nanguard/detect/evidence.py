@@ -17,10 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from ..config import CheckConfig
+from ..layouts import checkable
 from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
-from .flags import StepFlags, any_nonfinite_flag, nonfinite_flag
+from .flags import StepFlags, dense_nonfinite_flag, nonfinite_flag
 from .state import StateCheck
 from .sync import StepSync
 
@@ -67,7 +68,7 @@ class StepEvidence:
             self.activations.step_start(step)
         self.window.append((batch, batch_idx))
         if self.check.inputs == "always":
-            flag = any_nonfinite_flag([t for _, t in iter_tensors(batch)])
+            flag = dense_nonfinite_flag(checkable(iter_tensors(batch)))  # sparse tensors: their stored values
             if flag is not None:
                 self._input_bad = flag if self._input_bad is None else self._input_bad | flag
         return first
@@ -85,6 +86,10 @@ class StepEvidence:
         value = unscale_value(loss.float().sum(), scaler)
         self._loss_bad = flag if self._loss_bad is None else self._loss_bad | flag
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+
+    def loss_bad(self) -> bool:
+        """Read the loss flag of the step so far (one sync: outside the step decision, incidents only)."""
+        return self._loss_bad is not None and not self._read and bool(self._loss_bad)
 
     def after_step(self, module: nn.Module) -> None:
         """After an optimizer step: the flag over every parameter and buffer, read with the next step's."""

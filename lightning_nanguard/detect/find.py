@@ -10,22 +10,30 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from ..layouts import coo_parts, is_strided, stored_values
 from ..tree import iter_tensors
 
 __all__ = ["find_nonfinite_tensors", "find_batch_nonfinite", "nonfinite_rows"]
 
 
 def find_nonfinite_tensors(named: Iterable[tuple[str, Tensor]], limit: int = 20) -> list[dict[str, Any]]:
-    """Names and counts of the floating tensors that hold NaN/Inf."""
+    """Names and counts of the floating tensors that hold NaN/Inf (a sparse tensor: among its stored values,
+    with ``nnz`` and ``layout``)."""
     out = []
     for name, t in named:
         if t is None or not (t.is_floating_point() or t.is_complex()):
             continue
-        t = t.detach()
-        n_nan = int(torch.isnan(t).sum())
-        n_inf = int(torch.isinf(t).sum())
+        values = stored_values(t, name)
+        if values is None:
+            continue
+        values = values.detach()
+        n_nan = int(torch.isnan(values).sum())
+        n_inf = int(torch.isinf(values).sum())
         if n_nan or n_inf:
-            out.append({"name": name, "nan": n_nan, "inf": n_inf, "numel": t.numel(), "shape": list(t.shape)})
+            entry = {"name": name, "nan": n_nan, "inf": n_inf, "numel": t.numel(), "shape": list(t.shape)}
+            if not is_strided(t):
+                entry.update(layout=str(t.layout).replace("torch.", ""), nnz=values.shape[0] if values.dim() else 1)
+            out.append(entry)
             if len(out) >= limit:
                 break
     return out
@@ -35,29 +43,57 @@ def find_batch_nonfinite(batch: Any, limit: int = 50) -> list[dict[str, Any]]:
     """For every floating tensor of ``batch`` holding NaN/Inf: where it is, which samples and features.
 
     ``samples`` are indices along dim 0 (the batch dimension); ``features`` are indices along the last
-    dimension for tensors of rank >= 2.
+    dimension for tensors of rank >= 2. A sparse tensor (COO, CSR, ...) is read through its stored values and
+    their indices.
     """
     found = []
     for path, t in iter_tensors(batch):
         if not t.is_floating_point():
             continue
-        bad = ~torch.isfinite(t.detach())
-        if not bool(bad.any()):
+        values = stored_values(t, path)
+        if values is None:
+            continue
+        bad_values = ~torch.isfinite(values.detach())
+        if not bool(bad_values.any()):
             continue
         entry: dict[str, Any] = {
             "field": path,
-            "nan": int(torch.isnan(t).sum()),
-            "inf": int(torch.isinf(t).sum()),
+            "nan": int(torch.isnan(values).sum()),
+            "inf": int(torch.isinf(values).sum()),
             "shape": list(t.shape),
         }
-        if t.dim() >= 1:
-            per_sample = bad.reshape(t.shape[0], -1).any(dim=1)
-            entry["samples"] = per_sample.nonzero().flatten()[:limit].tolist()
-        if t.dim() >= 2:
-            per_feature = bad.reshape(-1, t.shape[-1]).any(dim=0)
-            entry["features"] = per_feature.nonzero().flatten()[:limit].tolist()
+        if is_strided(t):
+            bad = bad_values
+            if t.dim() >= 1:
+                per_sample = bad.reshape(t.shape[0], -1).any(dim=1)
+                entry["samples"] = per_sample.nonzero().flatten()[:limit].tolist()
+            if t.dim() >= 2:
+                per_feature = bad.reshape(-1, t.shape[-1]).any(dim=0)
+                entry["features"] = per_feature.nonzero().flatten()[:limit].tolist()
+        else:
+            entry["layout"] = str(t.layout).replace("torch.", "")
+            entry.update(_sparse_positions(t, limit))
         found.append(entry)
     return found
+
+
+def _sparse_positions(t: Tensor, limit: int) -> dict[str, list[int]]:
+    """``samples`` and ``features`` of a sparse tensor's non-finite stored entries."""
+    parts = coo_parts(t)
+    if parts is None:  # nested tensors: no sample index to give
+        return {}
+    indices, values = parts
+    bad = ~torch.isfinite(values)
+    per_entry = bad.reshape(values.shape[0], -1).any(dim=1)
+    out = {}
+    if t.dim() >= 1:
+        out["samples"] = indices[0][per_entry].unique()[:limit].tolist()
+    if t.dim() >= 2:
+        if indices.shape[0] == t.dim():  # the last dim is sparse: the column index of each bad entry
+            out["features"] = indices[-1][per_entry].unique()[:limit].tolist()
+        else:  # the last dim is dense (a hybrid tensor): the columns of the bad values
+            out["features"] = bad.reshape(-1, t.shape[-1]).any(dim=0).nonzero().flatten()[:limit].tolist()
+    return out
 
 
 def nonfinite_rows(named: dict[str, Tensor], findings: list[dict], limit: int = 20) -> list[dict]:
@@ -66,7 +102,12 @@ def nonfinite_rows(named: dict[str, Tensor], findings: list[dict], limit: int = 
     for f in findings:
         t = named.get(f["name"])
         if t is not None and t.dim() >= 2:
-            bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
-            f = dict(f, rows=bad.nonzero().flatten()[:limit].tolist())
+            if is_strided(t):
+                bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)
+                f = dict(f, rows=bad.nonzero().flatten()[:limit].tolist())
+            else:
+                rows = _sparse_positions(t, limit).get("samples")
+                if rows is not None:
+                    f = dict(f, rows=rows)
         out.append(f)
     return out

@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..layouts import is_strided, stored_values
+
 __all__ = ["nonfinite_flag", "any_nonfinite_flag", "total_norm", "StepFlags", "Outcome", "classify"]
 
 # CPU: tensors below this many elements are concatenated (bounded temporary copy: 4 MiB of float32)
@@ -28,7 +30,8 @@ def nonfinite_flag(t: Tensor) -> Tensor:
 def any_nonfinite_flag(tensors: Sequence[Tensor]) -> Optional[Tensor]:
     """0-dim bool tensor: does any of ``tensors`` hold a NaN or +-Inf? A few fused kernels, no host sync.
 
-    Exact (no overflow on huge finite values) and ``None`` for an empty list; integer tensors are ignored.
+    Exact (no overflow on huge finite values) and ``None`` for an empty list; integer tensors are ignored, sparse
+    and nested ones are judged by their stored values (:mod:`~lightning_nanguard.layouts`).
     Each result is tested in its own dtype, so a float64 value beyond float32's range is still finite.
 
     - CUDA and other devices: one fused inf-norm (abs-max, multi-tensor apply) per device.
@@ -36,7 +39,13 @@ def any_nonfinite_flag(tensors: Sequence[Tensor]) -> Optional[Tensor]:
       element): small tensors are concatenated into bounded chunks and reduced as ``sum(chunk * 0)``, which is
       0 when every value is finite and NaN otherwise; large tensors use ``aminmax`` (one pass, no copy).
     """
-    floats = [t.detach() for t in tensors if t.is_floating_point() or t.is_complex()]
+    floats = [t.detach() if is_strided(t) else stored_values(t, coalesce=False) for t in tensors
+              if t.is_floating_point() or t.is_complex()]
+    return dense_nonfinite_flag([t for t in floats if t is not None])  # sparse, nested: their stored values
+
+
+def dense_nonfinite_flag(floats: Sequence[Tensor]) -> Optional[Tensor]:
+    """:func:`any_nonfinite_flag` of floating strided tensors (detached), for callers that prepared them."""
     if not floats:
         return None
     results: list[Tensor] = []
@@ -77,10 +86,21 @@ def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
 
     The same arithmetic as ``torch.nn.utils.get_total_norm`` (a foreach norm per tensor, then the norm of
     their stack), so clipping with it is bitwise what the Trainer's clipping computes; the common case of
-    one device and dtype skips its per-tensor ``.to()`` calls (a dispatch each, every step).
+    one device and dtype skips its per-tensor ``.to()`` calls (a dispatch each, every step). A sparse gradient
+    counts with its coalesced values (torch's own norm functions refuse sparse tensors).
     """
     if not tensors:
         return torch.zeros(())
+    try:
+        return _total_norm(tensors, norm_type)
+    except (NotImplementedError, RuntimeError):  # no cost to dense runs: sparse tensors raise in torch's norms
+        if all(is_strided(t) for t in tensors):
+            raise
+    values = [v for v in (t if is_strided(t) else stored_values(t) for t in tensors) if v is not None]
+    return _total_norm(values, norm_type) if values else torch.zeros(())
+
+
+def _total_norm(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     first = tensors[0]
     if all(t.device == first.device and t.dtype == first.dtype for t in tensors) and (
             first.device.type in ("cpu", "cuda")):

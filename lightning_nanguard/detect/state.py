@@ -7,8 +7,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ..layouts import checkable, is_strided
 from .find import find_nonfinite_tensors
-from .flags import CPU_CHUNK, any_nonfinite_flag
+from .flags import CPU_CHUNK, dense_nonfinite_flag
 
 __all__ = ["StateCheck"]
 
@@ -21,6 +22,9 @@ class StateCheck:
     ones, ready to concatenate) and re-collected when :meth:`refresh` is called (at every snapshot and
     rollback) or when any tensor's storage moved (``p.data = ...``; checked per call by data pointer). A
     parameter registered mid-fit is therefore seen from the next snapshot on.
+
+    A sparse adjacency buffer (COO, CSR, ...) is checked by its stored values (:mod:`..layouts`); a layout
+    that cannot be read is skipped with one warning.
 
     Buffers that hold NaN/Inf before training are by design (a float causal mask of -inf, a padding table):
     :meth:`exempt_nonfinite_buffers` leaves them out of every check. Parameters never are.
@@ -35,6 +39,7 @@ class StateCheck:
         # concatenated into (a fresh multi-MB allocation per step costs page faults, more than the reduction)
         self._small: list[tuple[list[Tensor], Tensor]] = []
         self._rest: list[Tensor] = []  # everything else, through any_nonfinite_flag
+        self._layouts: list[tuple[str, Tensor]] = []  # sparse and nested tensors (see ..layouts)
 
     def refresh(self) -> None:
         self._module = None
@@ -42,7 +47,7 @@ class StateCheck:
     def exempt_nonfinite_buffers(self, module: nn.Module) -> list[str]:
         """Exempt the buffers that are non-finite now (before training); returns their names."""
         named = list(module.named_buffers())
-        flag = any_nonfinite_flag([t for _, t in named])
+        flag = dense_nonfinite_flag(checkable(named))
         found = find_nonfinite_tensors(named, limit=len(named)) if flag is not None and bool(flag) else []
         self.exempt = frozenset(f["name"] for f in found)
         self.refresh()
@@ -56,13 +61,16 @@ class StateCheck:
     def find(self, module: nn.Module) -> list[dict]:
         """Names and counts of the non-finite parameters and buffers (syncs; incident path only)."""
         named = self.named(module)
-        flag = any_nonfinite_flag([t for _, t in named])
+        flag = dense_nonfinite_flag(checkable(named))
         if flag is None or not bool(flag):
             return []
         return find_nonfinite_tensors(named)
 
     def _collect(self, module: nn.Module) -> None:
-        sources = [t for _, t in self.named(module) if t.is_floating_point() or t.is_complex()]
+        named = [(n, t) for n, t in self.named(module) if t.is_floating_point() or t.is_complex()]
+        sources = [t for _, t in named if is_strided(t)]
+        # sparse and nested tensors: their stored values, taken at every check (a copy of another sparsity moves them)
+        self._layouts = [(n, t) for n, t in named if not is_strided(t)]
         tensors = [t.detach() for t in sources]
         self._module, self._tensors = module, sources  # the parameters themselves: ``.data =`` moves their pointer
         self._ptrs = [t.data_ptr() for t in sources]
@@ -85,9 +93,10 @@ class StateCheck:
         parts = []
         for views, buf in self._small:  # sum(x * 0) is 0 when every x is finite, NaN otherwise
             parts.append(~torch.isfinite(torch.cat(views, out=buf).mul_(0).sum()))
-        rest = any_nonfinite_flag(self._rest) if self._rest else None
-        if rest is not None:
-            parts.append(rest)
+        rest = self._rest + checkable(self._layouts) if self._layouts else self._rest
+        flag = dense_nonfinite_flag(rest) if rest else None
+        if flag is not None:
+            parts.append(flag)
         if not parts:
             return None
         flag = parts[0]

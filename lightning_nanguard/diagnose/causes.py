@@ -51,6 +51,7 @@ import torch
 from ..detect.find import nonfinite_rows
 from ..detect.spikes import history_zscore, norm_growth
 from ..report.events import NaNEvent
+from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
 from . import dynamics, replay
 from .suggestions import suggest
@@ -314,14 +315,32 @@ def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -
         for path, t in iter_tensors(batch):
             if not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2:
                 continue
-            col = t.detach().abs().reshape(-1, t.shape[-1]).double()
-            col = torch.where(torch.isfinite(col), col, 0.0).amax(dim=0)
+            col = _column_abs_max(t)
+            if col is None:
+                continue
             median = float(col.median())
             idx = (col > ratio * max(median, 1e-30)).nonzero().flatten()[:limit].tolist()
             if idx:
                 out.append({"field": path, "features": idx, "abs_max": [float(col[i]) for i in idx],
                             "median_abs_max": median})
     return out
+
+
+def _column_abs_max(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """Finite abs-max of every column (last dim) of ``t`` in float64; a sparse tensor's implicit zeros count as 0."""
+    if is_strided(t):
+        a = t.detach().abs().reshape(-1, t.shape[-1]).double()
+        return torch.where(torch.isfinite(a), a, 0.0).amax(dim=0)
+    parts = coo_parts(t)
+    if parts is None:
+        return None
+    indices, values = parts
+    a = values.abs().double()
+    a = torch.where(torch.isfinite(a), a, 0.0)
+    zeros = torch.zeros(t.shape[-1], dtype=torch.float64, device=a.device)
+    if indices.shape[0] == t.dim():  # the last dim is sparse: each stored value into its column
+        return zeros.scatter_reduce(0, indices[-1], a, "amax")
+    return torch.maximum(zeros, a.reshape(-1, t.shape[-1]).amax(dim=0)) if a.numel() else zeros
 
 
 def _with_rows(pl_module: Any, findings: list[dict]) -> list[dict]:

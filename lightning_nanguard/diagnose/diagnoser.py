@@ -79,12 +79,14 @@ class Diagnoser:
         return extra
 
     def anomaly_error(self, error: BaseException) -> Optional[dict]:
-        """What the error says, if it is the one ``anomaly.mode: always`` raises in backward; else None."""
-        return parse_anomaly_error(error) if self.cfg.mode == "always" else None
+        """What the error says, if it is the one torch's anomaly mode raises in backward; else None. Whoever
+        turned the mode on: ``anomaly.mode: always``, or the user (``Trainer(detect_anomaly=True)``,
+        ``torch.autograd.set_detect_anomaly``)."""
+        return parse_anomaly_error(error)
 
     def diagnose_error(self, ctx: IncidentContext, found: dict) -> str:
-        """Diagnose the error of :meth:`anomaly_error` (replaying the window)."""
-        ctx.replay = getattr(ctx.pl_module, "automatic_optimization", True)
+        """Diagnose the error of :meth:`anomaly_error` (replaying the window unless ``anomaly.mode: off``)."""
+        ctx.replay = self.cfg.mode != "off" and getattr(ctx.pl_module, "automatic_optimization", True)
         extra = diagnose_anomaly_error(ctx, found)
         self.replays += int(ctx.replayed)
         return extra

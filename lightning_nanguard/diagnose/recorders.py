@@ -18,18 +18,20 @@ import math
 import os
 import sysconfig
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..layouts import is_strided, stored_values
 from ..tree import iter_tensors
 
 __all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",
-           "floats_of", "user_frame"]
+           "floats_of", "user_frame", "is_compiled", "public_name"]
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -50,9 +52,21 @@ def _is_library(filename: str) -> bool:
     return filename.startswith(_LIBRARY_DIRS) or (filename.startswith(_STDLIB) and "-packages" not in filename)
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Is ``module`` the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``)?"""
+    return type(module).__name__ == "OptimizedModule" and isinstance(module._modules.get("_orig_mod"), nn.Module)
+
+
+def public_name(name: str) -> str:
+    """A module or parameter name as the user wrote the model: without ``torch.compile``'s ``_orig_mod``."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
+
+
 def floats_of(obj: Any) -> list[Tensor]:
-    """The non-empty floating tensors of a nested input/output structure."""
-    return [t for _, t in iter_tensors(obj) if t.is_floating_point() and t.numel()]
+    """The non-empty floating tensors of a nested input/output structure (sparse ones: their stored values)."""
+    values = (t if is_strided(t) else stored_values(t, path)
+              for path, t in iter_tensors(obj, "") if t.is_floating_point())
+    return [t for t in values if t is not None and t.numel()]
 
 
 def _stats(tensors: list[Tensor]) -> Optional[Tensor]:
@@ -100,7 +114,8 @@ class FrameRecorder:
     """Forward (and optionally full backward) hooks on every submodule, statistics kept on the device."""
 
     def __init__(self, root: nn.Module, backward: bool = True, root_name: str = "<root>") -> None:
-        self.names = {m: (n or root_name) for n, m in root.named_modules()}
+        # named as in the uncompiled model: a compiled submodule's wrapper is not hooked, its inner module is
+        self.names = {m: (public_name(n) or root_name) for n, m in root.named_modules() if not is_compiled(m)}
         self.backward = backward
         self.forward_frames: list[Frame] = []
         self.backward_frames: list[Frame] = []
@@ -192,19 +207,43 @@ class FirstBadOp(TorchFunctionMode):
 
 
 class GraphWatch:
-    """Hooks on every node of an autograd graph: the first one producing NaN/Inf from finite gradients."""
+    """Hooks on every node of an autograd graph: the first one producing NaN/Inf from finite gradients.
+
+    :meth:`growing` also hooks the nodes of graphs built *during* backward (``checkpoint(...,
+    use_reentrant=True)`` recomputes its forward, and builds its part of the graph, inside backward)."""
 
     def __init__(self, root: Tensor) -> None:
         self.found: Optional[dict[str, Any]] = None
-        self._handles = []
-        seen, todo = set(), [root.grad_fn]
+        self._handles: list[Any] = []
+        self._seen: set[Any] = set()
+        self.add(root.grad_fn)
+
+    def add(self, root: Any) -> None:
+        """Hook ``root`` and every node below it not hooked yet."""
+        todo = [root]
         while todo:
             node = todo.pop()
-            if node is None or node in seen:
+            if node is None or node in self._seen:
                 continue
-            seen.add(node)
+            self._seen.add(node)
             self._handles.append(node.register_hook(self._hook(node)))
             todo.extend(n for n, _ in node.next_functions)
+
+    @contextmanager
+    def growing(self, root: nn.Module) -> Iterator[None]:
+        """Inside: the graph below every output of ``root``'s modules is hooked as the forward builds it (a
+        reentrant checkpoint's forward runs again inside backward, where no mode of this thread reaches)."""
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for _, t in iter_tensors(output, ""):
+                if t.grad_fn is not None:
+                    self.add(t.grad_fn)
+
+        handles = [m.register_forward_hook(hook) for m in root.modules()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def _hook(self, node: Any) -> Any:
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
@@ -218,6 +257,7 @@ class GraphWatch:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles.clear()
 
 
 def forward_trace(tb: Any) -> Optional[str]:

@@ -31,8 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from ..detect.flags import any_nonfinite_flag
+from ..layouts import deepcopy_memo
+from ..recover.metrics import MetricUndo
 from ..tree import map_tensors
-from .recorders import FirstBadOp, FrameRecorder, GraphWatch, format_frames, forward_trace
+from .recorders import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
+                        is_compiled, public_name)
 
 __all__ = ["ReplayResult", "replay_window", "preserved_state", "parse_anomaly_error", "rng_state", "set_rng_state"]
 
@@ -81,8 +84,10 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 @contextmanager
 def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Restore RNG, buffers, train modes and ``log``/``log_dict`` of ``module`` on exit."""
+    """Restore RNG, buffers, torchmetrics states, train modes and ``log``/``log_dict`` of ``module`` on exit."""
     rng = rng_state()
+    metrics = MetricUndo(module)  # a replayed training_step must not count its batch in the user's metrics again
+    metrics.arm()
     modes = {m: m.training for m in module.modules()}
     buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
     shadowed = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
@@ -103,6 +108,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
                 buf.copy_(saved)
         for m, mode in modes.items():
             m.training = mode
+        metrics.undo()
         set_rng_state(rng)
 
 
@@ -123,12 +129,60 @@ def _run(module: Any, batch: Any, batch_idx: int, rng: Any, ctx: Any) -> Optiona
 def _grads(loss: Tensor, named: list[tuple[str, nn.Parameter]]) -> list[Optional[Tensor]]:
     if not loss.requires_grad or not named:
         return [None] * len(named)
-    return list(torch.autograd.grad(loss.sum(), [p for _, p in named], allow_unused=True))
+    params = [p for _, p in named]
+    if _reentrant_checkpoint(loss):  # torch.autograd.grad refuses checkpoint(..., use_reentrant=True)
+        return _backward_grads(loss, params)
+    return list(torch.autograd.grad(loss.sum(), params, allow_unused=True))
+
+
+def _reentrant_checkpoint(loss: Tensor) -> bool:
+    """Does the graph of ``loss`` run through ``torch.utils.checkpoint`` with ``use_reentrant=True``?"""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if node.name() == "CheckpointFunctionBackward":
+            return True
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
+def _backward_grads(loss: Tensor, params: list[Tensor]) -> list[Optional[Tensor]]:
+    """The gradients of ``params`` through ``loss.backward()``, every ``.grad`` put back as it was."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        loss.sum().backward()
+        return [p.grad for p in params]
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+@contextmanager
+def eager() -> Iterator[None]:
+    """Run ``torch.compile``'d modules and functions eagerly: the replay's hooks and modes would otherwise
+    make dynamo trace them again (recompiling the user's graphs, or failing on the hooks)."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:  # pragma: no cover  (torch < 2.6)
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
 
 
 def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
                   frames: int = 21, float64_check: bool = True) -> ReplayResult:
     """Replay each micro-batch of the window until one reproduces the incident; collect the evidence."""
+    with eager():
+        return _replay_window(trainer, module, batches, rng_states, frames, float64_check)
+
+
+def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
+                   frames: int, float64_check: bool) -> ReplayResult:
     result = ReplayResult()
     plugin = getattr(trainer, "precision_plugin", None)
     for i, (batch, batch_idx) in enumerate(batches):
@@ -136,6 +190,7 @@ def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng
         result = ReplayResult(micro_batch=i)
         with preserved_state(module), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")  # a ModelOutput
             try:
                 _replay_one(result, module, batch, batch_idx, rng, plugin, frames)
             except Exception as err:  # the replay must never break training
@@ -157,7 +212,7 @@ def _ctx(plugin: Any) -> Any:
 
 def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
                 frames: int) -> None:
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named = [(public_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
     rec = FrameRecorder(module, backward=True, root_name=f"<{type(module).__name__}>")
     try:
         with rec:
@@ -172,7 +227,7 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
             res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
             grads = _grads(loss, named) if loss is not None and res.loss_finite else []
     rec.read()
-    bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not bool(torch.isfinite(g).all())]
+    bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
     res.nonfinite_grads = bad_grads[:20]
     first_fwd = rec.first_bad(rec.forward_frames)
     res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
@@ -221,7 +276,8 @@ def _anomaly_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any
                 return None, None
             watch = GraphWatch(loss)
             try:
-                _grads(loss, named)
+                with watch.growing(module) if _reentrant_checkpoint(loss) else nullcontext():
+                    _grads(loss, named)
             except RuntimeError as err:
                 anomaly = parse_anomaly_error(err) or {"message": str(err).splitlines()[0]}
             finally:
@@ -245,9 +301,28 @@ def _to_double(obj: Any) -> Any:
     return map_tensors(obj, lambda t: t.double() if t.is_floating_point() else t)
 
 
+def _eager_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` without ``torch.compile``: a compiled submodule (``OptimizedModule``) is
+    copied as the module it wraps, and a LightningModule compiled whole gets its own methods back (the
+    compiled ``forward`` and ``*_step`` that Lightning set on it are bound to the original module)."""
+    memo = deepcopy_memo(module)
+    for m in module.modules():
+        for child in m.children():
+            if is_compiled(child) and id(child) not in memo:
+                memo[id(child)] = copy.deepcopy(child._orig_mod, memo)
+    ctx = getattr(module, "_compiler_ctx", None)
+    if ctx is not None:
+        memo[id(ctx)] = None
+    twin = copy.deepcopy(module, memo)
+    for key in ctx or ():  # "original_forward", "original_training_step", ...: the methods Lightning compiled
+        if key.startswith("original_"):
+            twin.__dict__.pop(key[len("original_"):], None)
+    return twin
+
+
 def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: ReplayResult) -> dict:
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
-    twin = copy.deepcopy(module).double()
+    twin = _eager_copy(module).double()
     twin.log, twin.log_dict = _noop, _noop  # type: ignore[method-assign]
     if "_trainer" in vars(module):  # a LightningModule drops its trainer when copied: global_rank, global_step,
         twin.__dict__["_trainer"] = module.__dict__["_trainer"]  # current_epoch must read as in the replay

@@ -12,8 +12,9 @@ from typing import Any, Iterable
 from torch import Tensor
 
 from ..detect.find import find_nonfinite_tensors
-from ..detect.flags import any_nonfinite_flag
+from ..detect.flags import any_nonfinite_flag, dense_nonfinite_flag
 from ..detect.sync import local_tensor
+from ..layouts import checkable
 from ..tree import iter_tensors
 
 __all__ = ["iter_checkpoint_tensors", "nonfinite_entries", "optimizer_state_nonfinite", "rebuild"]
@@ -33,7 +34,7 @@ def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20, exempt: Itera
     ``exempt``: state-dict names that are non-finite by design (a causal mask buffer holding -inf)."""
     skip = {f"state_dict[{name!r}]" for name in exempt}
     named = [(n, t) for n, t in iter_checkpoint_tensors(checkpoint) if n not in skip]
-    flag = any_nonfinite_flag([t for _, t in named])
+    flag = dense_nonfinite_flag(checkable(named))
     if flag is None or not bool(flag):
         return []
     return find_nonfinite_tensors(named, limit=limit)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..config import ClipConfig
 from ..detect.spikes import RunningStats, norm_growth
+from ..layouts import is_strided, warn_once
 
 __all__ = ["ZClip", "Clipper", "adaptive_grad_clip_", "unitwise_norms", "CLIPS_BEFORE_LR_CUT"]
 
@@ -105,6 +106,10 @@ def adaptive_grad_clip_(params: Iterable[Tensor], clip_factor: float = 0.01, eps
     Same result as timm's ``adaptive_clip_grad``; the scalings are fused foreach ops and nothing syncs.
     """
     pairs = [(p.detach(), p.grad.detach()) for p in params if p.grad is not None]
+    if not all(is_strided(g) for _, g in pairs):  # sparse gradients (nn.Embedding(sparse=True)): left alone
+        warn_once(("agc", "sparse"), "[nanguard] clip.agc_clip_factor: sparse gradients are not clipped unit-wise "
+                                     "(their norm still counts towards clip.max_norm and the adaptive clip)")
+        pairs = [(p, g) for p, g in pairs if is_strided(g)]
     if not pairs:
         return
     weights = [p for p, _ in pairs]

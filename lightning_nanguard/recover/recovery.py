@@ -1,5 +1,5 @@
-"""The state of recovery during a fit: the ladder, known-good snapshots, the learning-rate scale and the
-buffer undo, and the operations that change them (skip, LR cut, snapshot, rollback)."""
+"""The state of recovery during a fit: the ladder, known-good snapshots, the learning-rate scale, the buffer
+and metric undo, and the operations that change them (skip, LR cut, snapshot, rollback)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from ..config import ClipConfig, RecoveryConfig
 from ..detect.amp import grad_scaler
+from ..layouts import load_module_state
 from ..report.events import NaNEvent
 from .actions import BufferUndo, current_lrs, scale_lr, skip_step
 from .ladder import Plan, RecoveryLadder
+from .metrics import MetricUndo
 from .snapshots import SnapshotStore
 
 if TYPE_CHECKING:
@@ -65,13 +67,16 @@ class Recovery:
         self.snapshots = 0
         self.store: Optional[SnapshotStore] = None
         self.buffers: Optional[BufferUndo] = None
+        self.metrics: Optional[MetricUndo] = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", out_dir: Path) -> None:
-        """Fit start: the buffer undo for this module, and the snapshot store (unless ``snapshot: off``)."""
+        """Fit start: the buffer and metric undo for this module, and the snapshot store (unless ``snapshot:
+        off``)."""
         cfg = self.cfg
         self.buffers = BufferUndo(pl_module)
+        self.metrics = MetricUndo(pl_module)
         self.store = None
         if cfg.snapshot != "off":
             directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"
@@ -101,10 +106,18 @@ class Recovery:
             self.buffers.disarm()
         self.healthy_since_snapshot += 1
 
-    def step_start(self) -> None:
-        """The first micro-batch of an optimizer step: back up the buffers its forward passes will write."""
+    def undo_metrics(self) -> None:
+        """Undo what this step wrote into the user's metrics and Lightning's logged aggregates (a skipped step)."""
+        if self.metrics is not None:
+            self.metrics.undo()
+
+    def step_start(self, trainer: "pl.Trainer") -> None:
+        """The first micro-batch of an optimizer step: back up the buffers its forward passes will write, and the
+        metrics and logged aggregates its training steps will update."""
         if self.buffers is not None:
             self.buffers.arm()
+        if self.metrics is not None:
+            self.metrics.arm(getattr(trainer, "_results", None))  # Lightning's results of the running loop
 
     def snapshot_due(self) -> bool:
         """Every ``snapshot_every`` healthy steps (``confirm_after`` while a rollback awaits confirmation)."""
@@ -149,7 +162,7 @@ class Recovery:
         assert self.store is not None and self.store.newest is not None
         snap = self.store.newest
         state = self.store.load(snap)
-        pl_module.load_state_dict(state["module"])
+        load_module_state(pl_module, state["module"])
         for opt, opt_state in zip(trainer.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)
         for sched_cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
@@ -167,6 +180,22 @@ class Recovery:
         skip_step(pl_module.parameters())
         self.healthy_since_snapshot = 0
         self.rollbacks += 1
+
+    @property
+    def unfinished(self) -> bool:
+        """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
+        snapshot after healthy training (and the guard has not given up)."""
+        return not self.stopped and (self.ladder.consecutive > 0 or self.ladder.failed_rollbacks > 0)
+
+    def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                       scaler_overflows: int = 0) -> Optional[int]:
+        """Roll back to the newest snapshot (fit ends while recovery is unfinished); returns its step, or None
+        without one."""
+        if not self.store or self.store.newest is None:
+            return None
+        self.rollback(trainer, pl_module, scaler_overflows)
+        self.ladder.consecutive = 0
+        return self.store.newest.step
 
     def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent, factor: Optional[float] = None) -> None:
         """Multiply every learning rate by ``factor`` (default ``lr_factor``), down to ``min_lr_scale`` of the

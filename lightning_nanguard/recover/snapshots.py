@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ..layouts import copy_to_cpu, is_strided, nbytes
 from ..tree import flatten, unflatten
 
 __all__ = ["Snapshot", "SnapshotStore"]
@@ -32,7 +33,8 @@ class SnapshotStore:
     """A ring of known-good states, in preallocated CPU memory or in atomically written files.
 
     Taking a snapshot copies into buffers allocated on first use (``copy_``, no allocation in steady
-    state); restoring clones again, so neither the live objects nor the snapshot alias each other.
+    state); restoring clones again, so neither the live objects nor the snapshot alias each other. Sparse
+    tensors (a graph's adjacency buffer) are copied in their own layout.
     """
 
     def __init__(self, keep: int = 2, mode: str = "memory", directory: Optional[Path] = None) -> None:
@@ -72,16 +74,21 @@ class SnapshotStore:
 
     def _copy_into(self, snap: Snapshot, live: list[Tensor]) -> None:
         same = len(snap.tensors) == len(live) and all(
-            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(snap.tensors, live))
+            (a.shape == b.shape and a.dtype == b.dtype) if is_strided(b) else not is_strided(a)
+            for a, b in zip(snap.tensors, live))
         if not same:
             pin = any(t.is_cuda for t in live) and torch.cuda.is_available()
-            snap.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in live]
-            snap.nbytes = sum(t.numel() * t.element_size() for t in snap.tensors)
+            snap.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) if is_strided(t)
+                            else t for t in live]  # sparse tensors are copied below, in their own layout
         non_blocking = any(t.is_cuda for t in live)
-        for dst, src in zip(snap.tensors, live):
-            dst.copy_(src, non_blocking=non_blocking)
+        for i, (dst, src) in enumerate(zip(snap.tensors, live)):
+            if is_strided(src):
+                dst.copy_(src, non_blocking=non_blocking)
+            else:  # a sparse buffer: a fresh copy (its number of stored elements may change)
+                snap.tensors[i] = copy_to_cpu(src)
         if non_blocking:
             torch.cuda.synchronize()
+        snap.nbytes = sum(nbytes(t) for t in snap.tensors)
 
     def _write(self, snap: Snapshot, state: dict[str, Any]) -> None:
         assert self.directory is not None, "disk snapshots need a directory"

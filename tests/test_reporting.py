@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.report.progress import INCIDENTS_KEY, LR_SCALE_KEY
-from .models import Regression, loader, regression_data, trainer
+from .models import Regression, loader, regression_data
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
 
@@ -32,19 +31,25 @@ def poisoned_loader():
     return loader(data, batch_size=32)
 
 
-def guarded_fit(tmp_path: Path, **trainer_kwargs):
-    guard = NaNGuard(logging={"verbose": False})
-    t = trainer(tmp_path, callbacks=[guard], **trainer_kwargs)
-    t.fit(Regression(lr=0.05), poisoned_loader())
-    assert [e.step for e in guard.events] == list(BAD_BATCHES)
-    return guard, t
+@pytest.fixture
+def guarded_fit(fit):
+    """``guarded_fit(subdir=None, **trainer_kwargs)``: a quiet guard on the poisoned loader; returns
+    ``(guard, trainer)``."""
+
+    def run(subdir=None, **trainer_kwargs):
+        guard = NaNGuard(logging={"verbose": False})
+        t = fit(Regression(lr=0.05), poisoned_loader(), [guard], subdir=subdir, **trainer_kwargs)
+        assert [e.step for e in guard.events] == list(BAD_BATCHES)
+        return guard, t
+
+    return run
 
 
-def test_tensorboard_scalars_at_incident_steps_despite_log_every_n_steps(tmp_path):
+def test_tensorboard_scalars_at_incident_steps_despite_log_every_n_steps(tmp_path, guarded_fit):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    guard, t = guarded_fit(tmp_path, logger=logger, log_every_n_steps=50)
+    guard, t = guarded_fit(logger=logger, log_every_n_steps=50)
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
 
@@ -73,9 +78,9 @@ def test_tensorboard_scalars_at_incident_steps_despite_log_every_n_steps(tmp_pat
     assert [json.loads(line)["step"] for line in lines] == list(BAD_BATCHES)
 
 
-def test_csv_logger_gets_scalars_through_log_metrics(tmp_path):
+def test_csv_logger_gets_scalars_through_log_metrics(tmp_path, guarded_fit):
     logger = CSVLogger(str(tmp_path), name="csv")
-    guard, t = guarded_fit(tmp_path, logger=logger, log_every_n_steps=50)
+    guard, t = guarded_fit(logger=logger, log_every_n_steps=50)
     with open(Path(logger.log_dir) / "metrics.csv", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r.get("nanguard/incidents")]
     assert [(int(r["step"]), float(r["nanguard/incidents"])) for r in rows] == [(3, 1.0), (7, 2.0), (11, 3.0)]
@@ -83,9 +88,9 @@ def test_csv_logger_gets_scalars_through_log_metrics(tmp_path):
     assert (Path(logger.log_dir) / "nanguard" / "events.jsonl").is_file()
 
 
-def test_no_logger_still_writes_events_under_default_root_dir(tmp_path):
+def test_no_logger_still_writes_events_under_default_root_dir(tmp_path, guarded_fit):
     root = tmp_path / "root"
-    guard, t = guarded_fit(root, logger=False)
+    guard, t = guarded_fit("root", logger=False)
     events = root / "nanguard" / "events.jsonl"
     assert events.is_file(), sorted(str(p) for p in tmp_path.rglob("*"))
     records = [json.loads(line) for line in events.read_text().splitlines()]
@@ -107,12 +112,11 @@ class _ProgressProbe(pl.Callback):
                           self.guard.counters["incidents"], self.guard.lr_scale))
 
 
-def test_progress_bar_shows_guard_status_while_training(tmp_path):
+def test_progress_bar_shows_guard_status_while_training(fit):
     # lr=6 makes nn.Linear diverge after a few steps: incidents, LR cuts and a rollback follow
     guard = NaNGuard(logging={"verbose": False})
     probe = _ProgressProbe(guard)
-    t = trainer(tmp_path, callbacks=[guard, probe], max_epochs=2, log_every_n_steps=50)
-    t.fit(Regression(lr=6.0), loader(regression_data(512), batch_size=32))
+    t = fit(Regression(lr=6.0), regression_data(512), [guard, probe], batch_size=32, max_epochs=2, log_every_n_steps=50)
     assert len(probe.seen) == 32
     for step, shown_incidents, shown_scale, incidents, scale in probe.seen:
         assert (shown_incidents, shown_scale) == (incidents, pytest.approx(scale)), step
@@ -123,10 +127,9 @@ def test_progress_bar_shows_guard_status_while_training(tmp_path):
     assert INCIDENTS_KEY not in t.callback_metrics and INCIDENTS_KEY not in t.logged_metrics
 
 
-def test_progress_bar_status_can_be_turned_off(tmp_path):
+def test_progress_bar_status_can_be_turned_off(fit):
     guard = NaNGuard(logging={"verbose": False, "progress_bar": False})
-    t = trainer(tmp_path, callbacks=[guard], max_steps=4)
-    t.fit(Regression(lr=0.05), poisoned_loader())
+    t = fit(Regression(lr=0.05), poisoned_loader(), [guard], max_steps=4)
     assert INCIDENTS_KEY not in t.progress_bar_metrics and len(guard.events) == 1
 
 
@@ -142,25 +145,31 @@ class LoggingRegression(Regression):
         return loss
 
 
-def _fit_logging(tmp_path: Path, logging: dict, **trainer_kwargs) -> NaNGuard:
-    guard = NaNGuard(logging={"verbose": False, **logging})
-    trainer(tmp_path, callbacks=[guard], log_every_n_steps=1, **trainer_kwargs).fit(LoggingRegression(),
-                                                                                     poisoned_loader())
-    assert [e.step for e in guard.events] == list(BAD_BATCHES)
-    return guard
+@pytest.fixture
+def fit_logging(fit):
+    """``fit_logging(logging, **trainer_kwargs)``: LoggingRegression on the poisoned loader with the given logging
+    section (verbose off unless set); returns the guard."""
+
+    def run(logging: dict, **trainer_kwargs) -> NaNGuard:
+        guard = NaNGuard(logging={"verbose": False, **logging})
+        fit(LoggingRegression(), poisoned_loader(), [guard], log_every_n_steps=1, **trainer_kwargs)
+        assert [e.step for e in guard.events] == list(BAD_BATCHES)
+        return guard
+
+    return run
 
 
 @pytest.mark.parametrize("events_file", [True, False])
-def test_events_file_switch(tmp_path, events_file):
-    _fit_logging(tmp_path, {"events_file": events_file})
+def test_events_file_switch(tmp_path, fit_logging, events_file):
+    fit_logging({"events_file": events_file})
     files = list(tmp_path.rglob("events.jsonl"))
     assert len(files) == int(events_file)
     assert len(list(tmp_path.rglob("incident-*.txt"))) == len(BAD_BATCHES)  # the other sinks still write
 
 
 @pytest.mark.parametrize("reports", [True, False])
-def test_reports_switch(tmp_path, reports):
-    _fit_logging(tmp_path, {"reports": reports})
+def test_reports_switch(tmp_path, fit_logging, reports):
+    fit_logging({"reports": reports})
     reports_written = sorted(p.name for p in tmp_path.rglob("incident-*.txt"))
     assert reports_written == ([f"incident-{i:04d}-step{s}.txt" for i, s in enumerate(BAD_BATCHES, 1)]
                                if reports else [])
@@ -168,13 +177,13 @@ def test_reports_switch(tmp_path, reports):
 
 
 @pytest.mark.parametrize("loggers", [True, False])
-def test_loggers_switch(tmp_path, loggers):
+def test_loggers_switch(tmp_path, fit_logging, loggers):
     """``logging.loggers`` writes the guard's scalars to every logger of the Trainer (TensorBoard: also the
     incident text), or to none."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb, csv = TensorBoardLogger(str(tmp_path), name="tb"), CSVLogger(str(tmp_path), name="csv")
-    _fit_logging(tmp_path, {"loggers": loggers}, logger=[tb, csv])
+    fit_logging({"loggers": loggers}, logger=[tb, csv])
     acc = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     tags = acc.Tags()["scalars"] + acc.Tags()["tensors"]
@@ -190,17 +199,17 @@ def test_loggers_switch(tmp_path, loggers):
 
 
 @pytest.mark.parametrize("verbose", [True, False])
-def test_verbose_switch(tmp_path, caplog, verbose):
+def test_verbose_switch(fit, caplog, verbose):
     """One line per incident through Lightning's rank-zero logger (no progress bar here), or none."""
     caplog.set_level("INFO")
     guard = NaNGuard(logging={"verbose": verbose})
-    trainer(tmp_path, callbacks=[guard]).fit(Regression(), poisoned_loader())
+    fit(Regression(), poisoned_loader(), [guard])
     assert len(guard.events) == len(BAD_BATCHES)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[nanguard] step")]
     assert lines == ([e.summary() for e in guard.events] if verbose else [])
 
 
-def test_events_file_is_flushed_and_fsynced_per_event(tmp_path, monkeypatch):
+def test_events_file_is_flushed_and_fsynced_per_event(tmp_path, fit_logging, monkeypatch):
     """SIGKILL keeps the page cache, so only counting fsync calls shows the record would survive a power loss."""
     path = tmp_path / "nanguard" / "events.jsonl"
     synced: list[list[dict]] = []
@@ -214,7 +223,7 @@ def test_events_file_is_flushed_and_fsynced_per_event(tmp_path, monkeypatch):
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    guard = _fit_logging(tmp_path, {})
+    guard = fit_logging({})
     assert len(synced) == len(guard.events)  # one fsync of the events file per event
     assert [len(s) for s in synced] == list(range(1, len(guard.events) + 1))  # complete after every write
     assert [s[-1] for s in synced] == [e.to_dict() for e in guard.events]
