@@ -11,6 +11,7 @@ from torch import Tensor
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
 from .detect.amp import OverflowWatch, ensure_unscaled, grad_scaler
+from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
 from .detect.flags import Outcome, StepFlags, classify
 from .detect.spikes import LossWatch
@@ -51,7 +52,10 @@ class NaNGuard(pl.Callback):
        stacked and read at once, the step's one host-device sync (after one small all-reduce under DDP);
        the step's :class:`~.detect.flags.Outcome` follows:
 
-       - healthy: clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
+       - healthy: a loss or gradient norm running away while finite is a ``divergence`` event (from the
+         host floats just read; ``check.divergence``: by default the step is skipped and, at its end, the
+         run rolls back to a snapshot from before the growth and the LR is cut as the cause allows);
+         otherwise clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
          loss spike is recorded and acted on (``check.spike_action``);
        - routine overflow (16-mixed): the GradScaler skips the step by itself;
        - incident: the step is skipped without touching optimizer state (grads set to ``None``), its
@@ -133,8 +137,11 @@ class NaNGuard(pl.Callback):
         self._clipper = Clipper(cfg.clip)
         self._losses = LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)
         self._overflow = OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale)
+        self._divergence = DivergenceWatch(cfg.check.divergence, cfg.check.divergence_growth,
+                                           cfg.check.divergence_steps, cfg.check.divergence_factor)
         self._recovery = Recovery(cfg.recovery, cfg.clip,
-                                  statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector})
+                                  statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector,
+                                              "divergence": self._divergence})
         self._diagnoser = Diagnoser(cfg.anomaly)
         self._recorder = Recorder(cfg.logging, self.name)
         self._responder = Responder(cfg, self._evidence, self._clipper, self._losses, self._overflow,
@@ -173,7 +180,7 @@ class NaNGuard(pl.Callback):
         return {"version": _STATE_VERSION, "recorder": self._recorder.state_dict(),
                 "recovery": self._recovery.state_dict(), "clipper": self._clipper.state_dict(),
                 "losses": self._losses.state_dict(), "overflow": self._overflow.state_dict(),
-                "diagnoser": self._diagnoser.state_dict()}
+                "diagnoser": self._diagnoser.state_dict(), "divergence": self._divergence.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict if state_dict.get("version", 1) >= 2 else _upgrade_v1(state_dict)
@@ -183,6 +190,7 @@ class NaNGuard(pl.Callback):
         self._losses.load_state_dict(state.get("losses", {}))
         self._overflow.load_state_dict(state.get("overflow", {}))
         self._diagnoser.load_state_dict(state.get("diagnoser", {}))
+        self._divergence.load_state_dict(state.get("divergence", {}))
         self._resumed = True
 
     # ---------------------------------------------------------------------------------- fit lifecycle
@@ -202,6 +210,7 @@ class NaNGuard(pl.Callback):
         self._resumed = False  # callback state is restored before this hook on every strategy
         self._evidence.activations.start(pl_module)
         self._diagnoser.start()  # here, inside the Trainer's own set_detect_anomaly context
+        self._diagnoser.record_initial(pl_module)  # parameter scales at fit start, read only on an incident
         if self.config.check.parameters:
             exempt = self._evidence.state.exempt_nonfinite_buffers(pl_module)
             if exempt:
@@ -287,6 +296,12 @@ class NaNGuard(pl.Callback):
     def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
                  norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float]) -> None:
         clip_to = None
+        if getattr(pl_module, "automatic_optimization", True):  # manual: one loss stream per optimizer, mixed
+            evidence = self._divergence.observe(trainer.global_step, flags.loss if self._evidence.loss_checked
+                                                else None, flags.grad_norm)
+            if evidence is not None and self._responder.divergence(trainer, pl_module, params, flags, evidence):
+                self._outcome = Outcome.INCIDENT  # skipped; the rollback and LR cut follow at the end of the step
+                return
         if spike_z is not None:
             spike = self._responder.spike(trainer, pl_module, params, flags, spike_z)
             if spike.skip:
@@ -330,7 +345,7 @@ class NaNGuard(pl.Callback):
         self._recovery.healthy_step()
         self._evidence.after_step(pl_module)  # read with the next step's flags
         # never snapshot a run whose gradient norm is running away: finite is not known-good
-        if self._recovery.snapshot_due() and not self._clipper.diverging():
+        if self._recovery.snapshot_due() and not self._clipper.diverging() and not self._divergence.growing():
             self._snapshot(trainer, pl_module)
         self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
 

@@ -108,6 +108,17 @@ class CheckConfig(_Section):
     spike_z: float = _opt(6.0, "z-score of the loss against its running statistics that counts as a spike",
                           lo=0.0, lo_open=True)
     spike_warmup: int = _opt(50, "healthy steps of loss statistics before spike detection starts", lo=1)
+    divergence: Literal["off", "warn", "act"] = _opt(
+        "act", "a finite loss or gradient norm running away (from step 1): ignore it, record an event, or also skip "
+               "the step, roll back to the newest snapshot from before it and cut the LR (as its cause allows)")
+    divergence_growth: float = _opt(2.0, "per-step growth factor of the loss (or gradient norm) that counts "
+                                         "towards a divergence", lo=1.0, lo_open=True)
+    divergence_steps: int = _opt(3, "consecutive steps, each growing by divergence_growth, that make a divergence",
+                                 lo=2)
+    divergence_factor: float = _opt(
+        100.0, "a loss this many times its first value for divergence_steps + 2 consecutive steps is a divergence; "
+               "the last value of a growth streak must also be 10x every value before the streak", lo=1.0,
+        lo_open=True)
     amp_overflow_patience: int = _opt(
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",
@@ -168,6 +179,9 @@ class RecoveryConfig(_Section):
     incident_window: int = _opt(100, "steps over which incidents count towards reduce_lr_after", lo=1)
     reduce_lr_on_rollback: bool = _opt(True, "cut the LR after a rollback forced because skipping did not help "
                                              "(not for bad inputs or a one-off bad parameter)")
+    divergence_lr_factor: float = _opt(
+        0.1, "LR factor of a cut for a divergence, or when the diagnosis names the learning rate (then smaller if "
+             "one step would still move the weights too far)", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
     min_lr_scale: float = _opt(1e-4, "floor of the cumulative LR scale", lo=0.0, hi=1.0, lo_open=True)
     snapshot: Literal["memory", "disk", "off"] = _opt(
         "memory", "where known-good state is kept: preallocated CPU memory, atomic files, or nowhere")

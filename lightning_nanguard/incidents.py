@@ -86,7 +86,8 @@ class Responder:
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  **evidence: Any) -> IncidentContext:
         return self.diagnoser.context(trainer, pl_module, event, norm_history=list(self.clipper.history),
-                                      loss_history=list(self.losses.history), **evidence)
+                                      loss_history=list(self.losses.history), reference=self.recovery.weights_at,
+                                      **evidence)
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
         """The guard's scalars (tags below ``nanguard/``): counts, LR scale, the last gradient norm (and the
@@ -134,12 +135,39 @@ class Responder:
 
         self.evidence.grads_were_finite = math.isfinite(flags.grad_norm)
         plan = self.recovery.ladder.incident(trainer.global_step, event.kind, can_roll_back=self.recovery.can_roll_back,
-                                             diverging=event.cause == "exploding_gradient")
+                                             cause=event.cause, safe_factor=_safe_factor(event))
         self.recovery.skip(params)
         event.add_action("skip_step")
         if plan.enable_adaptive_clip:
             event.add_action("clip")
         self.pending.append(Pending(event, plan, ctx, extra))
+
+    def divergence(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
+                   flags: StepFlags, evidence: dict) -> bool:
+        """A finite loss (or gradient norm) running away (:mod:`.detect.divergence`): diagnose and record it.
+        With ``check.divergence: act`` the step is skipped, and at its end the run rolls back to the newest
+        snapshot from before the onset and the LR is cut as the cause allows (the ladder). Returns True when
+        the step is skipped."""
+        event = self._event(trainer, "divergence")
+        event.details.update(divergence=evidence, loss=flags.loss, grad_norm=flags.grad_norm,
+                             lr=current_lrs(trainer.optimizers))
+        ctx = self._context(trainer, pl_module, event, grad_norm=flags.grad_norm, divergence=evidence)
+        extra = self.diagnoser.diagnose(ctx, self.recorder.events)
+        if self.config.check.divergence == "warn":
+            event.add_action("warn")
+            self._record(trainer, event, ctx, extra)
+            return False
+        plan = self.recovery.ladder.incident(trainer.global_step, "divergence",
+                                             can_roll_back=self.recovery.can_roll_back, cause=event.cause,
+                                             safe_factor=_safe_factor(event))
+        plan.rollback_before = evidence.get("onset_step")
+        self.recovery.skip(params)
+        self.recovery.undo_buffers()
+        event.add_action("skip_step")
+        if plan.enable_adaptive_clip:
+            event.add_action("clip")
+        self.pending.append(Pending(event, plan, ctx, extra))
+        return True
 
     def spike(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
               flags: StepFlags, z: float) -> SpikeResponse:
@@ -241,7 +269,8 @@ class Responder:
                             param_findings=findings)
         extra = self.diagnoser.diagnose(ctx, self.recorder.events)
         event.details["detected_at"] = where
-        plan = self.recovery.ladder.incident(trainer.global_step, kind, can_roll_back=self.recovery.can_roll_back)
+        plan = self.recovery.ladder.incident(trainer.global_step, kind, can_roll_back=self.recovery.can_roll_back,
+                                             cause=event.cause)
         self._conclude(trainer, pl_module, Pending(event, plan, ctx, extra))
 
     def unfinished_recovery(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -316,6 +345,12 @@ class Responder:
         extra = self.diagnoser.diagnose_error(ctx, found)
         event.add_action("raise")
         self._record(trainer, event, ctx, extra)
+
+
+def _safe_factor(event: NaNEvent) -> Optional[float]:
+    """The LR factor at which the diagnosis' relative update would be safe (cause ``learning_rate``)."""
+    found = event.details.get("relative_update")
+    return found["safe_lr"] / found["lr"] if found and found["lr"] > 0 else None
 
 
 def _buffer_names(pl_module: "pl.LightningModule") -> set[str]:

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 D, PV, PR, PC, RC, RP = ("tests/test_detection.py", "tests/test_prevention.py", "tests/test_precision.py",
                          "tests/test_recovery.py", "tests/test_reporting.py", "tests/test_diagnosis.py")
+DV = "tests/test_divergence.py"
 
 KEY_TESTS: dict[str, list[str]] = {
     "check.loss": [f"{D}::test_loss_and_gradient_checks_decide_what_catches_a_nan_loss"],
@@ -32,6 +33,11 @@ KEY_TESTS: dict[str, list[str]] = {
                            f"{PV}::test_skipped_spike_undoes_batchnorm_statistics_like_an_incident"],
     "check.spike_z": [f"{PV}::test_spike_z_is_the_detection_threshold"],
     "check.spike_warmup": [f"{PV}::test_spike_warmup_is_the_number_of_losses_before_detection"],
+    "check.divergence": [f"{DV}::test_check_divergence_off_warn_act",
+                         "tests/test_causes.py::test_tiny_gpt2_with_sgd_at_lr_100_is_learning_rate_not_precision"],
+    "check.divergence_growth": [f"{DV}::test_check_divergence_growth_is_the_per_step_factor"],
+    "check.divergence_steps": [f"{DV}::test_check_divergence_steps_is_the_length_of_the_growth_streak"],
+    "check.divergence_factor": [f"{DV}::test_check_divergence_factor_is_how_far_above_the_first_loss"],
     "check.amp_overflow_patience": [f"{PR}::test_amp_overflow_patience_is_the_streak_that_becomes_an_incident",
                                     f"{PR}::test_persistent_overflow_is_an_incident"],
     "check.amp_min_scale": [f"{PR}::test_amp_min_scale_turns_an_overflow_below_it_into_an_incident",
@@ -55,6 +61,8 @@ KEY_TESTS: dict[str, list[str]] = {
     "recovery.incident_window": [f"{PC}::test_incident_window_boundary_in_the_ladder",
                                  f"{PC}::test_incident_window_boundary_in_a_trainer"],
     "recovery.reduce_lr_on_rollback": [f"{PC}::test_reduce_lr_on_rollback_off_rolls_back_without_a_cut"],
+    "recovery.divergence_lr_factor": [
+        f"{DV}::test_recovery_divergence_lr_factor_is_the_cut_unless_the_diagnosis_asks_for_more"],
     "recovery.min_lr_scale": [f"{PC}::test_lr_cuts_stop_at_min_lr_scale"],
     "recovery.snapshot": [f"{PC}::test_snapshot_every_and_keep_snapshots_in_a_healthy_run",
                           f"{PC}::test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint"],

@@ -10,6 +10,7 @@ import torch
 from ..config import AnomalyConfig
 from ..report.events import NaNEvent
 from .causes import IncidentContext, diagnose, diagnose_anomaly_error
+from .dynamics import InitialScales
 from .replay import parse_anomaly_error, rng_state
 
 __all__ = ["Diagnoser"]
@@ -31,6 +32,11 @@ class Diagnoser:
         self.replays = 0
         self._rng: list[Any] = []  # RNG state at each micro-batch of the current step, for the replay
         self._anomaly_before: Optional[tuple[bool, bool]] = None
+        self.initial = InitialScales()
+
+    def record_initial(self, module: torch.nn.Module) -> None:
+        """Fit start: queue every parameter's norm on the device (read only if an incident needs it)."""
+        self.initial.record(module)
 
     def start(self) -> None:
         if self.cfg.mode == "always" and self._anomaly_before is None:
@@ -55,7 +61,8 @@ class Diagnoser:
     def context(self, trainer: Any, pl_module: Any, event: NaNEvent, **evidence: Any) -> IncidentContext:
         """An :class:`IncidentContext` for ``event``, with this step's RNG states and the diagnosis settings."""
         return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, rng_states=list(self._rng),
-                               frames=self.cfg.frames, float64_check=self.cfg.float64_check, **evidence)
+                               frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
+                               **evidence)
 
     # ---------------------------------------------------------------------------------------- diagnosis
 

@@ -59,6 +59,7 @@ class ReplayResult:
     float64: Optional[dict] = None
     errors: list[str] = field(default_factory=list)
     frames_text: str = ""
+    forward_rows: list[dict] = field(default_factory=list)  # module calls up to the first non-finite output
 
 
 def rng_state() -> dict[str, Any]:
@@ -229,6 +230,7 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
     bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
     res.nonfinite_grads = bad_grads[:20]
     first_fwd = rec.first_bad(rec.forward_frames)
+    res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
     res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads)
     if first_fwd is not None:
         res.forward = first_fwd.row()
@@ -322,6 +324,8 @@ def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: Replay
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
     twin = _eager_copy(module).double()
     twin.log, twin.log_dict = _noop, _noop  # type: ignore[method-assign]
+    if "_trainer" in vars(module):  # a LightningModule drops its trainer when copied: global_rank, global_step,
+        twin.__dict__["_trainer"] = module.__dict__["_trainer"]  # current_epoch must read as in the replay
     named = [(n, p) for n, p in twin.named_parameters() if p.requires_grad]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)

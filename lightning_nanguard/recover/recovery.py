@@ -144,6 +144,19 @@ class Recovery:
         self.snapshots += 1
         self.ladder.snapshot_taken()
 
+    def newest_before(self, step: int) -> Optional[Any]:
+        """The newest snapshot taken at or before ``step`` (a state from before a divergence began), or None."""
+        if self.store is None:
+            return None
+        return next((snap for snap in reversed(self.store.ring) if snap.step <= step), None)
+
+    def weights_at(self, step: int) -> Optional[tuple[int, dict[str, Any]]]:
+        """``(snapshot step, module state dict)`` of :meth:`newest_before` (incident time only: it loads a copy)."""
+        snap = self.newest_before(step)
+        if snap is None or self.store is None:
+            return None
+        return snap.step, self.store.load(snap)["module"]
+
     def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int) -> None:
         """Restore the newest snapshot, then re-apply the LR cuts made since it was taken."""
         assert self.store is not None and self.store.newest is not None
@@ -184,9 +197,11 @@ class Recovery:
         self.ladder.consecutive = 0
         return self.store.newest.step
 
-    def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent) -> None:
-        """Multiply every learning rate by ``lr_factor``, down to ``min_lr_scale`` of the original."""
-        new_scale = max(self.lr_scale * self.cfg.lr_factor, self.cfg.min_lr_scale)
+    def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent, factor: Optional[float] = None) -> None:
+        """Multiply every learning rate by ``factor`` (default ``lr_factor``), down to ``min_lr_scale`` of the
+        original."""
+        factor = self.cfg.lr_factor if factor is None else factor
+        new_scale = max(self.lr_scale * factor, self.cfg.min_lr_scale)
         before = current_lrs(trainer.optimizers)
         if new_scale < self.lr_scale:
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], new_scale / self.lr_scale)
@@ -209,6 +224,9 @@ class Recovery:
         if plan.rollback and self.store:
             if plan.go_further_back:
                 self.store.drop_newest()
+            while plan.rollback_before is not None and len(self.store) > 1 and self.store.newest is not None \
+                    and self.store.newest.step > plan.rollback_before:
+                self.store.drop_newest()  # taken after the divergence began: not known-good
             self.rollback(trainer, pl_module, scaler_overflows)
             event.add_action("rollback")
             event.details["restored_step"] = self.store.newest.step if self.store.newest else None
@@ -217,7 +235,7 @@ class Recovery:
                 event.add_action("skip_batches")
                 event.details["skip_batches"] = plan.skip_batches
         if plan.reduce_lr:
-            self.cut_lr(trainer, event)
+            self.cut_lr(trainer, event, plan.lr_factor)
         event.details["reasons"] = plan.reasons
 
     # ---------------------------------------------------------------------------------------- persistence
