@@ -1,7 +1,9 @@
 """The seed case: an nn.Linear trained with a learning rate that is far too high goes to NaN.
 
-Runs the same training twice, first without the guard (it dies with loss=nan) and then with
-``NaNGuard()`` defaults (it is rescued), and prints what the guard did and where its logs are.
+Runs the same training twice, first without the guard (the loss grows about 10x per step and dies with
+loss=nan) and then with ``NaNGuard()`` defaults: the guard sees the loss running away within a few steps, names
+the learning rate as the cause, rolls back and cuts the LR before any value is non-finite (it is rescued). It
+prints what the guard did and where its logs are.
 
     python examples/demo.py [--out demo_logs]
 """
@@ -93,9 +95,15 @@ def main() -> None:
     guarded = train(args.lr, out, "guarded", guard)
     loss = final_loss(guarded, data)
     sane = final_loss(train(0.05, out, "sane_lr", None), data)
-    print(f"\n   incidents: {len(guard.events)}")
+    print(f"\n   events: {len(guard.events)}")
     for ev in guard.events:
-        print(f"   - step {ev.step:4d}  kind={ev.kind:9s} cause={str(ev.cause):20s} actions={', '.join(ev.actions)}")
+        print(f"   - step {ev.step:4d}  kind={ev.kind:10s} cause={str(ev.cause):18s} actions={', '.join(ev.actions)}")
+    for ev in guard.events[:1]:
+        print(f"     {ev.suggestion}")
+    first_nan = guarded.first_nan_step
+    acted = next((ev.step for ev in guard.events if ev.kind == "divergence"), None)
+    print(f"   first non-finite loss: {'none' if first_nan is None else f'step {first_nan}'}"
+          + (f" (the guard acted at step {acted}, before any NaN)" if acted is not None and first_nan is None else ""))
     print(f"   learning-rate scale now: {guard.lr_scale:g}  (lr {args.lr} -> {args.lr * guard.lr_scale:g})")
     print(f"   final loss = {loss:.5f}   (a run at a sane lr=0.05 reaches {sane:.5f})")
     print(f"   weights finite: {all(torch.isfinite(p).all() for p in guarded.parameters())}")

@@ -11,6 +11,7 @@ from torch import Tensor
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
 from .detect.amp import OverflowWatch, clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
+from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
 from .detect.flags import NORM, Outcome, StepFlags, classify, skip_flag
 from .detect.spikes import LossWatch
@@ -24,6 +25,7 @@ from .recover.recovery import Recovery
 from .report.events import NaNEvent
 from .report.progress import say
 from .report.recorder import Recorder
+from .usage_errors import usage_errors
 
 try:  # the callback works in both packages' Trainers; it subclasses the classic one
     import pytorch_lightning as pl
@@ -41,15 +43,19 @@ class NaNGuard(pl.Callback):
 
     One optimizer step, as the guard sees it:
 
-    1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers are backed
-       up, and with ``check.inputs: always`` its floating tensors become a device flag;
+    1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers, the module's
+       torchmetrics states and Lightning's logged aggregates are backed up (at the step's first micro-batch),
+       and with ``check.inputs: always`` its floating tensors become a device flag;
     2. ``on_before_backward``: the loss of each micro-batch joins the step's device sum (non-finite if any is);
     3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss, its flag, the
        parameter/buffer flag (where one was taken) and the activation flag are stacked into one vector (one
        small all-reduce under DDP). With ``check.sync: eager`` (the default on the CPU) it is read at once,
        the step's one host-device sync, and the step's :class:`~.detect.flags.Outcome` follows:
 
-       - healthy: clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
+       - healthy: a loss or gradient norm running away while finite is a ``divergence`` event (from the
+         host floats just read; ``check.divergence``: by default the step is skipped and, at its end, the
+         run rolls back to a snapshot from before the growth and the LR is cut as the cause allows);
+         otherwise clip (``clip.max_norm``, adaptive z-score, AGC), learn the norm and loss statistics; a
          loss spike is recorded and acted on (``check.spike_action``);
        - routine overflow (16-mixed): the GradScaler skips the step by itself;
        - incident: the step is skipped without touching optimizer state (grads set to ``None``), its
@@ -58,22 +64,25 @@ class NaNGuard(pl.Callback):
 
        With ``check.sync: lagged`` (``auto`` off the CPU when every optimizer can skip on the device) nothing
        is read: a device flag skips a bad step inside the optimizer (``found_inf`` of a fused optimizer, or
-       the GradScaler's), clipping compares the norm with its limit on the device, and the vector is copied
-       to the host without a wait. It is read at the next step's ``on_before_optimizer_step``, when that
-       step's work is queued, and the step is judged then, as above, with its own step number and batches;
-       a rollback it calls for also skips the step under way unless that step's gradients were taken on the
-       restored weights. Train end, validation, a checkpoint and a due snapshot read it at once;
-    4. ``on_train_batch_end``: the plan is carried out (clip from now on, cut the LR in a way schedulers
-       keep, roll back to a known-good snapshot, skip the next batches, give up: restore, then stop or
-       raise), the event is recorded (``guard.events``, ``events.jsonl``, every logger, a report file),
-       and a snapshot is taken every ``recovery.snapshot_every`` healthy steps.
+       the GradScaler's) and undoes its buffer and metric writes, clipping compares the norm with its limit
+       on the device, and the vector is copied to the host without a wait. It is read at the next step's
+       ``on_before_optimizer_step``, when that step's work is queued, and the step is judged then, as above,
+       with its own step number and batches; a rollback it calls for also skips the step under way unless
+       that step's gradients were taken on the restored weights. Train end, validation, a checkpoint and a
+       due snapshot read it at once;
+    4. ``on_train_batch_end``: a skipped step's metric updates and logged values are undone; the plan is
+       carried out (clip from now on, cut the LR in a way schedulers keep, roll back to a known-good
+       snapshot, skip the next batches, give up: restore, then stop or raise), the event is recorded
+       (``guard.events``, ``events.jsonl``, every logger, a report file), and a snapshot is taken every
+       ``recovery.snapshot_every`` healthy steps.
 
     The weights are checked (``check.parameters``) on every incident, before a snapshot, a checkpoint or
     validation, and at the end of fit; a bad weight that the next forward reads already spoils its loss. While
     ``check.loss`` or ``check.gradients`` is off, every step's update is checked as well.
 
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
-    the guard.
+    the guard. If fit ends while recovery is unfinished, the newest snapshot is restored
+    (``recovery.restore_at_end``).
 
     Example::
 
@@ -117,13 +126,14 @@ class NaNGuard(pl.Callback):
         name: Optional[str] = None,
     ) -> None:
         super().__init__()
-        if name is not None and (not isinstance(name, str) or not name.isidentifier()):
-            raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+        with usage_errors():  # under LightningCLI: a one-line parser error naming the key, not a traceback
+            if name is not None and (not isinstance(name, str) or not name.isidentifier()):
+                raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
+            base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
+            given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
+            sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
+            self.config = NaNGuardConfig(**sections)
         self.name = name
-        base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
-        given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
-        sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
-        self.config = NaNGuardConfig(**sections)
         self._build()
         self._resumed = False
 
@@ -139,8 +149,11 @@ class NaNGuard(pl.Callback):
         self._clipper = Clipper(cfg.clip)
         self._losses = LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)
         self._overflow = OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale)
+        self._divergence = DivergenceWatch(cfg.check.divergence, cfg.check.divergence_growth,
+                                           cfg.check.divergence_steps, cfg.check.divergence_factor)
         self._recovery = Recovery(cfg.recovery, cfg.clip,
-                                  statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector})
+                                  statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector,
+                                              "divergence": self._divergence})
         self._diagnoser = Diagnoser(cfg.anomaly)
         self._recorder = Recorder(cfg.logging, self.name)
         self._responder = Responder(cfg, self._evidence, self._clipper, self._losses, self._overflow,
@@ -182,7 +195,7 @@ class NaNGuard(pl.Callback):
         return {"version": _STATE_VERSION, "recorder": self._recorder.state_dict(),
                 "recovery": self._recovery.state_dict(), "clipper": self._clipper.state_dict(),
                 "losses": self._losses.state_dict(), "overflow": self._overflow.state_dict(),
-                "diagnoser": self._diagnoser.state_dict()}
+                "diagnoser": self._diagnoser.state_dict(), "divergence": self._divergence.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict if state_dict.get("version", 1) >= 2 else _upgrade_v1(state_dict)
@@ -192,6 +205,7 @@ class NaNGuard(pl.Callback):
         self._losses.load_state_dict(state.get("losses", {}))
         self._overflow.load_state_dict(state.get("overflow", {}))
         self._diagnoser.load_state_dict(state.get("diagnoser", {}))
+        self._divergence.load_state_dict(state.get("divergence", {}))
         self._resumed = True
 
     # ---------------------------------------------------------------------------------- fit lifecycle
@@ -216,6 +230,7 @@ class NaNGuard(pl.Callback):
         self._resumed = False  # callback state is restored before this hook on every strategy
         self._evidence.activations.start(pl_module)
         self._diagnoser.start()  # here, inside the Trainer's own set_detect_anomaly context
+        self._diagnoser.record_initial(pl_module)  # parameter scales at fit start, read only on an incident
         if self.config.check.parameters:
             exempt = self._evidence.state.exempt_nonfinite_buffers(pl_module)
             if exempt:
@@ -232,6 +247,8 @@ class NaNGuard(pl.Callback):
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
+        elif self.config.recovery.restore_at_end:  # finite is not recovered: never end on a divergence under way
+            self._responder.unfinished_recovery(trainer, pl_module)
         self._stop_hooks()
         self._recorder.flush()
 
@@ -266,7 +283,7 @@ class NaNGuard(pl.Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
         if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):
-            self._recovery.step_start()
+            self._recovery.step_start(trainer)
         self._diagnoser.micro_batch()
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
@@ -320,6 +337,13 @@ class NaNGuard(pl.Callback):
                  norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float],
                  late: Optional[LateStep] = None) -> Outcome:
         clip_to = None
+        checked = self._evidence.loss_checked if late is None else late.loss_checked
+        if getattr(pl_module, "automatic_optimization", True):  # manual: one loss stream per optimizer, mixed
+            evidence = self._divergence.observe(trainer.global_step if late is None else late.step,
+                                                flags.loss if checked else None, flags.grad_norm)
+            if evidence is not None and self._responder.divergence(trainer, pl_module, params, flags, evidence,
+                                                                   late):
+                return Outcome.INCIDENT  # skipped; the rollback and LR cut follow at the end of the step
         if spike_z is not None:
             spike = self._responder.spike(trainer, pl_module, params, flags, spike_z, late)
             if spike.skip:
@@ -337,8 +361,7 @@ class NaNGuard(pl.Callback):
                 ladder.adaptive_clip):
             self._responder.clipping_persists(trainer, params, flags, late)
             outcome = Outcome.INCIDENT
-        self._losses.healthy(flags.loss if (self._evidence.loss_checked if late is None else late.loss_checked)
-                             else None)
+        self._losses.healthy(flags.loss if checked else None)
         return outcome
 
     # ------------------------------------------------------------------------------ lagged reads
@@ -373,8 +396,9 @@ class NaNGuard(pl.Callback):
         outcome = self._judge(trainer, pl_module, late.optimizer, [], flags, None, late.scaled, late)
         # what the device did with it: skipped where its skip flag was set and the optimizer honours it (under a
         # GradScaler, also on an overflow)
-        flagged = flags.local_bad or self.config.check.gradients and flags.grads_bad
+        flagged = flags.local_bad or self.config.check.gradients and not late.scaled and flags.grads_bad  # its skip
         applied = not (late.device_skip and flagged or late.scaled and flags.grads_bad)
+        self._recovery.settle_metrics(skipped=flagged)  # its metric states were undone on the device where flagged
         if outcome is Outcome.HEALTHY:
             self._recovery.healthy_step()
         if outcome in (Outcome.HEALTHY, Outcome.ROUTINE_OVERFLOW):
@@ -413,6 +437,9 @@ class NaNGuard(pl.Callback):
         elif outcome is Outcome.SKIPPED and self._recovery.skip_batches_left > 0:
             self._recovery.skip_batches_left -= 1
             self._recovery.undo_buffers()
+        if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not self._recovery.stopped:
+            # a rescued step leaves no trace in what the user logged; a failed run (given up) is not hidden
+            self._recovery.undo_metrics()
         if outcome is Outcome.ROUTINE_OVERFLOW:  # log the lowered scale like a healthy step
             self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
         if self.config.logging.progress_bar:
@@ -431,6 +458,7 @@ class NaNGuard(pl.Callback):
         assert staged is not None
         clear_device_skip(staged.optimizer, staged.skip)
         self._recovery.undo_buffers_where(staged.skip)
+        self._recovery.undo_metrics_where(staged.skip)  # settled once its flags are read
         self._evidence.after_step(pl_module)  # read with the next step's flags
         self._late = staged
         # a snapshot copies the weights to the host and waits anyway: judge the step first, never keep unread state
@@ -442,7 +470,7 @@ class NaNGuard(pl.Callback):
 
     def _maybe_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # never snapshot a run whose gradient norm is running away: finite is not known-good
-        if self._recovery.snapshot_due() and not self._clipper.diverging():
+        if self._recovery.snapshot_due() and not self._clipper.diverging() and not self._divergence.growing():
             self._snapshot(trainer, pl_module)
 
     def _snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+from .usage_errors import usage_errors
+
 __all__ = [
     "ConfigError",
     "CheckConfig",
@@ -66,6 +68,10 @@ class _Section:
     _section: typing.ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        with usage_errors():  # under LightningCLI: a one-line parser error naming the key, not a traceback
+            self._check()
+
+    def _check(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             path = f"{self._section}.{f.name}"
@@ -103,6 +109,17 @@ class CheckConfig(_Section):
     spike_z: float = _opt(6.0, "z-score of the loss against its running statistics that counts as a spike",
                           lo=0.0, lo_open=True)
     spike_warmup: int = _opt(50, "healthy steps of loss statistics before spike detection starts", lo=1)
+    divergence: Literal["off", "warn", "act"] = _opt(
+        "act", "a finite loss or gradient norm running away (from step 1): ignore it, record an event, or also skip "
+               "the step, roll back to the newest snapshot from before it and cut the LR (as its cause allows)")
+    divergence_growth: float = _opt(2.0, "per-step growth factor of the loss (or gradient norm) that counts "
+                                         "towards a divergence", lo=1.0, lo_open=True)
+    divergence_steps: int = _opt(3, "consecutive steps, each growing by divergence_growth, that make a divergence",
+                                 lo=2)
+    divergence_factor: float = _opt(
+        100.0, "a loss this many times its first value for divergence_steps + 2 consecutive steps is a divergence; "
+               "the last value of a growth streak must also be 10x every value before the streak", lo=1.0,
+        lo_open=True)
     amp_overflow_patience: int = _opt(
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",
@@ -171,6 +188,9 @@ class RecoveryConfig(_Section):
     incident_window: int = _opt(100, "steps over which incidents count towards reduce_lr_after", lo=1)
     reduce_lr_on_rollback: bool = _opt(True, "cut the LR after a rollback forced because skipping did not help "
                                              "(not for bad inputs or a one-off bad parameter)")
+    divergence_lr_factor: float = _opt(
+        0.1, "LR factor of a cut for a divergence, or when the diagnosis names the learning rate (then smaller if "
+             "one step would still move the weights too far)", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
     min_lr_scale: float = _opt(1e-4, "floor of the cumulative LR scale", lo=0.0, hi=1.0, lo_open=True)
     snapshot: Literal["memory", "disk", "off"] = _opt(
         "memory", "where known-good state is kept: preallocated CPU memory, atomic files, or nowhere")
@@ -185,6 +205,9 @@ class RecoveryConfig(_Section):
                              lo=0)
     on_give_up: Literal["stop", "raise"] = _opt(
         "stop", "after restoring the last good weights: stop the Trainer, or raise NaNGuardError")
+    restore_at_end: bool = _opt(
+        True, "when fit ends while recovery is unfinished (the last steps were skipped incidents, or a rollback "
+              "is not yet confirmed), restore the newest known-good snapshot")
 
 
 @dataclass
@@ -220,8 +243,9 @@ class NaNGuardConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in SECTIONS.items():
-            object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
+        with usage_errors():
+            for name, cls in SECTIONS.items():
+                object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
 
     @classmethod
     def from_mapping(cls, data: Any, *, where: str = "") -> "NaNGuardConfig":
@@ -295,7 +319,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 return _coerce(path, value, arm)
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}{_bool_hint(value, tp)}")
+        raise ConfigError(f"{path}: got {_show(value)}; allowed: {_describe(tp)}{_bool_hint(value, tp)}"
+                          f"{_null_hint(path, value, tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -324,6 +349,16 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             return value
     raise ConfigError(f"{path}: got {_show(value)} ({type(value).__name__}); allowed: {_describe(tp)}"
                       f"{_bool_hint(value, tp)}")
+
+
+def _null_hint(path: str, value: Any, tp: Any) -> str:
+    """jsonargparse hands ``--trainer.callbacks.init_args.clip.max_norm=null`` over as the string 'None' (and
+    drops the section's other keys): say how to write null on the command line."""
+    if value not in ("None", "null") or type(None) not in typing.get_args(tp):
+        return ""
+    section, _, key = path.partition(".")
+    return (f" (a dotted null on the LightningCLI command line arrives as the string {value!r}: set it "
+            f"through its section, --trainer.callbacks.init_args.{section}='{{{key}: null}}')")
 
 
 def _bool_hint(value: Any, tp: Any) -> str:

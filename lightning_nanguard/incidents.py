@@ -111,7 +111,8 @@ class Responder:
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  **evidence: Any) -> IncidentContext:
         return self.diagnoser.context(trainer, pl_module, event, norm_history=list(self.clipper.history),
-                                      loss_history=list(self.losses.history), **evidence)
+                                      loss_history=list(self.losses.history), reference=self.recovery.weights_at,
+                                      **evidence)
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
         """The guard's scalars (tags below ``nanguard/``): counts, LR scale, the last gradient norm (and the
@@ -171,7 +172,7 @@ class Responder:
         self.evidence.grads_were_finite = math.isfinite(flags.grad_norm)
         step = trainer.global_step if late is None else late.step
         plan = self.recovery.ladder.incident(step, event.kind, can_roll_back=self.recovery.can_roll_back,
-                                             diverging=event.cause == "exploding_gradient")
+                                             cause=event.cause, safe_factor=_safe_factor(event))
         if late is None:
             self.recovery.skip(params)
             event.add_action("skip_step")
@@ -199,6 +200,35 @@ class Responder:
             params = {n for n, _ in pl_module.named_parameters()}
             findings = [f for f in findings if f["name"] in params]
         return findings
+
+    def divergence(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
+                   flags: StepFlags, evidence: dict, late: Optional[LateStep] = None) -> bool:
+        """A finite loss (or gradient norm) running away (:mod:`.detect.divergence`): diagnose and record it.
+        With ``check.divergence: act`` the step is skipped, and at its end the run rolls back to the newest
+        snapshot from before the onset and the LR is cut as the cause allows (the ladder). Returns True when
+        the step is skipped (or, ``late``: read one step later, when its update, already applied, is to be
+        rolled back)."""
+        event = self._event(trainer, "divergence", late)
+        event.details.update(divergence=evidence, loss=flags.loss, grad_norm=flags.grad_norm,
+                             lr=current_lrs(trainer.optimizers) if late is None else [float(lr) for lr in late.lrs])
+        ctx = self._context(trainer, pl_module, event, grad_norm=flags.grad_norm, divergence=evidence)
+        extra = self.diagnoser.diagnose(ctx, self.recorder.events)
+        if self.config.check.divergence == "warn":
+            event.add_action("warn")
+            self._record(trainer, event, ctx, extra)
+            return False
+        plan = self.recovery.ladder.incident(trainer.global_step if late is None else late.step, "divergence",
+                                             can_roll_back=self.recovery.can_roll_back, cause=event.cause,
+                                             safe_factor=_safe_factor(event))
+        plan.rollback_before = evidence.get("onset_step")
+        if late is None:
+            self.recovery.skip(params)
+            self.recovery.undo_buffers()
+            event.add_action("skip_step")
+        if plan.enable_adaptive_clip:
+            event.add_action("clip")
+        self.pending.append(Pending(event, plan, ctx, extra))
+        return True
 
     def spike(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
               flags: StepFlags, z: float, late: Optional[LateStep] = None) -> SpikeResponse:
@@ -308,8 +338,50 @@ class Responder:
                             param_findings=findings)
         extra = self.diagnoser.diagnose(ctx, self.recorder.events)
         event.details["detected_at"] = where
-        plan = self.recovery.ladder.incident(trainer.global_step, kind, can_roll_back=self.recovery.can_roll_back)
+        plan = self.recovery.ladder.incident(trainer.global_step, kind, can_roll_back=self.recovery.can_roll_back,
+                                             cause=event.cause)
         self._conclude(trainer, pl_module, Pending(event, plan, ctx, extra))
+
+    def unfinished_recovery(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Fit ends while recovery is unfinished (``recovery.restore_at_end``): the weights left can be finite
+        and broken, so the newest known-good snapshot is restored and recorded. Unfinished: the last steps were
+        skipped incidents (a divergence the skips had not stopped yet), or a rollback forced by them is not yet
+        confirmed by a snapshot after healthy training. Not: skipped bad inputs alone (the weights never saw
+        them), nor the healthy steps after rolling back a one-off bad parameter (the snapshot was fine)."""
+        recovery, ladder = self.recovery, self.recovery.ladder
+        if not recovery.unfinished:
+            return
+        incidents = [e for e in self.recorder.events if e.kind != "spike"]
+        skipped = incidents[-ladder.consecutive:] if ladder.consecutive else []
+        rolled_back = next((e for e in reversed(incidents) if "rollback" in e.actions), None)
+        unconfirmed = ladder.failed_rollbacks > 0 and (rolled_back is None or rolled_back.kind not in (
+            "parameter", "buffer"))
+        if not unconfirmed and all(e.kind == "input" for e in skipped):
+            return
+        if not skipped and recovery.healthy_since_snapshot == 0:
+            return  # the last step rolled back: the weights are the newest snapshot's already
+        last = incidents[-1] if incidents else None
+        event = self._event(trainer, last.kind if last is not None else "parameter")
+        if last is not None:
+            event.cause, event.culprit, event.op = last.cause, last.culprit, last.op
+        event.details.update(detected_at="train_end", skipped_steps_in_a_row=ladder.consecutive,
+                             unconfirmed_rollbacks=ladder.failed_rollbacks,
+                             last_incident_step=last.step if last is not None else None)
+        restored = recovery.restore_newest(trainer, pl_module, self.overflow.overflows)
+        if restored is None:
+            event.add_action("warn")
+            event.suggestion = ("Training ended while the guard was still recovering and there is no snapshot to "
+                                "restore (recovery.snapshot: off): the final weights may be diverged. Lower the "
+                                "learning rate, or train longer.")
+        else:
+            event.add_action("rollback")
+            event.details["restored_step"] = restored
+            event.suggestion = (f"Training ended while the guard was still recovering: the weights were restored to "
+                                f"the last known-good state (step {restored}). Lower the learning rate, or train "
+                                "longer so that recovery can complete (recovery.restore_at_end: false keeps the "
+                                "final weights).")
+        self.evidence.state.refresh()
+        self._record(trainer, event, self._context(trainer, pl_module, event), "")
 
     def initialization_incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                 findings: list[dict]) -> None:
@@ -326,16 +398,28 @@ class Responder:
                                      f"Report: {self.recorder.report_path(event)}")
 
     def anomaly_error(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", error: BaseException) -> None:
-        """``anomaly.mode: always`` raised at the op in backward: diagnose and record it (the error then
-        propagates)."""
+        """torch's anomaly mode raised at the op in backward (``anomaly.mode: always``, or the user's own,
+        e.g. ``Trainer(detect_anomaly=True)``): diagnose and record it (the error then propagates)."""
         found = self.diagnoser.anomaly_error(error)
         if found is None:
             return
-        event = self._event(trainer, "gradient")
+        event = self._event(trainer, "loss" if self.evidence.loss_bad() else "gradient")
         ctx = self.diagnoser.context(trainer, pl_module, event, batches=list(self.evidence.window))
+        if self.config.check.inputs != "off":
+            ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(self.evidence.window)
+                                  for f in find_batch_nonfinite(b)]
+            if ctx.input_findings:
+                event.kind = "input"
+        event.details["detected_at"] = "anomaly_mode"
         extra = self.diagnoser.diagnose_error(ctx, found)
         event.add_action("raise")
         self._record(trainer, event, ctx, extra)
+
+
+def _safe_factor(event: NaNEvent) -> Optional[float]:
+    """The LR factor at which the diagnosis' relative update would be safe (cause ``learning_rate``)."""
+    found = event.details.get("relative_update")
+    return found["safe_lr"] / found["lr"] if found and found["lr"] > 0 else None
 
 
 def _buffer_names(pl_module: "pl.LightningModule") -> set[str]:

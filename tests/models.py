@@ -283,3 +283,58 @@ def overflow_data(bad_batch: Optional[int] = 2, batches: int = 8, batch_size: in
     if bad_batch is not None:
         x[batch_size * bad_batch + 4, 2] = 1e25
     return TensorDataset(x, y)
+
+
+class MetricsClassifier(pl.LightningModule):
+    """A classifier that reports like real training code: ``self.log("train_loss", on_step=True, on_epoch=True)``
+    and torchmetrics objects updated in ``training_step`` (a ``MeanMetric`` of the loss, a ``MulticlassAccuracy``
+    also logged as a metric object, a ``SumMetric`` of the samples seen). SGD, no dropout: a run whose bad batches
+    are skipped equals, bitwise, one that never saw them.
+
+    Args:
+        drop: batch indices whose ``training_step`` returns None before touching anything (the reference run
+            for "as if the batch never happened").
+        manual: manual optimization, logging and updating the metrics after the optimizer step.
+    """
+
+    def __init__(self, features: int = 16, classes: int = 4, hidden: int = 32, lr: float = 0.1,
+                 drop: tuple[int, ...] = (), manual: bool = False) -> None:
+        super().__init__()
+        import torchmetrics
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.lr, self.drop = lr, set(drop)
+        self.automatic_optimization = not manual
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.loss_mean = torchmetrics.MeanMetric(nan_strategy="disable")  # a NaN loss would make it NaN
+        self.accuracy = MulticlassAccuracy(num_classes=classes)
+        self.seen = torchmetrics.SumMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+        if batch_idx in self.drop:
+            return None
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        self.loss_mean(loss.detach())
+        self.accuracy.update(logits.detach(), y)
+        self.log("train_acc", self.accuracy, on_step=False, on_epoch=True)
+        self.seen.update(torch.tensor(float(len(y))))
+        return loss if self.automatic_optimization else None
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def metric_states(self) -> dict[str, torch.Tensor]:
+        """Every torchmetrics state of the module, cloned (``Metric.metric_state``)."""
+        return {f"{name}.{attr}": value.detach().clone() for name, m in self.named_modules()
+                if hasattr(m, "metric_state") for attr, value in m.metric_state.items()}

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 D, PV, PR, PC, RC, RP = ("tests/test_detection.py", "tests/test_prevention.py", "tests/test_precision.py",
                          "tests/test_recovery.py", "tests/test_reporting.py", "tests/test_diagnosis.py")
 SY = "tests/test_sync_modes.py"
+DV = "tests/test_divergence.py"
 
 KEY_TESTS: dict[str, list[str]] = {
     "check.loss": [f"{D}::test_loss_and_gradient_checks_decide_what_catches_a_nan_loss"],
@@ -33,6 +34,11 @@ KEY_TESTS: dict[str, list[str]] = {
                            f"{PV}::test_skipped_spike_undoes_batchnorm_statistics_like_an_incident"],
     "check.spike_z": [f"{PV}::test_spike_z_is_the_detection_threshold"],
     "check.spike_warmup": [f"{PV}::test_spike_warmup_is_the_number_of_losses_before_detection"],
+    "check.divergence": [f"{DV}::test_check_divergence_off_warn_act",
+                         "tests/test_causes.py::test_tiny_gpt2_with_sgd_at_lr_100_is_learning_rate_not_precision"],
+    "check.divergence_growth": [f"{DV}::test_check_divergence_growth_is_the_per_step_factor"],
+    "check.divergence_steps": [f"{DV}::test_check_divergence_steps_is_the_length_of_the_growth_streak"],
+    "check.divergence_factor": [f"{DV}::test_check_divergence_factor_is_how_far_above_the_first_loss"],
     "check.amp_overflow_patience": [f"{PR}::test_amp_overflow_patience_is_the_streak_that_becomes_an_incident",
                                     f"{PR}::test_persistent_overflow_is_an_incident"],
     "check.amp_min_scale": [f"{PR}::test_amp_min_scale_turns_an_overflow_below_it_into_an_incident",
@@ -58,6 +64,8 @@ KEY_TESTS: dict[str, list[str]] = {
     "recovery.incident_window": [f"{PC}::test_incident_window_boundary_in_the_ladder",
                                  f"{PC}::test_incident_window_boundary_in_a_trainer"],
     "recovery.reduce_lr_on_rollback": [f"{PC}::test_reduce_lr_on_rollback_off_rolls_back_without_a_cut"],
+    "recovery.divergence_lr_factor": [
+        f"{DV}::test_recovery_divergence_lr_factor_is_the_cut_unless_the_diagnosis_asks_for_more"],
     "recovery.min_lr_scale": [f"{PC}::test_lr_cuts_stop_at_min_lr_scale"],
     "recovery.snapshot": [f"{PC}::test_snapshot_every_and_keep_snapshots_in_a_healthy_run",
                           f"{PC}::test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint"],
@@ -68,6 +76,8 @@ KEY_TESTS: dict[str, list[str]] = {
     "recovery.confirm_after": [f"{PC}::test_confirm_after_takes_the_confirming_snapshot_sooner"],
     "recovery.skip_batches": [f"{PC}::test_skip_batches_after_rollback"],
     "recovery.on_give_up": [f"{PC}::test_every_batch_poisoned_ends_bounded_with_the_last_good_weights"],
+    "recovery.restore_at_end": [
+        "tests/test_train_end.py::test_restore_at_end_decides_whether_the_broken_final_weights_are_kept"],
     "logging.events_file": [f"{RC}::test_events_file_switch"],
     "logging.loggers": [f"{RC}::test_loggers_switch"],
     "logging.reports": [f"{RC}::test_reports_switch"],

@@ -343,7 +343,7 @@ def test_a_checkpoint_carries_the_verdict_of_the_step_before_it(fit, tmp_path):
 
 
 def test_the_last_step_is_judged_at_train_end(fit):
-    g = guard("lagged")
+    g = guard("lagged", recovery={"restore_at_end": False})  # (else a last skipped step also restores the snapshot)
     model = Net(bad=(7,))
     fit(model, models.regression_data(n=512), [g], batch_size=16, steps=8)
     assert [(e.step, e.kind, e.actions[0]) for e in g.events] == [(7, "loss", "skip_step")]
@@ -493,3 +493,30 @@ def test_lagged_ddp_agrees_on_every_rank_with_one_all_reduce_per_step(tmp_path):
             assert reduces in ([], [("all_reduce", 5)]), (batch_idx, step_calls)  # [] : skipped by a late rollback
             if batch_idx not in BAD_STEPS and batch_idx - 1 not in BAD_STEPS:
                 assert step_calls == [("all_reduce", 5)], (batch_idx, step_calls)
+
+
+# ------------------------------------------------------------------------------------------ user metrics
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`")  # the reference run drops the bad batch
+def test_lagged_skip_leaves_no_trace_in_metrics_and_epoch_aggregates(tmp_path):
+    """The user's torchmetrics states and Lightning's epoch aggregates of a step skipped on the device are undone
+    there too (no host read): the rescued run's epoch values equal, bitwise, a run that never saw the bad batch."""
+    from .test_user_metrics import EPOCHS, _data, _fit, _same
+
+    class FusedSGD(models.MetricsClassifier):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+
+    g = guard("lagged")
+    pl.seed_everything(0, verbose=False)
+    rescued, _ = _fit(tmp_path / "guarded", model := FusedSGD(), _data(3), g)
+    pl.seed_everything(0, verbose=False)
+    clean, _ = _fit(tmp_path / "reference", ref := FusedSGD(drop=(3,)), _data(), None)
+    assert [(e.epoch, e.batch_idx, e.kind, e.actions[0]) for e in g.events] == [
+        (ep, 3, "input", "skip_step") for ep in range(EPOCHS)]
+    for epoch in range(EPOCHS):
+        assert _same(rescued.epochs[epoch], clean.epochs[epoch]) == [], epoch
+    assert [m._update_count for m in (model.loss_mean, model.seen)] == [m._update_count for m in (ref.loss_mean,
+                                                                                                  ref.seen)]
+    assert _same(model.state_dict(), ref.state_dict()) == []

@@ -88,6 +88,10 @@ class StepEvidence:
         value = unscale_value(value, scaler)
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
+    def loss_bad(self) -> bool:
+        """Read the loss flag of the step so far (one sync: outside the step decision, incidents only)."""
+        return self._loss_sum is not None and not self._read and not bool(torch.isfinite(self._loss_sum))
+
     @property
     def state_every_step(self) -> bool:
         """Is every step's update checked by a pass over the parameters and buffers? Only while ``check.loss`` or

@@ -1,22 +1,42 @@
 """Diagnosis: from the evidence of an incident to a cause, a culprit and a suggestion.
 
-:func:`diagnose` is called on an incident, before any state changes, with an :class:`IncidentContext`. It
-fills ``cause``, ``culprit``, ``op``, ``details`` and ``suggestion`` of the event and returns extra text for
-the incident report (e.g. the module frames of a replay), which :func:`~.report.render_report` appends
-once the event's actions are final.
+:func:`diagnose` is called on an incident (or a divergence event), before any state changes, with an
+:class:`IncidentContext`. It fills ``cause``, ``culprit``, ``op``, ``details`` and ``suggestion`` of the event
+and returns extra text for the incident report (e.g. the module frames of a replay), which
+:func:`~.report.render_report` appends once the event's actions are final.
 
-The rules, in order:
+The rules, in order (each puts its evidence in ``details`` under the key named in brackets):
 
-1. non-finite parameters at fit start: ``initialization``;
-2. non-finite inputs (samples and features found in the batch): ``input``;
+1. non-finite parameters at fit start: ``initialization`` [nonfinite_parameters];
+2. non-finite inputs (samples and features found in the batch): ``input`` [inputs];
 3. non-finite parameters or buffers after a step with finite gradients: ``optimizer`` (e.g. Adam ``eps=0``);
-4. otherwise the micro-batch is replayed (:mod:`.replay`): a forward value finite in float64 is ``overflow``
-   (beyond the dtype's max) or ``precision``; a NaN/Inf first appearing in backward is ``backward_op``
-   (``precision`` if the float64 backward is finite);
-5. the healthy gradient-norm history growing geometrically, or the incident's norm far above it, is
-   ``exploding_gradient``; it also wins over an overflow/precision finding that no extreme input
-   feature explains (the overflow is then a symptom, kept in ``details.symptom``);
-6. GradScaler overflows that persisted past ``check.amp_overflow_patience`` with nothing else known:
+4. otherwise (a non-finite loss, gradient or activation, or a finite ``divergence``) the micro-batch is
+   replayed (:mod:`.replay`; not for a divergence, where nothing is non-finite) to find *where*: a forward
+   value finite in float64 is ``overflow`` (beyond the dtype's max) or ``precision``; a NaN/Inf first
+   appearing in backward is ``backward_op`` (``precision`` if the float64 backward is finite). *Why* comes
+   from the step's own evidence (:mod:`.dynamics`), which needs no history, so these rules hold from step 0:
+
+   a. a weight whose RMS was, at fit start, and still is ``1e3`` times ``1/sqrt(fan_in)`` (the usual
+      Xavier/Kaiming scale, within a small factor): ``initialization``, culprit that parameter
+      [initialization: parameter, scale, expected_scale, ratio, fan_in]; this wins over any replay finding;
+   b. a ``backward_op`` finding, or an overflow/precision finding explained by extreme input features
+      (columns ``1e6`` times the median column) [extreme_features], stays as the replay found it;
+   c. the relative update ``lr x |update| / |w|`` at the onset of the growth (the last step before the
+      gradient norm started growing 2-fold per step; SGD: ``lr / (1 - momentum) x |grad|``, adaptive
+      optimizers: ``lr x sqrt(n)``; the weights of the newest snapshot from before the onset, or of fit
+      start) is 1 or more (healthy training: about ``1e-3``): ``learning_rate`` [relative_update]. Weights
+      already moving by their own size each step before anything grew: the LR, not the network, is wrong;
+   d. ``exploding_gradient`` when the relative update at the onset was small and the gradients grew:
+      per-layer gradient RMS growing 100x from the output side to the input side [layer_growth];
+      activations growing layer by layer over 4+ weight layers in the replayed forward pass
+      [activation_growth]; the gradient norm growing 2-fold per step over the last 2 steps, however short
+      the history [grad_norm_growth]; or the healthy history growing geometrically (last 5 steps 10x the
+      earlier ones) or the incident's norm 6 standard deviations above it [grad_norm_trend,
+      grad_norm_zscore];
+   e. otherwise the replay's finding, or ``unknown``.
+
+   When a, c or d overrides an overflow/precision finding, the finding is kept in ``details.symptom``;
+5. GradScaler overflows that persisted past ``check.amp_overflow_patience`` with nothing else known:
    ``overflow``; anything else is ``unknown``.
 """
 
@@ -24,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -33,7 +53,7 @@ from ..detect.spikes import history_zscore, norm_growth
 from ..report.events import NaNEvent
 from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
-from . import replay
+from . import dynamics, replay
 from .suggestions import suggest
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error"]
@@ -62,6 +82,10 @@ class IncidentContext:
     scaler_overflows: Optional[int] = None  # 16-mixed: consecutive GradScaler overflows up to this step
     grad_scale: Optional[float] = None  # 16-mixed: the scaler's scale at this step
     only_gradients: bool = False  # the gradients were the only non-finite evidence of the step
+    initial: Optional[dynamics.InitialScales] = None  # parameter norms at fit start, read on demand
+    # the newest snapshot at or before a step: (its step, its module state dict), or None
+    reference: Optional[Callable[[int], Optional[tuple[int, dict[str, Any]]]]] = None
+    divergence: Optional[dict] = None  # the divergence watch's evidence (a divergence event)
 
 
 def diagnose(ctx: IncidentContext) -> str:
@@ -90,27 +114,23 @@ def diagnose(ctx: IncidentContext) -> str:
         ev.culprit = ctx.param_findings[0]["name"] if ctx.param_findings else None
         cause = "optimizer" if ctx.grads_were_finite else "unknown"
     else:
-        if ctx.replay and ctx.batches:
+        rows: list[dict] = []
+        if ev.kind == "divergence":
+            pass  # nothing is non-finite: nothing to replay
+        elif ctx.replay and ctx.batches:
             result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
                                           frames=ctx.frames, float64_check=ctx.float64_check)
             ctx.replayed = True
             cause = _cause_from_replay(ctx, result)
             frames_text = result.frames_text
+            rows = result.forward_rows
         elif not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause:
             prev = ctx.previous
             ev.culprit, ev.op, cause = prev.culprit, prev.op, prev.cause
             details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
             details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
                                                          "forward_op", "backward_op") if k in prev.details})
-        history = _history_cause(ctx)
-        if cause is None:
-            cause = history
-        elif cause in ("overflow", "precision") and history == "exploding_gradient" and not details.get(
-                "extreme_features"):
-            # the values overflowed because the weights were already blowing up (a too-high LR), not because
-            # of the data: the trend of the gradient norm is the cause, the overflow its symptom
-            details["symptom"] = cause
-            cause = history
+        cause = _dynamics_cause(ctx, cause, rows)
     if ctx.scaler_overflows is not None:
         details.update(grad_scale=ctx.grad_scale, scaler_overflows=ctx.scaler_overflows)
         if ctx.only_gradients and ev.kind == "gradient" and cause in (None, "unknown"):
@@ -133,6 +153,98 @@ def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
         ev.cause = "backward_op"
         ev.suggestion = suggest(ev, "backward_op", ctx.input_findings)
     return extra
+
+
+def _dynamics_cause(ctx: IncidentContext, found: Optional[str], rows: list[dict]) -> Optional[str]:
+    """Rules 4a-4e of the module docstring: the cause from the step's own evidence, given the replay's
+    finding ``found`` and its forward frame ``rows``."""
+    ev, details = ctx.event, ctx.event.details
+    module = ctx.pl_module
+    cause: Optional[str] = None
+    initial = ctx.initial.read() if ctx.initial is not None else {}
+    if module is not None and initial:
+        init = dynamics.oversized(module, initial)
+        if init is not None:
+            details["initialization"] = init
+            ev.culprit, ev.op = init["parameter"], None
+            cause = "initialization"
+    data_explained = found in ("overflow", "precision") and bool(details.get("extreme_features"))
+    if cause is None and (found == "backward_op" or data_explained):
+        return found
+    if cause is None and module is not None:
+        cause = _learning_rate(ctx)
+    if cause is None:
+        cause = _exploding(ctx, rows)
+    if cause is None:
+        return found if found is not None else "unknown"
+    if found in ("overflow", "precision") and cause != found:
+        # the values overflowed because the weights or gradients were already blowing up, not because of the
+        # data: the dynamics are the cause, the overflow their symptom
+        details["symptom"] = found
+    return cause
+
+
+def _onset(ctx: IncidentContext) -> tuple[Optional[int], float]:
+    """The step where the growth began and the gradient norm there (the divergence watch's, or from the
+    healthy history: where the final run of 2-fold growth began)."""
+    if ctx.divergence is not None:
+        return ctx.divergence.get("onset_step"), float(ctx.divergence.get("onset_grad_norm", math.nan))
+    values = list(ctx.norm_history)
+    own = math.isfinite(ctx.grad_norm)
+    if own:
+        values.append(ctx.grad_norm)
+    if not values:
+        return None, math.nan
+    i = dynamics.growth_onset(values)
+    last_step = ctx.event.step if own else ctx.event.step - 1
+    return last_step - (len(values) - 1 - i), values[i]
+
+
+def _learning_rate(ctx: IncidentContext) -> Optional[str]:
+    """Rule 4c: the relative update at the onset of the growth."""
+    step, grad_norm = _onset(ctx)
+    reference: Optional[tuple[int, dict[str, float]]] = None
+    if step is not None and ctx.reference is not None:
+        found = ctx.reference(step)
+        if found is not None:
+            trainable = [n for n, p in ctx.pl_module.named_parameters() if p.requires_grad and n in found[1]]
+            reference = (found[0], dict(zip(trainable, dynamics.norms(found[1][n] for n in trainable))))
+    initial = ctx.initial.read() if ctx.initial is not None else {}
+    if reference is None and initial:
+        reference = (0, initial)
+    optimizers = getattr(ctx.trainer, "optimizers", None) or []
+    found = dynamics.relative_update(optimizers, ctx.pl_module, grad_norm,
+                                     reference[1] if reference else None, reference[0] if reference else None)
+    if found is None:
+        return None
+    found["onset_step"] = step
+    ctx.event.details["relative_update"] = found
+    return "learning_rate" if found["relative_update"] >= dynamics.RELATIVE_UPDATE_LR else None
+
+
+def _exploding(ctx: IncidentContext, rows: list[dict]) -> Optional[str]:
+    """Rule 4d: gradients (or activations) growing through depth or from step to step."""
+    details = ctx.event.details
+    module = ctx.pl_module
+    if module is not None and math.isfinite(ctx.grad_norm):
+        layers = dynamics.layer_growth(module)
+        if layers is not None:
+            details["layer_growth"] = layers
+            return "exploding_gradient"
+    if module is not None and rows:
+        acts = dynamics.activation_growth(rows, module)
+        if acts is not None:
+            details["activation_growth"] = acts
+            return "exploding_gradient"
+    norms = list(ctx.norm_history) + ([ctx.grad_norm] if math.isfinite(ctx.grad_norm) else [])
+    if ctx.divergence is not None:
+        norms = [v for v in ctx.divergence.get("grad_norms", []) if v is not None]
+    tail = dynamics.short_growth(norms)
+    if tail is not None:
+        details["grad_norm_growth"] = tail
+        return "exploding_gradient"
+    history = _history_cause(ctx)
+    return history if history == "exploding_gradient" else None
 
 
 def _history_cause(ctx: IncidentContext) -> str:

@@ -10,6 +10,7 @@ import torch
 from ..config import AnomalyConfig
 from ..report.events import NaNEvent
 from .causes import IncidentContext, diagnose, diagnose_anomaly_error
+from .dynamics import InitialScales
 from .replay import parse_anomaly_error, rng_state
 
 __all__ = ["Diagnoser"]
@@ -31,6 +32,11 @@ class Diagnoser:
         self.replays = 0
         self._rng: list[Any] = []  # RNG state at each micro-batch of the current step, for the replay
         self._anomaly_before: Optional[tuple[bool, bool]] = None
+        self.initial = InitialScales()
+
+    def record_initial(self, module: torch.nn.Module) -> None:
+        """Fit start: queue every parameter's norm on the device (read only if an incident needs it)."""
+        self.initial.record(module)
 
     def start(self) -> None:
         if self.cfg.mode == "always" and self._anomaly_before is None:
@@ -55,7 +61,8 @@ class Diagnoser:
     def context(self, trainer: Any, pl_module: Any, event: NaNEvent, **evidence: Any) -> IncidentContext:
         """An :class:`IncidentContext` for ``event``, with this step's RNG states and the diagnosis settings."""
         return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, rng_states=list(self._rng),
-                               frames=self.cfg.frames, float64_check=self.cfg.float64_check, **evidence)
+                               frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
+                               **evidence)
 
     # ---------------------------------------------------------------------------------------- diagnosis
 
@@ -72,12 +79,14 @@ class Diagnoser:
         return extra
 
     def anomaly_error(self, error: BaseException) -> Optional[dict]:
-        """What the error says, if it is the one ``anomaly.mode: always`` raises in backward; else None."""
-        return parse_anomaly_error(error) if self.cfg.mode == "always" else None
+        """What the error says, if it is the one torch's anomaly mode raises in backward; else None. Whoever
+        turned the mode on: ``anomaly.mode: always``, or the user (``Trainer(detect_anomaly=True)``,
+        ``torch.autograd.set_detect_anomaly``)."""
+        return parse_anomaly_error(error)
 
     def diagnose_error(self, ctx: IncidentContext, found: dict) -> str:
-        """Diagnose the error of :meth:`anomaly_error` (replaying the window)."""
-        ctx.replay = getattr(ctx.pl_module, "automatic_optimization", True)
+        """Diagnose the error of :meth:`anomaly_error` (replaying the window unless ``anomaly.mode: off``)."""
+        ctx.replay = self.cfg.mode != "off" and getattr(ctx.pl_module, "automatic_optimization", True)
         extra = diagnose_anomaly_error(ctx, found)
         self.replays += int(ctx.replayed)
         return extra

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..detect.flags import any_nonfinite_flag
 from ..layouts import deepcopy_memo
+from ..recover.metrics import MetricUndo
 from ..tree import map_tensors
 from .recorders import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
                         is_compiled, public_name)
@@ -58,6 +59,7 @@ class ReplayResult:
     float64: Optional[dict] = None
     errors: list[str] = field(default_factory=list)
     frames_text: str = ""
+    forward_rows: list[dict] = field(default_factory=list)  # module calls up to the first non-finite output
 
 
 def rng_state() -> dict[str, Any]:
@@ -82,8 +84,10 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 @contextmanager
 def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Restore RNG, buffers, train modes and ``log``/``log_dict`` of ``module`` on exit."""
+    """Restore RNG, buffers, torchmetrics states, train modes and ``log``/``log_dict`` of ``module`` on exit."""
     rng = rng_state()
+    metrics = MetricUndo(module)  # a replayed training_step must not count its batch in the user's metrics again
+    metrics.arm()
     modes = {m: m.training for m in module.modules()}
     buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
     shadowed = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
@@ -104,6 +108,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
                 buf.copy_(saved)
         for m, mode in modes.items():
             m.training = mode
+        metrics.undo()
         set_rng_state(rng)
 
 
@@ -225,6 +230,7 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
     bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
     res.nonfinite_grads = bad_grads[:20]
     first_fwd = rec.first_bad(rec.forward_frames)
+    res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
     res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads)
     if first_fwd is not None:
         res.forward = first_fwd.row()
@@ -318,6 +324,8 @@ def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: Replay
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
     twin = _eager_copy(module).double()
     twin.log, twin.log_dict = _noop, _noop  # type: ignore[method-assign]
+    if "_trainer" in vars(module):  # a LightningModule drops its trainer when copied: global_rank, global_step,
+        twin.__dict__["_trainer"] = module.__dict__["_trainer"]  # current_epoch must read as in the replay
     named = [(n, p) for n, p in twin.named_parameters() if p.requires_grad]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)

@@ -20,6 +20,8 @@ SUGGESTIONS = {
                    "pow with fractional exponent at 0): add an epsilon (e.g. sqrt(x + 1e-12)) or mask the rows.",
     "exploding_gradient": "Gradients are exploding: lower the learning rate, add warm-up, or clip the "
                           "gradient norm (clip.max_norm).",
+    "learning_rate": "The learning rate is too high: lower it (at least an order of magnitude below the one "
+                     "that blew up), or add warm-up.",
     "optimizer": "The optimizer update made parameters non-finite from finite gradients: set Adam's eps to "
                  "1e-8 (not 0), lower the learning rate, or check weight decay and momentum settings.",
     "initialization": "Parameters were non-finite or badly scaled before training: re-initialise with "
@@ -58,6 +60,22 @@ def suggest(ev: NaNEvent, cause: str, input_findings: Optional[list[dict]] = Non
         src = (d.get("backward_op") or d.get("anomaly") or {}).get("traceback")
         at = f" (forward: {src})" if src else ""
         return f"The backward of {ev.op or 'an op'}{where} is infinite or undefined at these inputs{at}. " + base
+    if cause == "initialization" and d.get("initialization"):
+        f = d["initialization"]
+        return (f"{f['parameter']} was initialised {f['ratio']:.3g}x too large: RMS {f['scale']:.3g} against the "
+                f"usual {f['expected_scale']:.3g} (1/sqrt(fan_in), fan_in={f['fan_in']}); no learning rate helps. "
+                "Re-initialise it with nn.init.xavier_uniform_ / kaiming_normal_, or check what loads or scales it.")
+    if cause == "learning_rate" and d.get("relative_update"):
+        f = d["relative_update"]
+        return (f"The learning rate ({f['lr']:.3g}) is too high: one step moves the weights by "
+                f"{f['relative_update']:.3g}x their own size. Lower it to about {f['safe_lr']:.3g} or below, or "
+                "add warm-up.")
+    if cause == "exploding_gradient" and (d.get("layer_growth") or d.get("activation_growth")):
+        what = "gradients grow layer by layer towards the input" if d.get("layer_growth") else \
+            "activations grow layer by layer"
+        return (f"Gradients are exploding through depth ({what}): add normalisation layers or residual scaling, "
+                "use Kaiming/Xavier initialisation, lower the learning rate or clip the gradient norm "
+                "(clip.max_norm).")
     if cause in ("optimizer", "initialization") and ev.culprit:
         return f"Non-finite values in {ev.culprit}. " + base
     if cause == "unknown" and ev.culprit and (d.get("float64") or {}).get("module_finite") is False:

@@ -1,5 +1,5 @@
-"""The state of recovery during a fit: the ladder, known-good snapshots, the learning-rate scale and the
-buffer undo, and the operations that change them (skip, LR cut, snapshot, rollback)."""
+"""The state of recovery during a fit: the ladder, known-good snapshots, the learning-rate scale, the buffer
+and metric undo, and the operations that change them (skip, LR cut, snapshot, rollback)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..layouts import load_module_state
 from ..report.events import NaNEvent
 from .actions import BufferUndo, current_lrs, scale_lr, skip_step
 from .ladder import Plan, RecoveryLadder
+from .metrics import MetricUndo
 from .snapshots import SnapshotStore
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class Recovery:
         self.snapshots = 0
         self.store: Optional[SnapshotStore] = None
         self.buffers: Optional[BufferUndo] = None
+        self.metrics: Optional[MetricUndo] = None
         # no optimizer step was applied since the newest snapshot was taken or restored: the parameters are
         # the snapshot's (a lagged rollback then keeps the current step, whose gradients were taken on them)
         self.pristine = True
@@ -74,9 +76,11 @@ class Recovery:
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", out_dir: Path) -> None:
-        """Fit start: the buffer undo for this module, and the snapshot store (unless ``snapshot: off``)."""
+        """Fit start: the buffer and metric undo for this module, and the snapshot store (unless ``snapshot:
+        off``)."""
         cfg = self.cfg
         self.buffers = BufferUndo(pl_module)
+        self.metrics = MetricUndo(pl_module)
         self.store = None
         if cfg.snapshot != "off":
             directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"
@@ -112,10 +116,28 @@ class Recovery:
         self.healthy_since_snapshot += 1
         self.pristine = False
 
-    def step_start(self) -> None:
-        """The first micro-batch of an optimizer step: back up the buffers its forward passes will write."""
+    def undo_metrics_where(self, skip: Any) -> None:
+        """:meth:`undo_metrics` where the device flag ``skip`` is set, without a host read (``check.sync: lagged``);
+        :meth:`settle_metrics` finishes it once the flag is read."""
+        if self.metrics is not None:
+            self.metrics.undo_where(skip)
+
+    def settle_metrics(self, skipped: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.settle(skipped)
+
+    def undo_metrics(self) -> None:
+        """Undo what this step wrote into the user's metrics and Lightning's logged aggregates (a skipped step)."""
+        if self.metrics is not None:
+            self.metrics.undo()
+
+    def step_start(self, trainer: "pl.Trainer") -> None:
+        """The first micro-batch of an optimizer step: back up the buffers its forward passes will write, and the
+        metrics and logged aggregates its training steps will update."""
         if self.buffers is not None:
             self.buffers.arm()
+        if self.metrics is not None:
+            self.metrics.arm(getattr(trainer, "_results", None))  # Lightning's results of the running loop
 
     def snapshot_due(self, ahead: int = 0) -> bool:
         """Every ``snapshot_every`` healthy steps (``confirm_after`` while a rollback awaits confirmation);
@@ -143,6 +165,19 @@ class Recovery:
         self.pristine = True
         self.snapshots += 1
         self.ladder.snapshot_taken()
+
+    def newest_before(self, step: int) -> Optional[Any]:
+        """The newest snapshot taken at or before ``step`` (a state from before a divergence began), or None."""
+        if self.store is None:
+            return None
+        return next((snap for snap in reversed(self.store.ring) if snap.step <= step), None)
+
+    def weights_at(self, step: int) -> Optional[tuple[int, dict[str, Any]]]:
+        """``(snapshot step, module state dict)`` of :meth:`newest_before` (incident time only: it loads a copy)."""
+        snap = self.newest_before(step)
+        if snap is None or self.store is None:
+            return None
+        return snap.step, self.store.load(snap)["module"]
 
     def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int,
                  keep_step: bool = False) -> None:
@@ -177,9 +212,27 @@ class Recovery:
         self.pristine = True
         self.rollbacks += 1
 
-    def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent) -> None:
-        """Multiply every learning rate by ``lr_factor``, down to ``min_lr_scale`` of the original."""
-        new_scale = max(self.lr_scale * self.cfg.lr_factor, self.cfg.min_lr_scale)
+    @property
+    def unfinished(self) -> bool:
+        """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
+        snapshot after healthy training (and the guard has not given up)."""
+        return not self.stopped and (self.ladder.consecutive > 0 or self.ladder.failed_rollbacks > 0)
+
+    def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                       scaler_overflows: int = 0) -> Optional[int]:
+        """Roll back to the newest snapshot (fit ends while recovery is unfinished); returns its step, or None
+        without one."""
+        if not self.store or self.store.newest is None:
+            return None
+        self.rollback(trainer, pl_module, scaler_overflows)
+        self.ladder.consecutive = 0
+        return self.store.newest.step
+
+    def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent, factor: Optional[float] = None) -> None:
+        """Multiply every learning rate by ``factor`` (default ``lr_factor``), down to ``min_lr_scale`` of the
+        original."""
+        factor = self.cfg.lr_factor if factor is None else factor
+        new_scale = max(self.lr_scale * factor, self.cfg.min_lr_scale)
         before = current_lrs(trainer.optimizers)
         if new_scale < self.lr_scale:
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], new_scale / self.lr_scale)
@@ -203,7 +256,12 @@ class Recovery:
         if plan.rollback and self.store:
             if plan.go_further_back:
                 self.store.drop_newest()
-            self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not plan.go_further_back)
+            dropped = len(self.store)
+            while plan.rollback_before is not None and len(self.store) > 1 and self.store.newest is not None \
+                    and self.store.newest.step > plan.rollback_before:
+                self.store.drop_newest()  # taken after the divergence began: not known-good
+            further = plan.go_further_back or len(self.store) < dropped
+            self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
             event.add_action("rollback")
             event.details["restored_step"] = self.store.newest.step if self.store.newest else None
             if plan.skip_batches:
@@ -211,7 +269,7 @@ class Recovery:
                 event.add_action("skip_batches")
                 event.details["skip_batches"] = plan.skip_batches
         if plan.reduce_lr:
-            self.cut_lr(trainer, event)
+            self.cut_lr(trainer, event, plan.lr_factor)
         event.details["reasons"] = plan.reasons
 
     # ---------------------------------------------------------------------------------------- persistence

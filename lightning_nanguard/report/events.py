@@ -10,10 +10,10 @@ from ..tree import children, keyed
 
 __all__ = ["NaNEvent", "KINDS", "ACTIONS", "CAUSES", "to_jsonable"]
 
-KINDS = ("loss", "gradient", "activation", "input", "parameter", "buffer", "spike")
+KINDS = ("loss", "gradient", "activation", "input", "parameter", "buffer", "spike", "divergence")
 ACTIONS = ("skip_step", "clip", "reduce_lr", "rollback", "skip_batches", "stop", "raise", "warn")
-CAUSES = ("input", "overflow", "precision", "backward_op", "exploding_gradient", "optimizer", "initialization",
-          "unknown")
+CAUSES = ("input", "overflow", "precision", "backward_op", "exploding_gradient", "learning_rate", "optimizer",
+          "initialization", "unknown")
 
 
 @dataclass
@@ -60,7 +60,8 @@ class NaNEvent:
         where = f" in {self.culprit}" if self.culprit else ""
         op = f" ({self.op})" if self.op else ""
         cause = f", cause={self.cause}" if self.cause else ""
-        what = "spike (finite, abnormal)" if self.kind == "spike" else f"non-finite {self.kind}"
+        what = {"spike": "spike (finite, abnormal)", "divergence": "divergence (finite, running away)"}.get(
+            self.kind, f"non-finite {self.kind}")
         return (f"[nanguard] step {self.step} (epoch {self.epoch}, batch {self.batch_idx}): "
                 f"{what}{where}{op}{cause} -> {', '.join(self.actions) or 'none'}")
 

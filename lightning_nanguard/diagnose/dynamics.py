@@ -1,0 +1,257 @@
+"""Evidence about the training dynamics, for naming a cause without a history: weight scales against the usual
+initialisation scale, the relative size of an update, and growth layer by layer. Nothing here runs while
+training is healthy (except :meth:`InitialScales.record`, once at fit start, which only queues device
+norms; they are read on the first incident).
+
+- :func:`expected_scale`: the RMS of a freshly initialised weight, ``1/sqrt(fan_in)``; the usual schemes are
+  within a small factor of it (PyTorch's default ``nn.Linear``: 0.58x, Xavier: up to 1x, Kaiming-normal
+  for ReLU: 1.41x).
+- :func:`oversized`: the weight whose RMS, at fit start and now, is :data:`INIT_RATIO` times that scale.
+- :func:`relative_update`: ``lr x |update| / |w|`` for one step at the onset of a growth: SGD moves the
+  weights by ``lr / (1 - momentum) x |grad|``; adaptive optimizers (Adam, RMSprop, ...) move each element by
+  about ``lr``, i.e. ``lr x sqrt(n)`` in all.
+- :func:`layer_growth`: per-layer gradient RMS growing from the output side to the input side;
+  :func:`activation_growth`: module outputs growing layer by layer in a replayed forward pass;
+  :func:`short_growth`: a gradient norm growing geometrically over the last few steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "LAYER_GROWTH", "ACTIVATION_GROWTH",
+           "SHORT_GROWTH",
+           "expected_scale", "fan_in", "InitialScales", "norms", "oversized", "relative_update", "layer_growth",
+           "activation_growth", "short_growth", "growth_onset"]
+
+INIT_RATIO = 1e3  # a weight this many times 1/sqrt(fan_in), at fit start and now, was initialised wrongly
+RELATIVE_UPDATE_LR = 1.0  # one step moving the weights by their own size (healthy: ~1e-3): the LR is too high
+# the relative update an LR cut aims at: SGD's is measured with the real gradient (a sane LR moves freshly
+# initialised weights by up to about their size in the first steps); an adaptive optimizer's, lr x sqrt(n), is
+# the largest step it can take: healthy runs use 1% (large models) to 10% (small ones) of the weights' RMS
+SAFE_RELATIVE_UPDATE = {"sgd": 1.0, "adaptive": 0.05}
+LAYER_GROWTH = 100.0  # per-layer gradient RMS, input side over output side
+ACTIVATION_GROWTH = 1e3  # abs-max growth over a chain of weight layers in one forward pass
+ACTIVATION_CHAIN = 4  # consecutive weight layers, each at least doubling the abs-max
+SHORT_GROWTH = 2.0  # per-step growth of the gradient norm ...
+SHORT_GROWTH_STEPS = 2  # ... over this many consecutive steps (the incident's own norm included if finite)
+
+
+def fan_in(shape: Sequence[int]) -> int:
+    """Inputs per output unit of a weight (``torch.nn.init``'s convention: all dims but the first)."""
+    return int(math.prod(shape[1:])) if len(shape) >= 2 else 0
+
+
+def expected_scale(shape: Sequence[int]) -> Optional[float]:
+    """``1/sqrt(fan_in)`` for a weight of 2 or more dims; None for biases, gains and scalars."""
+    n = fan_in(shape)
+    return 1.0 / math.sqrt(n) if n > 0 else None
+
+
+def norms(tensors: Iterable[Tensor]) -> list[float]:
+    """2-norms, read at once, in each tensor's own dtype (no float64 copy of a large weight); a norm that
+    overflows its dtype (values near float32's max) is recomputed scaled by the tensor's abs-max."""
+    ts = [t.detach() for t in tensors]
+    if not ts:
+        return []
+    device = ts[0].device
+    values = torch.stack([torch.linalg.vector_norm(t).double().to(device) for t in ts]).tolist()
+    for i, (t, v) in enumerate(zip(ts, values)):
+        if math.isinf(v):
+            top = float(torch.linalg.vector_norm(t, math.inf))
+            if math.isfinite(top) and top > 0:
+                values[i] = top * float(torch.linalg.vector_norm(t / top))
+    return values
+
+
+class InitialScales:
+    """The norm of every parameter at fit start, queued on the device at :meth:`record` and read on demand.
+
+    Each parameter costs two reductions in its own dtype (2-norm and abs-max) and no copy; where the 2-norm
+    overflowed the dtype, the abs-max (a lower bound of the 2-norm) stands in for it.
+    """
+
+    def __init__(self) -> None:
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._pending: list[Tensor] = []
+        self._values: Optional[dict[str, float]] = None
+
+    def record(self, module: nn.Module) -> None:
+        named = list(module.named_parameters())
+        self._shapes = {n: tuple(p.shape) for n, p in named}
+        self._pending = [torch.stack([torch.linalg.vector_norm(p.detach()).float(),
+                                      torch.linalg.vector_norm(p.detach(), math.inf).float()]) for _, p in named]
+        self._values = None
+
+    def read(self) -> dict[str, float]:
+        """Parameter name -> its 2-norm at fit start (empty before :meth:`record`)."""
+        if self._values is None:
+            pairs: list[list[float]] = []
+            if self._pending:
+                device = self._pending[0].device
+                pairs = torch.stack([v.to(device) for v in self._pending]).tolist()
+            self._values = {n: (two if math.isfinite(two) else top) for n, (two, top) in zip(self._shapes, pairs)}
+            self._pending = []
+        return self._values
+
+    def shape(self, name: str) -> Optional[tuple[int, ...]]:
+        return self._shapes.get(name)
+
+
+def _rms(norm: float, numel: int) -> float:
+    return norm / math.sqrt(max(numel, 1))
+
+
+def oversized(module: nn.Module, initial: dict[str, float], ratio: float = INIT_RATIO) -> Optional[dict[str, Any]]:
+    """The weight (2-D or more) whose RMS was ``ratio`` times :func:`expected_scale` at fit start and still is
+    (the largest such), as evidence; None when there is none or nothing was recorded at fit start."""
+    named = [(n, p) for n, p in module.named_parameters() if p.dim() >= 2 and n in initial]
+    if not named:
+        return None
+    now = norms(p for _, p in named)
+    worst: Optional[dict[str, Any]] = None
+    for (name, p), norm in zip(named, now):
+        expected = expected_scale(p.shape)
+        assert expected is not None
+        scale, at_start = _rms(norm, p.numel()), _rms(initial[name], p.numel())
+        if not (math.isfinite(scale) and math.isfinite(at_start)):
+            continue
+        found = scale / expected
+        if found >= ratio and at_start / expected >= ratio and (worst is None or found > worst["ratio"]):
+            worst = {"parameter": name, "scale": scale, "expected_scale": expected, "ratio": found,
+                     "scale_at_fit_start": at_start, "fan_in": fan_in(p.shape)}
+    return worst
+
+
+def _sgd_like(group: dict[str, Any]) -> bool:
+    return all(k in group for k in ("momentum", "dampening", "nesterov"))
+
+
+def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: float,
+                    reference: Optional[dict[str, float]] = None,
+                    reference_step: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """``lr x |update| / |w|`` of one step (see the module docstring), with the gradient norm ``grad_norm`` and
+    the weights whose norms ``reference`` holds (parameter name -> norm, from the onset of the growth) or,
+    without one, the current ones. The largest over the optimizers' param groups, with ``safe_lr``: the LR
+    at which it would be :data:`SAFE_RELATIVE_UPDATE`; None when nothing can be computed."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    best: Optional[dict[str, Any]] = None
+    for opt in optimizers:
+        for group in getattr(opt, "param_groups", []):
+            params = [p for p in group["params"] if p.requires_grad]
+            if not params or not isinstance(group.get("lr"), (int, float, Tensor)):
+                continue
+            lr = float(group["lr"])
+            known = [reference[names[id(p)]] for p in params if reference is not None and names.get(id(p)) in reference]
+            current = norms(p for p in params if reference is None or names.get(id(p)) not in reference)
+            w = math.sqrt(sum(v * v for v in known + current))
+            n = sum(p.numel() for p in params)
+            w = max(w, math.sqrt(n) * 1e-3)  # zero-initialised parameters: compare to a small but non-zero scale
+            if _sgd_like(group):
+                if not math.isfinite(grad_norm) or grad_norm <= 0:  # unknown (e.g. check.gradients off)
+                    continue
+                momentum = float(group.get("momentum") or 0.0)
+                step = lr * grad_norm / (1.0 - momentum if momentum < 1.0 else 1.0)
+                kind = "sgd"
+            else:
+                step = lr * math.sqrt(n)
+                kind = "adaptive"
+            rel = step / w
+            if best is None or rel > best["relative_update"]:
+                best = {"relative_update": rel, "lr": lr, "optimizer": kind, "weight_norm": w,
+                        "update_norm": step, "grad_norm": grad_norm if kind == "sgd" else None,
+                        "reference_step": reference_step, "safe_lr": lr * SAFE_RELATIVE_UPDATE[kind] / rel}
+    return best
+
+
+def layer_growth(module: nn.Module, ratio: float = LAYER_GROWTH) -> Optional[dict[str, Any]]:
+    """Per-layer gradient RMS (weights of 2 or more dims, in registration order, i.e. from the input side)
+    growing from the output side towards the input side by ``ratio`` or more, over 4 or more layers with a
+    consistent trend (rank correlation of depth and log-RMS >= 0.8): the signature of gradients exploding
+    through depth. Needs finite gradients; None otherwise."""
+    named = [(n, p) for n, p in module.named_parameters() if p.dim() >= 2 and p.grad is not None]
+    if len(named) < 4:
+        return None
+    grads = norms(p.grad for _, p in named)  # type: ignore[misc]
+    rms = [_rms(g, p.numel()) for (_, p), g in zip(named, grads)]
+    if not all(math.isfinite(r) and r > 0 for r in rms):
+        return None
+    q = max(len(rms) // 4, 1)
+    first, last = sum(rms[:q]) / q, sum(rms[-q:]) / q
+    rho = _rank_correlation([-i for i in range(len(rms))], [math.log(r) for r in rms])
+    if first < ratio * last or rho < 0.8:
+        return None
+    return {"layers": [n for n, _ in named], "grad_rms": rms, "input_side_over_output_side": first / last,
+            "rank_correlation": rho}
+
+
+def _rank_correlation(a: list[float], b: list[float]) -> float:
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    mean = (n - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
+    var = sum((x - mean) ** 2 for x in ra)
+    return cov / var if var else 0.0
+
+
+def activation_growth(rows: Sequence[dict], module: nn.Module) -> Optional[dict[str, Any]]:
+    """Module outputs of a replayed forward pass (frame rows in call order, up to the first non-finite one)
+    whose abs-max grows at least 2x at each of :data:`ACTIVATION_CHAIN` or more consecutive weight layers
+    (leaf modules holding a 2-D+ weight), by :data:`ACTIVATION_GROWTH` in all: activations exploding through
+    depth."""
+    layers = []
+    for row in rows:
+        try:
+            sub = module.get_submodule(row["module"])
+        except (AttributeError, ValueError, TypeError):
+            continue
+        if any(True for _ in sub.children()) or not any(p.dim() >= 2 for p in sub.parameters(recurse=False)):
+            continue
+        layers.append(row)
+    def out(row: dict) -> float:  # an output that overflowed from finite inputs grew without bound
+        return math.inf if row.get("out_nonfinite") and not row.get("in_nonfinite") else row["out_abs_max"]
+
+    best: list[dict] = []
+    run: list[dict] = []
+    for row in layers:
+        if run and out(row) >= 2 * out(run[-1]):
+            run.append(row)
+        else:
+            run = [row] if row["in_abs_max"] > 0 and out(row) >= 2 * row["in_abs_max"] else []
+        if len(run) > len(best):
+            best = list(run)
+    if len(best) < ACTIVATION_CHAIN:
+        return None
+    start, end = best[0]["in_abs_max"], out(best[-1])
+    if not end >= ACTIVATION_GROWTH * start:
+        return None
+    return {"layers": [r["module"] for r in best], "abs_max": [start] + [out(r) for r in best]}
+
+
+def short_growth(values: Sequence[float], ratio: float = SHORT_GROWTH,
+                 steps: int = SHORT_GROWTH_STEPS) -> Optional[list[float]]:
+    """The tail of ``values`` (finite, positive) when each of its last ``steps`` ratios is ``ratio`` or more."""
+    tail = [v for v in values if math.isfinite(v)][-(steps + 1):]
+    if len(tail) < steps + 1 or any(a <= 0 or b < ratio * a for a, b in zip(tail, tail[1:])):
+        return None
+    return tail
+
+
+def growth_onset(values: Sequence[float], ratio: float = SHORT_GROWTH) -> int:
+    """Index in ``values`` where the final run of ``ratio``-fold growth began (the last index without one)."""
+    i = len(values) - 1
+    while i > 0 and math.isfinite(values[i]) and math.isfinite(values[i - 1]) and values[i - 1] > 0 \
+            and values[i] >= ratio * values[i - 1]:
+        i -= 1
+    return max(i, 0)

@@ -1,0 +1,291 @@
+"""Issue 13: seed 001's four causes named from the incident's own evidence, from the first steps, and actions
+that follow the cause (LR cuts for learning_rate and exploding_gradient only; initialization stops at once).
+
+Real Trainer runs of the issue's cases, plus the evidence helpers (diagnose/dynamics.py) and the ladder's
+policy in isolation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.config import ClipConfig, RecoveryConfig
+from lightning_nanguard.diagnose import dynamics
+from lightning_nanguard.recover.ladder import LARGEST_CUT, LR_CAUSES, NO_LR_CUT, RecoveryLadder
+from .models import Regression, loader, regression_data, trainer
+from .test_divergence import GPT, LossTrace, tokens
+
+QUIET = {"verbose": False}
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+class DeepMLP(pl.LightningModule):
+    """20 Linear+ReLU layers, Kaiming init, no normalisation, SGD: the gradient norm grows over the first steps
+    until it explodes (the loss stays finite until the last one)."""
+
+    def __init__(self, depth: int = 20, width: int = 32, features: int = 16, lr: float = 0.02) -> None:
+        super().__init__()
+        self.lr = lr
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers += [nn.Linear(features if i == 0 else width, width), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        for m in self.net:
+            if isinstance(m, nn.Linear):
+                nn.init.kaiming_normal_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TooLarge(Regression):
+    """An nn.Linear whose weights start 1e20 times too large (finite)."""
+
+    def __init__(self) -> None:
+        super().__init__(features=8, lr=0.01)
+        with torch.no_grad():
+            self.linear.weight.mul_(1e20)
+
+
+class Square(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * h
+
+
+class FeatureSquare(pl.LightningModule):
+    """Linear -> square -> Linear: one un-normalised feature column of ~1e20 overflows float32 (seed 000)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.square, self.head = nn.Linear(8, 8), Square(), nn.Linear(8, 1)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(8))
+            self.proj.bias.zero_()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.square(self.proj(x))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _mlp_run(tmp_path: Any, divergence: str) -> tuple[NaNGuard, LossTrace]:
+    """Unguarded, its gradient norm goes 10, 10, 7, 8, 14, 96, 1.8e3, 1.2e14, then NaN at step 8."""
+    pl.seed_everything(7, verbose=False)
+    guard, trace = NaNGuard(check={"divergence": divergence}, logging=QUIET), LossTrace()
+    trainer(tmp_path, [trace, guard], max_steps=14).fit(DeepMLP(lr=0.035), loader(
+        regression_data(n=384, features=16, seed=7)))
+    return guard, trace
+
+
+# ------------------------------------------------------------------------------------- the issue's cases
+
+
+def test_deep_mlp_whose_gradient_norm_explodes_is_exploding_gradient_not_overflow(tmp_path: Any) -> None:
+    """Defaults: caught as a divergence before the NaN; the relative update at the onset was small (the LR was
+    sane for the initial weights) and the norm grew geometrically: exploding_gradient; a divergence cuts the
+    LR by divergence_lr_factor."""
+    guard, trace = _mlp_run(tmp_path, "act")
+    first = guard.events[0]
+    assert (first.kind, first.cause) == ("divergence", "exploding_gradient")
+    assert first.details["divergence"]["rule"] in ("loss_blowup", "grad_norm_growth")
+    norms = first.details["divergence"]["grad_norms"]
+    assert all(b >= 2 * a for a, b in zip(norms, norms[1:])) and norms[-1] > 1000 * norms[0]
+    assert first.details["relative_update"]["relative_update"] < dynamics.RELATIVE_UPDATE_LR
+    assert first.details["grad_norm_growth"] == norms[-3:]
+    assert first.actions == ["skip_step", "clip", "rollback", "reduce_lr"]
+    assert first.details["lr_after"] == [pytest.approx(0.035 * guard.config.recovery.divergence_lr_factor)]
+    assert all(math.isfinite(v) for v in trace.losses)  # acted before anything was non-finite
+
+
+def test_deep_mlp_at_the_first_nan_is_exploding_gradient_with_overflow_as_symptom(tmp_path: Any) -> None:
+    """Without the watch the first NaN comes after < 5 healthy steps of history: the activations of the
+    replayed forward pass grow layer by layer until they overflow."""
+    guard, _ = _mlp_run(tmp_path, "off")
+    first = guard.events[0]
+    assert first.kind == "loss" and first.cause == "exploding_gradient"
+    assert first.details["symptom"] == "overflow"  # the replay found where: beyond float32's max
+    acts = first.details["activation_growth"]
+    assert len(acts["layers"]) >= dynamics.ACTIVATION_CHAIN and acts["abs_max"][-1] > 1e3 * acts["abs_max"][0]
+    assert all(layer.startswith("net.") for layer in acts["layers"])
+    assert "reduce_lr" in first.actions and "normalisation" in first.suggestion
+
+
+def test_weights_1e20_too_large_are_initialization_and_stop_at_once(tmp_path: Any) -> None:
+    """Named with its scale against 1/sqrt(fan_in); no LR cut, no rollback cycle: one event, then stop."""
+    guard = NaNGuard(logging=QUIET)
+    t = trainer(tmp_path, [guard], max_epochs=2)
+    model = TooLarge()
+    t.fit(model, loader(regression_data(n=256, features=8)))
+    (event,) = guard.events
+    assert (event.cause, event.culprit, event.actions) == ("initialization", "linear.weight", ["skip_step", "stop"])
+    init = event.details["initialization"]
+    assert init["fan_in"] == 8 and init["expected_scale"] == pytest.approx(8 ** -0.5)
+    rms = float(model.linear.weight.detach().double().pow(2).mean().sqrt())  # restored: the weights at fit start
+    assert init["ratio"] > 1e18 and init["scale"] == pytest.approx(rms, rel=1e-5)
+    # at fit start the 2-norm overflowed float32: the abs-max stands in for it (a lower bound, no float64 copy)
+    assert dynamics.INIT_RATIO * init["expected_scale"] < init["scale_at_fit_start"] <= init["scale"]
+    assert "linear.weight" in event.suggestion and "fan_in=8" in event.suggestion
+    assert guard.stopped and t.global_step <= 1 and guard.lr_scale == 1.0 and guard.counters["lr_cuts"] == 0
+
+
+@pytest.mark.parametrize("divergence", ["act", "off"])
+def test_tiny_gpt2_with_sgd_at_lr_100_is_learning_rate_not_precision(tmp_path: Any, divergence: str) -> None:
+    """The first step already moves the weights by several times their size: learning_rate (the history is the
+    same as an exploding gradient's: 0.5, 16, 1300, ... ; the relative update at the onset tells them apart).
+    Defaults act on the growing loss before any value is non-finite."""
+    guard = NaNGuard(check={"divergence": divergence}, logging=QUIET)
+    trainer(tmp_path, [guard], max_steps=8).fit(GPT(lr=100.0, optimizer="sgd"),
+                                                DataLoader(tokens(n=128), batch_size=16))
+    first = guard.events[0]
+    assert first.cause == "learning_rate"
+    rel = first.details["relative_update"]
+    assert rel["optimizer"] == "sgd" and rel["reference_step"] == 0 and rel["relative_update"] > 1
+    assert first.details["lr_after"] == [pytest.approx(100.0 * guard.config.recovery.divergence_lr_factor)]
+    if divergence == "act":
+        assert first.kind == "divergence" and first.details["divergence"]["rule"] == "loss_growth"
+    else:  # the first non-finite value: the gradient norm overflows float32 at step 4 (the loss is ~1e9)
+        assert (first.kind, first.step) == ("gradient", 4) and math.isinf(first.details["grad_norm"])
+
+
+def test_data_overflow_names_the_feature_and_never_cuts_the_lr(tmp_path: Any) -> None:
+    """Seed 000's case: an un-normalised feature overflows float32; the data is the cause, so the guard skips,
+    rolls back and gives up without touching the LR."""
+    x, y = (t.clone() for t in regression_data(n=64, features=8).tensors)
+    x[:, 5] = 1e20 * (1 + torch.rand(64))
+    guard = NaNGuard(recovery={"max_skips": 1, "max_rollbacks": 1}, anomaly={"max_replays": 2}, logging=QUIET)
+    t = trainer(tmp_path, [guard], max_epochs=4)
+    t.fit(FeatureSquare(), DataLoader(TensorDataset(x, y), batch_size=16))
+    assert guard.events and all(e.cause == "overflow" for e in guard.events)
+    assert guard.events[0].details["extreme_features"][0]["features"] == [5]
+    assert "feature(s) [5]" in guard.events[0].suggestion
+    assert not any("reduce_lr" in e.actions for e in guard.events) and guard.lr_scale == 1.0
+    assert "rollback" in guard.events[1].actions and guard.events[-1].actions[-1] == "stop"
+    cfg = guard.config.recovery
+    assert len(guard.events) == (cfg.max_skips + 1) * (cfg.max_rollbacks + 1)  # every step is an incident
+
+
+def test_nan_in_the_data_is_input_and_leaves_the_lr_alone(tmp_path: Any) -> None:
+    x, y = (t.clone() for t in regression_data(n=256, features=8).tensors)
+    x[[40, 41, 130], 3] = float("nan")
+    guard = NaNGuard(logging=QUIET)
+    trainer(tmp_path, [guard], max_epochs=2).fit(Regression(), loader(TensorDataset(x, y)))
+    assert [(e.step % 8, e.kind, e.cause, e.actions) for e in guard.events] == [
+        (1, "input", "input", ["skip_step"]), (4, "input", "input", ["skip_step"])] * 2
+    assert guard.lr_scale == 1.0 and guard.counters["rollbacks"] == 0
+
+
+# ----------------------------------------------------------------------------------- evidence helpers
+
+
+def test_expected_scale_is_one_over_sqrt_fan_in_and_brackets_the_usual_inits() -> None:
+    assert dynamics.expected_scale((64, 16)) == 0.25 and dynamics.expected_scale((8, 4, 3, 3)) == 1 / 6
+    assert dynamics.expected_scale((16,)) is None
+    w = torch.empty(256, 64)
+    for init, low, high in ((nn.init.xavier_uniform_, 0.5, 1.5), (nn.init.kaiming_normal_, 1.2, 1.6),
+                            (lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)), 0.5, 0.65)):
+        init(w)
+        ratio = float(w.pow(2).mean().sqrt()) / dynamics.expected_scale(w.shape)
+        assert low < ratio < high  # the usual schemes sit within a small factor of it, far from INIT_RATIO
+
+
+def test_oversized_needs_the_scale_at_fit_start_and_now() -> None:
+    net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    scales = dynamics.InitialScales()
+    scales.record(net)
+    assert dynamics.oversized(net, scales.read()) is None
+    with torch.no_grad():
+        net[1].weight.mul_(1e6)  # grew during training (not at fit start): not initialization
+    assert dynamics.oversized(net, scales.read()) is None
+    scales.record(net)
+    found = dynamics.oversized(net, scales.read())
+    assert found is not None and found["parameter"] == "1.weight" and found["fan_in"] == 16
+    assert found["ratio"] == pytest.approx(float(net[1].weight.detach().pow(2).mean().sqrt()) * 4)
+
+
+def test_relative_update_for_sgd_and_adaptive_optimizers() -> None:
+    net = nn.Linear(100, 1, bias=False)
+    with torch.no_grad():
+        net.weight.fill_(0.1)  # norm 1.0
+    sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    found = dynamics.relative_update([sgd], net, grad_norm=2.0)
+    assert found["optimizer"] == "sgd" and found["relative_update"] == pytest.approx(0.5 * 2.0 / 0.1)
+    assert found["safe_lr"] == pytest.approx(0.5 / found["relative_update"])
+    adam = torch.optim.Adam(net.parameters(), lr=0.5)
+    found = dynamics.relative_update([adam], net, grad_norm=math.nan)
+    assert found["optimizer"] == "adaptive" and found["relative_update"] == pytest.approx(0.5 * 10 / 1.0)
+    assert found["safe_lr"] == pytest.approx(0.5 * dynamics.SAFE_RELATIVE_UPDATE["adaptive"] / 5.0)
+    # a reference (the weights at the onset) replaces the current ones
+    found = dynamics.relative_update([adam], net, math.nan, reference={"weight": 10.0}, reference_step=3)
+    assert found["relative_update"] == pytest.approx(0.5) and found["reference_step"] == 3
+
+
+def test_layer_growth_needs_gradients_growing_towards_the_input() -> None:
+    net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    for i, layer in enumerate(net):
+        layer.weight.grad = torch.full_like(layer.weight, 10.0 ** (5 - i))  # 1e5 at the input ... 1 at the output
+    found = dynamics.layer_growth(net)
+    assert found is not None and found["input_side_over_output_side"] == pytest.approx(1e5)
+    for i, layer in enumerate(net):
+        layer.weight.grad = torch.full_like(layer.weight, 10.0 ** i)  # growing towards the output: not this
+    assert dynamics.layer_growth(net) is None
+
+
+def test_short_growth_and_onset() -> None:
+    assert dynamics.short_growth([3.0, 7.0, 14.0]) == [3.0, 7.0, 14.0]
+    assert dynamics.short_growth([3.0, 7.0, 13.0]) is None and dynamics.short_growth([7.0]) is None
+    assert dynamics.growth_onset([5.0, 4.0, 3.0, 7.0, 14.0, 109.0]) == 2
+    assert dynamics.growth_onset([5.0, 4.0]) == 1
+
+
+# ------------------------------------------------------------------------------------------- the ladder
+
+
+def _ladder(**recovery: Any) -> RecoveryLadder:
+    return RecoveryLadder(RecoveryConfig(**recovery), ClipConfig())
+
+
+@pytest.mark.parametrize("cause", NO_LR_CUT)
+def test_causes_a_smaller_lr_cannot_fix_never_cut_it(cause: str) -> None:
+    ladder = _ladder(max_skips=1, max_rollbacks=5, reduce_lr_after=1)
+    plans = [ladder.incident(s, "loss", can_roll_back=True, cause=cause) for s in range(6)]
+    assert not any(p.reduce_lr for p in plans)
+    if cause == "initialization":  # the weights were wrong before the first step: give up at once
+        assert plans[0].give_up and not plans[0].rollback and not plans[0].enable_adaptive_clip
+    else:
+        assert any(p.rollback for p in plans)
+
+
+@pytest.mark.parametrize("cause", LR_CAUSES)
+def test_lr_causes_cut_at_the_first_incident_and_on_rollback(cause: str) -> None:
+    ladder = _ladder(max_skips=2)
+    plans = [ladder.incident(s, "loss", can_roll_back=True, cause=cause, safe_factor=0.02) for s in range(3)]
+    assert [(p.reduce_lr, p.rollback) for p in plans] == [(True, False), (False, False), (True, True)]
+    cfg = RecoveryConfig()  # a NaN after exploding gradients may be a one-off outlier: recovery.lr_factor
+    expected = min(cfg.divergence_lr_factor, 0.02) if cause == "learning_rate" else None
+    assert plans[0].lr_factor == expected
+
+
+def test_a_divergence_rolls_back_and_cuts_at_once_and_the_cut_is_bounded() -> None:
+    ladder = _ladder()
+    plan = ladder.incident(3, "divergence", can_roll_back=True, cause="learning_rate", safe_factor=1e-9)
+    assert plan.rollback and plan.reduce_lr and plan.lr_factor == LARGEST_CUT
+    plan = _ladder().incident(3, "divergence", can_roll_back=True, cause="unknown", safe_factor=1e-9)
+    assert plan.rollback and plan.reduce_lr and plan.lr_factor == RecoveryConfig().divergence_lr_factor
+    plan = _ladder().incident(3, "divergence", can_roll_back=True, cause="overflow")
+    assert plan.rollback and not plan.reduce_lr

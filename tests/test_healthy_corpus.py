@@ -1,0 +1,210 @@
+"""Issue 13's no-false-alarm promise: healthy runs whose loss legitimately rises, or whose gradient norm
+legitimately grows, give zero events and bitwise the weights of the same run without the guard.
+
+Each case is a real ``pl.Trainer`` run, twice (with ``NaNGuard()`` defaults and without), same seed. The
+corpus is the false-positive count of the divergence watch and the cause rules: every case must stay at 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import NaNGuard
+from .models import trainer
+
+
+def _regression(n: int = 256, features: int = 8, seed: int = 0, scale: float = 1.0, offset: float = 0.0,
+                noise: Any = 0.1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, 1, generator=g)
+    eps = torch.randn(n, 1, generator=g) * (noise if not callable(noise) else noise(n))
+    return TensorDataset(x, scale * (x @ w) + offset + eps)
+
+
+def _classes(n: int = 256, features: int = 8, classes: int = 4, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    centers = 2.0 * torch.randn(classes, features, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return TensorDataset(centers[y] + torch.randn(n, features, generator=g), y)
+
+
+def _tokens(n: int = 64, length: int = 16, vocab: int = 32, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, vocab, (vocab, 3), generator=g)
+    seq = torch.empty(n, length + 1, dtype=torch.long)
+    seq[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+    for t in range(length):
+        seq[:, t + 1] = nxt[seq[:, t], torch.randint(0, 3, (n,), generator=g)]
+    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+
+
+class Net(pl.LightningModule):
+    """A small network, loss and optimizer (and optional per-step scheduler) given as callables."""
+
+    def __init__(self, body: nn.Module, loss: Callable, optimizer: Callable, scheduler: Any = None) -> None:
+        super().__init__()
+        self.body, self.loss_fn, self.make_opt, self.make_sched = body, loss, optimizer, scheduler
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss_fn(self.body(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = self.make_opt(self.parameters())
+        if self.make_sched is None:
+            return opt
+        sched = self.make_sched(opt, int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class TinyLM(nn.Module):
+    """A pre-LN causal transformer (2 layers, d=32)."""
+
+    def __init__(self, vocab: int = 32, d: int = 32, length: int = 16) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.randn(length, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, vocab))
+        self.register_buffer("mask", torch.ones(length, length, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x) + self.pos, mask=self.mask, is_causal=True))
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _gaussian_nll(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    mean, log_var = out[:, :1], out[:, 1:]
+    return nn.functional.gaussian_nll_loss(mean, y, log_var.exp())  # goes negative as the fit gets sharp
+
+
+def _mlp(features: int = 8, hidden: int = 16, out: int = 1) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, out))
+
+
+def _warmup_from_zero(opt: Any, total: int) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(s / 30, 1.0))
+
+
+def _plateau_net() -> nn.Module:
+    """A deep linear net initialised near the saddle at 0: the loss is flat for ~30 steps while the gradient
+    norm grows 1000-fold, then drops 1000-fold within a few steps."""
+    net = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 1, bias=False))
+    with torch.no_grad():
+        for layer in net:
+            layer.weight.normal_(0, 1e-4)
+    return net
+
+
+def _zero_head() -> nn.Module:
+    net = _mlp(hidden=32)
+    with torch.no_grad():
+        net[2].weight.zero_()  # the body gets no gradient at first: the norm grows as the head does
+    return net
+
+
+def _harder_later(n: int) -> torch.Tensor:
+    return torch.linspace(0.05, 3.0, n)[:, None]  # unshuffled: the noise (and the loss) rise through the epoch
+
+
+# name -> (module factory, data, batch size, epochs)
+CORPUS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[], TensorDataset], int, int]] = {
+    "lr_warmup_from_zero": (lambda: Net(_mlp(out=4), _ce, lambda p: torch.optim.AdamW(p, lr=0.05),
+                                        _warmup_from_zero), _classes, 8, 2),
+    "one_cycle_high_peak": (lambda: Net(_mlp(out=4), _ce, lambda p: torch.optim.AdamW(p, lr=0.1),
+                                        lambda o, t: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=t)),
+                            _classes, 8, 2),
+    "targets_in_thousands": (lambda: Net(nn.Linear(8, 1), _mse, lambda p: torch.optim.SGD(p, lr=0.2)),
+                             lambda: _regression(scale=1000.0, offset=5000.0), 16, 3),
+    "plateau_then_sharp_drop": (lambda: Net(_plateau_net(), _mse, lambda p: torch.optim.SGD(p, lr=0.05)),
+                                _regression, 32, 6),
+    "fresh_transformer": (lambda: Net(TinyLM(), _ce, lambda p: torch.optim.AdamW(p, lr=3e-3)), _tokens, 8, 3),
+    "noisy_batches_regression": (lambda: Net(nn.Linear(8, 1), _mse, lambda p: torch.optim.SGD(p, lr=0.05)),
+                                 _regression, 2, 1),
+    "noisy_batches_classifier": (lambda: Net(_mlp(out=4), _ce, lambda p: torch.optim.Adam(p, lr=1e-2)),
+                                 _classes, 2, 1),
+    "zero_initialised_head": (lambda: Net(_zero_head(), _mse, lambda p: torch.optim.SGD(p, lr=0.02)),
+                              _regression, 16, 2),
+    "harder_data_later": (lambda: Net(nn.Linear(8, 1), _mse, lambda p: torch.optim.SGD(p, lr=0.05)),
+                          lambda: _regression(noise=_harder_later), 8, 1),
+    "sgd_near_the_stability_edge": (lambda: Net(nn.Linear(8, 1), _mse, lambda p: torch.optim.SGD(p, lr=0.55)),
+                                    _regression, 16, 2),
+    "negative_loss": (lambda: Net(_mlp(out=2), _gaussian_nll, lambda p: torch.optim.Adam(p, lr=3e-2)),
+                      lambda: _regression(noise=0.01), 16, 6),
+}
+
+
+def _rise(values: list[float]) -> float:
+    """The largest rise of a value over the lowest one before it."""
+    low, best = math.inf, 0.0
+    for v in values:
+        if low > 0 and math.isfinite(low):
+            best = max(best, v / low)
+        low = min(low, v)
+    return best
+
+
+# what makes each case a hard one for a divergence detector, checked on the unguarded run
+SHAPE: dict[str, Callable[[list[float], list[float]], bool]] = {
+    "lr_warmup_from_zero": lambda loss, norm: loss[1] > 0.9 * loss[0] and min(loss) < loss[0] / 100,
+    "one_cycle_high_peak": lambda loss, norm: _rise(loss) > 100,  # the loss climbs back as the LR peaks
+    "targets_in_thousands": lambda loss, norm: loss[0] > 1e6 and loss[-1] < loss[0] * 1e-6,
+    "plateau_then_sharp_drop": lambda loss, norm: (max(norm[:30]) > 1000 * norm[0] and max(loss[:30]) < 2 * loss[0]
+                                                   and loss[-1] < loss[0] / 100),
+    "fresh_transformer": lambda loss, norm: loss[-1] < loss[0],
+    "noisy_batches_regression": lambda loss, norm: max(b / a for a, b in zip(loss, loss[1:])) > 30,
+    "noisy_batches_classifier": lambda loss, norm: max(b / a for a, b in zip(loss, loss[1:])) > 100,
+    "zero_initialised_head": lambda loss, norm: max(norm) > 3 * norm[0] and _rise(loss) > 2,
+    "harder_data_later": lambda loss, norm: loss[-1] > 5 * min(loss),
+    "sgd_near_the_stability_edge": lambda loss, norm: _rise(loss) > 10,
+    "negative_loss": lambda loss, norm: loss[0] > 0 > min(loss),
+}
+
+
+def _fit(tmp_path: Any, name: str, guard: Any) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    make, data, batch, epochs = CORPUS[name]
+    losses: list[float] = []
+    norms: list[float] = []
+
+    class Trace(pl.Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters()
+                                                              if p.grad is not None])))
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            losses.append(float(outputs["loss"]))
+
+    pl.seed_everything(0, verbose=False)
+    model = make()
+    callbacks = ([Trace()] if guard is None else []) + ([guard] if guard is not None else [])
+    trainer(tmp_path, callbacks, max_epochs=epochs).fit(model, DataLoader(data(), batch_size=batch))
+    return {k: v.clone() for k, v in model.state_dict().items()}, losses, norms
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_healthy_run_gives_no_event_and_identical_weights(tmp_path: Any, name: str) -> None:
+    """A healthy run (rising loss or growing gradient norm included): zero events, bitwise-identical weights."""
+    plain, losses, norms = _fit(tmp_path / "plain", name, None)
+    assert all(math.isfinite(v) for v in losses + norms)
+    assert SHAPE[name](losses, norms), "the case lost the shape it is in the corpus for"
+    guard = NaNGuard()
+    guarded, _, _ = _fit(tmp_path / "guarded", name, guard)
+    assert [(e.step, e.kind, e.cause) for e in guard.events] == []
+    assert guard.counters["incidents"] == guard.counters["spikes"] == 0
+    for key, value in plain.items():
+        assert torch.equal(value, guarded[key]), key
