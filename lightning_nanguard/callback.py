@@ -13,7 +13,7 @@ from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigErr
 from .detect.amp import OverflowWatch, clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
-from .detect.flags import NORM, Outcome, StepFlags, classify, skip_flag
+from .detect.flags import LOSS, NORM, Outcome, StepFlags, classify, skip_flag
 from .detect.spikes import LossWatch
 from .detect.sync import StepSync, choose_sync
 from .diagnose.diagnoser import Diagnoser
@@ -220,8 +220,7 @@ class NaNGuard(pl.Callback):
         assert self._recorder.out_dir is not None
         self._recovery.start(trainer, pl_module, self._recorder.out_dir)
         self._sync = self._responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type)
-        check = self.config.check
-        self.lagged, why = choose_sync(check.sync, trainer, pl_module, check.spike_action)
+        self.lagged, why = choose_sync(self.config.check.sync, trainer, pl_module)
         if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
         say(trainer, f"[nanguard] sync: {'lagged' if self.lagged else 'eager'} ({why})")
@@ -355,8 +354,8 @@ class NaNGuard(pl.Callback):
         outcome = Outcome.HEALTHY
         if late is None:
             self._clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
-        elif late.has_norm:
-            self._clipper.observe(flags.grad_norm, late.limit)  # clipped on the device already
+        elif late.has_norm:  # clipped on the device already
+            self._clipper.observe(flags.grad_norm, late.spike_limit if clip_to is not None else late.limit)
         if (norm is not None or late is not None and late.has_norm) and self._clipper.clipping_persists(
                 ladder.adaptive_clip):
             self._responder.clipping_persists(trainer, params, flags, late)
@@ -375,13 +374,22 @@ class NaNGuard(pl.Callback):
             norm = vec[NORM].to(norm.dtype)  # the completed norm
         # under a GradScaler, non-finite gradients are its own (routine) overflows: its found_inf skips them
         skip = skip_flag(vec, self.config.check.gradients and scaler is None)
+        # a loss spike acts on its own step: the spike test of the statistics read so far, on the device
+        action = self.config.check.spike_action
+        spike = self._losses.spike_flag(vec[LOSS]) if self._evidence.loss_checked and action in (
+            "skip_step", "clip") else None
+        if spike is not None and action == "skip_step":  # (a step with bad evidence is skipped anyway)
+            skip = torch.maximum(skip, spike.float())
         device_skip = skip_on_device(optimizer, skip, scaler)
-        limit = self._clipper.clip_on_device(params, norm, self._recovery.ladder.adaptive_clip)
+        limit, spike_limit = self._clipper.clip_on_device(params, norm, self._recovery.ladder.adaptive_clip,
+                                                          spike if action == "clip" else None,
+                                                          self._clipper.zclip.mean)
         self._evidence.stage(vec)
         self._staged = LateStep(
             step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self._evidence.batch_idx,
             window=list(self._evidence.window), rng=list(self._diagnoser._rng),
             lrs=[g["lr"] for g in optimizer.param_groups], skip=skip, device_skip=device_skip, limit=limit,
+            spike_limit=spike_limit,
             has_norm=norm is not None, loss_checked=self._evidence.loss_checked, scaled=scaler is not None,
             optimizer=optimizer, local=self._sync.last_local)
         self._outcome = Outcome.PENDING
@@ -396,7 +404,9 @@ class NaNGuard(pl.Callback):
         outcome = self._judge(trainer, pl_module, late.optimizer, [], flags, None, late.scaled, late)
         # what the device did with it: skipped where its skip flag was set and the optimizer honours it (under a
         # GradScaler, also on an overflow)
-        flagged = flags.local_bad or self.config.check.gradients and not late.scaled and flags.grads_bad  # its skip
+        # its skip flag, as the device set it (a loss spike too, with check.spike_action: skip_step)
+        flagged = (flags.local_bad or self.config.check.gradients and not late.scaled and flags.grads_bad
+                   or outcome is Outcome.SKIPPED)
         applied = not (late.device_skip and flagged or late.scaled and flags.grads_bad)
         self._recovery.settle_metrics(skipped=flagged)  # its metric states were undone on the device where flagged
         if outcome is Outcome.HEALTHY:

@@ -133,10 +133,6 @@ class CheckConfig(_Section):
         if isinstance(self.activations, int) and self.activations < 1:
             raise ConfigError(f"check.activations: got {self.activations!r}; allowed: 'off', 'on_incident', "
                               "'always' or an int N >= 1 (check every N steps)")
-        if self.sync == "lagged" and self.spike_action in ("skip_step", "clip"):
-            raise ConfigError(f"check.sync: got 'lagged' with check.spike_action {self.spike_action!r}, which acts "
-                              "on the spiking step itself, before a lagged read sees its loss; allowed: 'eager' or "
-                              "'auto' (auto then runs eager), or check.spike_action 'off', 'warn' or 'reduce_lr'")
 
 
 @dataclass

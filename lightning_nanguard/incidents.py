@@ -68,6 +68,7 @@ class LateStep:
     skip: Tensor  # the device flag that skipped it (0-dim float)
     device_skip: bool  # the optimizer honoured ``skip`` on the device (else a bad step was applied)
     limit: Optional[float]  # the clipping limit applied on the device
+    spike_limit: Optional[float]  # the limit applied instead to a loss spike (check.spike_action: clip)
     has_norm: bool  # its gradient norm was computed
     loss_checked: bool
     scaled: bool  # a GradScaler was active
@@ -234,11 +235,9 @@ class Responder:
               flags: StepFlags, z: float, late: Optional[LateStep] = None) -> SpikeResponse:
         """A finite loss far above its running statistics: record it and apply ``check.spike_action``. A
         spike does not climb the ladder (no rollback, no give-up); three within ``recovery.incident_window``
-        steps cut the LR whatever the action. ``late`` (lagged read): the spiking step was applied; an LR cut
-        applies from the step after it."""
+        steps cut the LR whatever the action. ``late`` (lagged read): the spike was skipped or clipped on the
+        device already, by the same test; an LR cut applies from the step after it."""
         action = self.config.check.spike_action
-        if late is not None and action in ("skip_step", "clip"):  # refused by the config; acts on nothing now
-            action = "warn"
         event = self._event(trainer, "spike", late)
         zclip = self.clipper.zclip
         norm_z = zclip.zscore(flags.grad_norm)
@@ -248,9 +247,14 @@ class Responder:
         event.cause = "exploding_gradient" if norm_z is not None and norm_z > zclip.z_threshold else "unknown"
         event.suggestion = SPIKE_SUGGESTION
         response = SpikeResponse()
-        if action == "skip_step":
-            self.recovery.skip(params)
-            self.recovery.undo_buffers()
+        if action == "skip_step" and late is not None and not late.device_skip:
+            pass  # the optimizer cannot skip on the device: the spike was applied (a warning)
+        elif action == "skip_step":
+            if late is None:
+                self.recovery.skip(params)
+                self.recovery.undo_buffers()
+            else:
+                self.recovery.skipped_steps += 1
             event.add_action("skip_step")
             response.skip = True
         elif action == "clip":

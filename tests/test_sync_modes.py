@@ -20,7 +20,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins import MixedPrecision
 
 import lightning_nanguard
-from lightning_nanguard import ConfigError, NaNGuard, NaNGuardError
+from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.detect.flags import LOSS
 from . import models
 
@@ -443,11 +443,44 @@ def test_auto_is_lagged_on_cuda_with_a_fused_optimizer(make_trainer):
         assert g.lagged is lagged
 
 
+class FusedSpiky:
+    """tests/test_prevention.py's SpikyRegression (a x1000 batch at step 30) with a fused SGD."""
+
+    def __new__(cls, **kwargs: Any) -> Any:
+        from .test_prevention import SpikyRegression
+
+        class Fused(SpikyRegression):
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+
+        return Fused(**kwargs)
+
+
 @pytest.mark.parametrize("action", ["skip_step", "clip"])
-def test_lagged_refuses_a_spike_action_on_the_spiking_step(action):
-    with pytest.raises(ConfigError, match="check.sync"):
-        NaNGuard(check={"sync": "lagged", "spike_action": action})
-    NaNGuard(check={"sync": "auto", "spike_action": action})  # auto then reads eagerly
+def test_lagged_spike_actions_act_on_the_spiking_step_like_eager(pair, action):
+    """A finite loss spike: the lagged guard makes the spike test on the device, with the statistics read so far,
+    and skips or clips the spiking step itself, as the eager guard does."""
+    runs = pair(lambda: FusedSpiky(at=30, mode="input"), {"check": {"spike_action": action, "spike_warmup": 20}},
+                steps=40)
+    (e,) = runs["lagged"][1].events
+    assert (e.step, e.kind, e.actions) == (30, "spike", [action])
+    assert runs["lagged"][1].lagged
+    assert_same_run(runs)
+
+
+def test_a_divergence_read_one_step_late_rolls_the_applied_step_back(pair):
+    """A warned spike lets the x1000 batch through; the next step's loss runs away (a divergence event). Eager
+    skips that step; lagged reads it while the step after runs, so it was applied: the same rollback and LR cut
+    undo it (no skip_step action), and that next step is skipped too."""
+    runs = pair(lambda: FusedSpiky(at=30, mode="input"), {"check": {"spike_action": "warn", "spike_warmup": 20}},
+                steps=40)
+    (a, ga), (b, gb) = runs["eager"], runs["lagged"]
+    div = [(record(e), record(f)) for e, f in zip(ga.events, gb.events) if e.kind == "divergence"]
+    assert len(ga.events) == len(gb.events) and div
+    eager, lagged = div[0]
+    assert eager["step"] == lagged["step"] == 31
+    assert eager["actions"] == ["skip_step"] + lagged["actions"] and "rollback" in lagged["actions"]
+    assert models.all_finite(b)
 
 
 def test_lagged_give_up_raises_from_the_next_step(fit):

@@ -153,13 +153,13 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
     return best["extra"]
 
 
-def choose_sync(mode: str, trainer: Any, pl_module: Any, spike_action: str) -> tuple[bool, str]:
+def choose_sync(mode: str, trainer: Any, pl_module: Any) -> tuple[bool, str]:
     """``check.sync`` for this fit: (read the flags lagged?, why, in words for the user).
 
     ``auto`` is lagged when the device is not the CPU (where every op has finished when it returns, so a
     read waits for nothing) and every optimizer can skip a bad step on the device: a fused torch optimizer
     (``found_inf``), or any optimizer under a GradScaler (its ``found_inf``). Manual optimization always reads
-    eagerly, and so does ``auto`` with a ``check.spike_action`` that acts on the spiking step itself.
+    eagerly.
     """
     optimizers = list(getattr(trainer, "optimizers", None) or [])
     scaled = grad_scaler(trainer) is not None
@@ -176,9 +176,6 @@ def choose_sync(mode: str, trainer: Any, pl_module: Any, spike_action: str) -> t
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     if device is None or torch.device(device).type == "cpu":
         return False, "on the CPU every op has finished when it returns: reading the flags waits for nothing"
-    if spike_action in ("skip_step", "clip"):
-        return False, (f"check.spike_action: {spike_action} acts on the spiking step itself: one host sync per step; "
-                       "'warn' or 'reduce_lr' allow a lagged read")
     if cannot or not optimizers:
         name = cannot[0] if cannot else "(none)"
         return False, (f"optimizer {name} is not fused: one host sync per step; use {name}(fused=True) to "
