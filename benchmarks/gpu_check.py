@@ -91,12 +91,14 @@ class Throughput(pl.Callback):
 
 
 class SyncCounter(pl.Callback):
-    """Counts CUDA sync warnings raised between batch start and batch end (placed first in the list)."""
+    """Counts CUDA sync warnings raised from the start of each batch to its end, every callback's hooks included:
+    put ``counter`` first in the callback list and ``counter.end`` last."""
 
     def __init__(self) -> None:
         self.per_step: list[int] = []
         self._ctx: Any = None
         self._log: list = []
+        self.end = _EndOfBatch(self)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._ctx = warnings.catch_warnings(record=True)
@@ -105,15 +107,19 @@ class SyncCounter(pl.Callback):
         if CUDA:
             torch.cuda.set_sync_debug_mode("warn")
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def stop(self) -> None:
         if CUDA:
             torch.cuda.set_sync_debug_mode("default")
         self._ctx.__exit__(None, None, None)
         self.per_step.append(sum("synchroniz" in str(w.message) for w in self._log))
 
 
-class LastCallback(SyncCounter):
-    """The same counter placed last: the guard's on_train_batch_end is inside the window too."""
+class _EndOfBatch(pl.Callback):
+    def __init__(self, counter: SyncCounter) -> None:
+        self.counter = counter
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.counter.stop()
 
 
 def data(n: int = 64 * 40, seq: int = 129 if CUDA else 17, vocab: int = 512, batch: int = 64 if CUDA else 8) -> Any:
@@ -154,12 +160,12 @@ def sync_counts(d: int) -> dict:
     out = {}
     for precision in ("32-true", "16-mixed"):
         for name in ("plain", "eager", "lagged"):
-            first, last = SyncCounter(), LastCallback()
+            counter = SyncCounter()
             g = guard(None if name == "plain" else name)
             pl.seed_everything(0, verbose=False)
-            fit(TinyLM(d=d, layers=2), [first] + ([g] if g else []) + [last], precision, steps=12,
+            fit(TinyLM(d=d, layers=2), [counter] + ([g] if g else []) + [counter.end], precision, steps=12,
                 plugins=fp16_plugins(precision))
-            steady = last.per_step[3:] or last.per_step
+            steady = counter.per_step[3:] or counter.per_step
             out[f"{precision} {name}"] = {"median": statistics.median(steady), "max": max(steady),
                                           "lagged": None if g is None else g.lagged}
     return out
