@@ -218,7 +218,8 @@ def mixed_checks() -> dict:
 
 
 def table(out: dict) -> str:
-    lines = ["| precision, model | plain ms | NaNGuard() ms | x plain | eager ms | x plain |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| precision, model | plain ms | NaNGuard() ms | x plain | eager ms | x plain |",
+             "|---|---:|---:|---:|---:|---:|"]
     for key, r in out["step_time"].items():
         ms = r["step_ms"]
         lines.append(f"| {key} | {ms['plain']:.2f} | {ms['auto']:.2f} | {r['ratio_auto']:.3f} | {ms['eager']:.2f} "
