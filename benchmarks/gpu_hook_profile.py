@@ -1,6 +1,6 @@
-"""Where does NaNGuard's step time go on a GPU? Per-hook CPU time, and the wait inside the one sync.
+"""Where does NaNGuard's step time go on a GPU? Per-hook CPU time, and the wait inside the flag reads.
 
-    python benchmarks/gpu_hook_profile.py [d_model] [layers]
+    python benchmarks/gpu_hook_profile.py [d_model] [layers] [sync]     # sync: auto (default), eager, lagged
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import torch  # noqa: E402
 
 import gpu_check as g  # noqa: E402
 from lightning_nanguard import NaNGuard  # noqa: E402
+from lightning_nanguard.detect.evidence import StepEvidence  # noqa: E402
 
 HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 
 def timed(guard: NaNGuard) -> dict[str, list[float]]:
-    spent: dict[str, list[float]] = {h: [] for h in HOOKS + ("sync_wait",)}
+    spent: dict[str, list[float]] = {h: [] for h in HOOKS + ("read_wait",)}
     for name in HOOKS:
         fn = getattr(guard, name)
 
@@ -34,27 +35,31 @@ def timed(guard: NaNGuard) -> dict[str, list[float]]:
             finally:
                 spent[_name].append(time.perf_counter() - t)
         setattr(guard, name, wrapper)
-    read = guard._read_flags
 
-    def read_flags(*args, **kwargs):
-        if g.CUDA:
-            t = time.perf_counter()
-            torch.cuda.synchronize()  # the wait the .tolist() would do, measured apart
-            spent["sync_wait"].append(time.perf_counter() - t)
-        return read(*args, **kwargs)
-    guard._read_flags = read_flags
+    for method in ("read", "take"):  # eager reads at once; lagged takes the previous step's copy
+        original = getattr(StepEvidence, method)
+
+        def reading(self, *args, _original=original, **kwargs):
+            if g.CUDA and _original.__name__ == "read":
+                t = time.perf_counter()
+                torch.cuda.synchronize()  # the wait the .tolist() would do, measured apart
+                spent["read_wait"].append(time.perf_counter() - t)
+            return _original(self, *args, **kwargs)
+        setattr(StepEvidence, method, reading)
     return spent
 
 
 def main() -> None:
     d = int(sys.argv[1]) if len(sys.argv) > 1 else 512
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else 6
-    guard = NaNGuard(logging={"events_file": False})
+    sync = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    guard = NaNGuard(logging={"events_file": False}, check={"sync": sync})
     spent = timed(guard)
-    timer = g.StepTimer()
+    timer = g.Throughput(warmup=10 if g.CUDA else 2)
     pl.seed_everything(0, verbose=False)
     g.fit(g.TinyLM(d=d, layers=layers), [timer, guard], steps=40)
-    print(f"RESULT d={d} layers={layers} step median {1000 * statistics.median(timer.times[10:] or timer.times):.2f} ms")
+    print(f"RESULT d={d} layers={layers} sync={'lagged' if guard.lagged else 'eager'} "
+          f"step {1000 * (timer.per_step or float('nan')):.2f} ms")
     for name, values in spent.items():
         if values:
             print(f"RESULT {name:26s} median {1000 * statistics.median(values[10:] or values):.3f} ms  "

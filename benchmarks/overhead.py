@@ -18,6 +18,14 @@ machine.
 
     python benchmarks/overhead.py            # full run (~2-4 min on 2 cores)
     python benchmarks/overhead.py --quick    # smoke run (~20 s)
+    python benchmarks/overhead.py --only "clip=1.0" "NaNGuard()" --baseline /tmp/base/lightning_nanguard
+
+``--baseline DIR`` loads another copy of the package (e.g. ``git archive main lightning_nanguard | tar -x -C
+/tmp/base``) under its own name and runs its ``NaNGuard()`` side by side, as ``NaNGuard() before``: a change
+is measured in the same process, interleaved, instead of against numbers from another day.
+
+Besides the step times, every ``NaNGuard()`` fit (and the baseline's) times each of the guard's hooks on every
+step (CPU time, median over the steps after the warm-up and over repeats): what the guard itself costs per hook.
 
 Writes ``benchmarks/results/overhead.md`` (table), ``overhead.json`` and ``overhead.png`` (chart).
 """
@@ -25,7 +33,9 @@ Writes ``benchmarks/results/overhead.md`` (table), ``overhead.json`` and ``overh
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 import statistics
 import tempfile
 import time
@@ -59,6 +69,56 @@ class StepTimer(pl.Callback):
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         # forward hooks that callbacks keep for the fit or install per step are in place here
         self.hooked_modules = max(self.hooked_modules, sum(1 for m in pl_module.modules() if m._forward_hooks))
+
+
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+
+
+def timed_hooks(guard: Any) -> dict[str, list[float]]:
+    """Wrap the guard's step hooks (on the instance) to record the CPU time of every call, in ms."""
+    spent: dict[str, list[float]] = {h: [] for h in HOOKS}
+    for name in HOOKS:
+        hook = getattr(guard, name)
+
+        def wrapper(*args: Any, _hook: Any = hook, _times: list = spent[name], **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return _hook(*args, **kwargs)
+            finally:
+                _times.append(1e3 * (time.process_time() - start))
+
+        setattr(guard, name, wrapper)
+    return spent
+
+
+CLIP = "Lightning's _clip_gradients"
+
+
+def timed_call(obj: Any, name: str) -> list[float]:
+    """Wrap ``obj.name`` (on the instance) to record the CPU time of every call, in ms."""
+    times: list[float] = []
+    method = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.process_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            times.append(1e3 * (time.process_time() - start))
+
+    setattr(obj, name, wrapper)
+    return times
+
+
+def load_baseline(path: Path) -> Any:
+    """The ``NaNGuard`` class of the package folder ``path``, imported as ``nanguard_baseline``."""
+    spec = importlib.util.spec_from_file_location("nanguard_baseline", path / "__init__.py",
+                                                  submodule_search_locations=[str(path)])
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nanguard_baseline"] = module
+    spec.loader.exec_module(module)
+    return module.NaNGuard
 
 
 class NaiveFiniteHooks(pl.Callback):
@@ -109,15 +169,21 @@ def workloads(quick: bool) -> dict[str, tuple[Callable[[], pl.LightningModule], 
     }
 
 
-def run_once(make_model: Callable[[], Any], data: Any, config: str, steps: int, root: Path) -> Optional[StepTimer]:
+def run_once(make_model: Callable[[], Any], data: Any, config: str, steps: int, root: Path,
+             hooks: Optional[dict[str, list[list[float]]]] = None) -> Optional[StepTimer]:
     kwargs, callbacks = CONFIGS[config]
     extra = callbacks()
     if extra is None:
         return None
+    if hooks is not None and config in ("NaNGuard()", "NaNGuard() before"):
+        for name, times in timed_hooks(extra[0]).items():
+            hooks.setdefault(name, []).append(times)
     timer = StepTimer()
     pl.seed_everything(0, verbose=False)
     model = make_model()
     trainer = make_trainer(root, callbacks=[timer] + extra, max_steps=steps, max_epochs=10_000, **kwargs)
+    if hooks is not None and config == "clip=1.0":  # Lightning's own clipping, timed like the guard's hooks
+        hooks.setdefault(CLIP, []).append(timed_call(trainer.precision_plugin, "_clip_gradients"))
     trainer.fit(model, data)
     return timer
 
@@ -130,22 +196,37 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps dropped at the start of each fit")
     parser.add_argument("--only", nargs="*", default=None, help="subset of configurations (plus plain)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a lightning_nanguard package folder run side by side as 'NaNGuard() before'")
+    parser.add_argument("--name", default="overhead", help="results file name (default: overhead)")
     args = parser.parse_args()
+    if args.baseline is not None:
+        before = load_baseline(args.baseline.resolve())
+        at = list(CONFIGS).index("NaNGuard()") + 1
+        items = list(CONFIGS.items())
+        items.insert(at, ("NaNGuard() before", ({}, lambda: [before()])))
+        CONFIGS.clear()
+        CONFIGS.update(items)
     common.single_thread()
     repeats = args.repeats or (1 if args.quick else 4)
     steps = args.steps or (25 if args.quick else 50)
     configs = list(CONFIGS) if not args.only else ["plain"] + [c for c in args.only if c != "plain"]
+    if args.baseline is not None and "NaNGuard() before" not in configs:
+        configs.insert(configs.index("NaNGuard()") + 1 if "NaNGuard()" in configs else len(configs),
+                       "NaNGuard() before")
     root = Path(tempfile.mkdtemp(prefix="nanguard-overhead-"))
 
     start = time.perf_counter()
     medians: dict[str, dict[str, list[float]]] = {}  # workload -> config -> per-repeat median step time
+    hook_times: dict[str, dict[str, dict[str, list[list[float]]]]] = {}  # workload -> config -> hook -> per fit
     notes: dict[str, str] = {}
     for name, (make_model, data) in workloads(args.quick).items():
         per = medians.setdefault(name, {c: [] for c in configs})
         for r in range(repeats):
             order = configs[r % len(configs):] + configs[: r % len(configs)]  # rotate: no fixed position
             for config in order:
-                timer = run_once(make_model, data, config, steps, root)
+                timer = run_once(make_model, data, config, steps, root,
+                                 hook_times.setdefault(name, {}).setdefault(config, {}))
                 if timer is None:
                     notes[config] = "n/a: this NaNGuard does not accept check.activations: always"
                     continue
@@ -166,18 +247,39 @@ def main() -> None:
             ratio = statistics.median(t / p for t, p in zip(times, plain))
             rows.append({"workload": name, "config": config, "ms": 1e3 * statistics.median(times), "ratio": ratio})
 
+    hook_rows = []
+    for name, per_config in hook_times.items():
+        for config, per_hook in per_config.items():
+            if per_hook:
+                ms = {h: statistics.median(t for fit_times in per_hook.get(h, []) for t in fit_times[args.warmup:])
+                      for h in HOOKS + (CLIP,) if any(per_hook.get(h, []))}
+                hook_rows.append({"workload": name, "config": config, "ms": ms, "total": sum(ms.values())})
+
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     table = render_table(rows, configs, list(medians), notes, stamp, repeats, steps, args.warmup)
+    table += "\n\n" + render_hooks(hook_rows)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "-quick" if args.quick else ""
-    (args.out / f"overhead{suffix}.md").write_text(table + "\n", encoding="utf-8")
-    (args.out / f"overhead{suffix}.json").write_text(json.dumps(
+    stem = args.name + ("-quick" if args.quick else "")
+    (args.out / f"{stem}.md").write_text(table + "\n", encoding="utf-8")
+    (args.out / f"{stem}.json").write_text(json.dumps(
         {"date": stamp, "machine": machine(), "repeats": repeats, "steps": steps, "warmup": args.warmup,
-         "rows": rows, "notes": notes}, indent=2) + "\n", encoding="utf-8")
-    chart(rows, configs, list(medians), args.out / f"overhead{suffix}.png")
-    print(f"wrote {args.out / f'overhead{suffix}.md'} and overhead{suffix}.png "
-          f"in {time.perf_counter() - start:.0f} s")
+         "rows": rows, "hooks": hook_rows, "notes": notes}, indent=2) + "\n", encoding="utf-8")
+    chart(rows, configs, list(medians), args.out / f"{stem}.png")
+    print(f"wrote {args.out / f'{stem}.md'} and {stem}.png in {time.perf_counter() - start:.0f} s")
+
+
+def render_hooks(hook_rows: list[dict]) -> str:
+    """The guard's own CPU time per hook on a healthy step (median), per workload and guard."""
+    lines = ["Per-hook CPU time of the guard on a healthy step, and of Lightning's own clipping (`clip=1.0`: "
+             "`_clip_gradients`), ms (median over steps and repeats):", "",
+             "| workload | configuration | " + " | ".join(HOOKS) + " | sum |", "|---|---|" + "---:|" * (len(HOOKS) + 1)]
+    for r in hook_rows:
+        cells = [f"{r['ms'][h]:.3f}" if h in r["ms"] else "-" for h in HOOKS]
+        if CLIP in r["ms"]:
+            cells = ["-", "-", f"{r['ms'][CLIP]:.3f} (clipping)", "-"]
+        lines.append(f"| {r['workload']} | {r['config']} | " + " | ".join(cells) + f" | {r['total']:.3f} |")
+    return "\n".join(lines)
 
 
 def render_table(rows: list[dict], configs: list[str], names: list[str], notes: dict[str, str], stamp: str,

@@ -10,15 +10,15 @@ from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
-from .detect.amp import OverflowWatch, ensure_unscaled, grad_scaler
+from .detect.amp import OverflowWatch, clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
-from .detect.flags import Outcome, StepFlags, classify
+from .detect.flags import LOSS, NORM, Outcome, StepFlags, classify, skip_flag
 from .detect.spikes import LossWatch
-from .detect.sync import StepSync
+from .detect.sync import StepSync, choose_sync
 from .diagnose.diagnoser import Diagnoser
 from .errors import NaNGuardError
-from .incidents import Responder
+from .incidents import LateStep, Responder
 from .recover.checkpoint import nonfinite_entries, optimizer_state_nonfinite, rebuild
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
@@ -46,11 +46,11 @@ class NaNGuard(pl.Callback):
     1. ``on_train_batch_start``: the batch joins the step's window (for a replay), its buffers, the module's
        torchmetrics states and Lightning's logged aggregates are backed up (at the step's first micro-batch),
        and with ``check.inputs: always`` its floating tensors become a device flag;
-    2. ``on_before_backward``: the loss of each micro-batch becomes a device flag and a device sum;
-    3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss flags and sum, the
-       flag over the parameters and buffers written by the previous step, and the activation flag are
-       stacked and read at once, the step's one host-device sync (after one small all-reduce under DDP);
-       the step's :class:`~.detect.flags.Outcome` follows:
+    2. ``on_before_backward``: the loss of each micro-batch joins the step's device sum (non-finite if any is);
+    3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss, its flag, the
+       parameter/buffer flag (where one was taken) and the activation flag are stacked into one vector (one
+       small all-reduce under DDP). With ``check.sync: eager`` (the default on the CPU) it is read at once,
+       the step's one host-device sync, and the step's :class:`~.detect.flags.Outcome` follows:
 
        - healthy: a loss or gradient norm running away while finite is a ``divergence`` event (from the
          host floats just read; ``check.divergence``: by default the step is skipped and, at its end, the
@@ -59,18 +59,30 @@ class NaNGuard(pl.Callback):
          loss spike is recorded and acted on (``check.spike_action``);
        - routine overflow (16-mixed): the GradScaler skips the step by itself;
        - incident: the step is skipped without touching optimizer state (grads set to ``None``), its
-         buffer writes are undone, the bad micro-batch is replayed to name the module, op and cause, and
-         the recovery ladder plans what follows;
+         buffer writes are undone, the bad micro-batch is replayed to name the module, op, weight and cause,
+         and the recovery ladder plans what follows.
+
+       With ``check.sync: lagged`` (``auto`` off the CPU when every optimizer can skip on the device) nothing
+       is read: a device flag skips a bad step inside the optimizer (``found_inf`` of a fused optimizer, or
+       the GradScaler's) and undoes its buffer and metric writes, clipping compares the norm with its limit
+       on the device, and the vector is copied to the host without a wait. It is read at the next step's
+       ``on_before_optimizer_step``, when that step's work is queued, and the step is judged then, as above,
+       with its own step number and batches; a rollback it calls for also skips the step under way unless
+       that step's gradients were taken on the restored weights. Train end, validation, a checkpoint and a
+       due snapshot read it at once;
     4. ``on_train_batch_end``: a skipped step's metric updates and logged values are undone; the plan is
        carried out (clip from now on, cut the LR in a way schedulers keep, roll back to a known-good
        snapshot, skip the next batches, give up: restore, then stop or raise), the event is recorded
-       (``guard.events``, ``events.jsonl``, every logger, a report file); after a healthy step the
-       parameters and buffers become a device flag for the next read, and a snapshot is taken every
+       (``guard.events``, ``events.jsonl``, every logger, a report file), and a snapshot is taken every
        ``recovery.snapshot_every`` healthy steps.
 
+    The weights are checked (``check.parameters``) on every incident, before a snapshot, a checkpoint or
+    validation, and at the end of fit; a bad weight that the next forward reads already spoils its loss. While
+    ``check.loss`` or ``check.gradients`` is off, every step's update is checked as well.
+
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
-    the guard. Checkpoints are checked when written, and at the end of fit the weights are checked once more
-    (and the newest snapshot restored if fit ends while recovery is unfinished, ``recovery.restore_at_end``).
+    the guard. If fit ends while recovery is unfinished, the newest snapshot is restored
+    (``recovery.restore_at_end``).
 
     Example::
 
@@ -148,6 +160,9 @@ class NaNGuard(pl.Callback):
                                     self._recovery, self._diagnoser, self._recorder)
         self._sync = StepSync()
         self._outcome: Optional[Outcome] = None  # set by the optimizer step, consumed at the batch's end
+        self.lagged = False  # check.sync as chosen at fit start: flags read one step late
+        self._late: Optional[LateStep] = None  # the lagged step whose flags are not read yet
+        self._staged: Optional[LateStep] = None  # the lagged step now running (until its batch ends)
 
     # ------------------------------------------------------------------------------------------- views
 
@@ -205,6 +220,10 @@ class NaNGuard(pl.Callback):
         assert self._recorder.out_dir is not None
         self._recovery.start(trainer, pl_module, self._recorder.out_dir)
         self._sync = self._responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type)
+        self.lagged, why = choose_sync(self.config.check.sync, trainer, pl_module)
+        if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
+            why += " (recovery.snapshot is off: nothing to roll back to)"
+        say(trainer, f"[nanguard] sync: {'lagged' if self.lagged else 'eager'} ({why})")
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._resumed = False  # callback state is restored before this hook on every strategy
@@ -223,6 +242,7 @@ class NaNGuard(pl.Callback):
         self._snapshot(trainer, pl_module)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._flush(trainer, pl_module)  # the last lagged step's flags
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
@@ -234,7 +254,10 @@ class NaNGuard(pl.Callback):
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # the last training step's weights are read only with the next step's flags: read them now, so that
         # validation (and checkpoints picked by its metrics) never runs on weights poisoned by that step
-        if trainer.sanity_checking or self._recovery.stopped:
+        if trainer.sanity_checking:
+            return
+        self._flush(trainer, pl_module)
+        if self._recovery.stopped:
             return
         bad = self._evidence.state_bad(consume=True)
         if bad is not None and trainer.world_size > 1:
@@ -243,6 +266,9 @@ class NaNGuard(pl.Callback):
             self._responder.parameter_incident(trainer, pl_module, where="validation_start")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self._staged is not None:
+            clear_device_skip(self._staged.optimizer, self._staged.skip)
+        self._late = self._staged = None
         self._stop_hooks()
         self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
         self._recorder.flush()
@@ -268,7 +294,10 @@ class NaNGuard(pl.Callback):
         scaler = grad_scaler(trainer)
         if scaler is not None:
             ensure_unscaled(scaler, optimizer)
-        if self._recovery.stopped or self._recovery.skip_batches_left > 0:
+        # lagged: the previous step's flags, read now that this step's work is queued; a rollback they call for
+        # skips this step too, unless its gradients were taken on the very weights restored
+        skip_now = self._late is not None and self._judge_late(trainer, pl_module)
+        if self._recovery.stopped or self._recovery.skip_batches_left > 0 or skip_now:
             self._recovery.skip(params)
             self._outcome = Outcome.SKIPPED
             return
@@ -279,43 +308,126 @@ class NaNGuard(pl.Callback):
         clipping = cfg.clip.max_norm is not None or ladder.adaptive_clip or cfg.check.spike_action == "clip"
         norm = self._sync.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
         device = params[0].device if params else torch.device("cpu")
+        if self.lagged:
+            self._stage(trainer, optimizer, params, norm, device, scaler)
+            return
         flags = self._evidence.read(norm, device, scaler, self._sync)  # the one host-device sync of the step
         # several processes: the flags were reduced over ranks, so everything below is identical on every rank
         norm = self._sync.global_norm(norm, flags.grad_norm)
+        self._outcome = self._judge(trainer, pl_module, optimizer, params, flags, norm, scaler is not None)
+
+    def _judge(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any, params: list[Tensor],
+               flags: StepFlags, norm: Optional[Tensor], scaled: bool, late: Optional[LateStep] = None) -> Outcome:
+        """The step's outcome from its flags, and what follows on the host (``late``: read one step later)."""
+        cfg = self.config
         self._clipper.last_norm = flags.grad_norm
-        loss = flags.loss if self._evidence.loss_checked else None
+        checked = self._evidence.loss_checked if late is None else late.loss_checked
+        loss = flags.loss if checked else None
         spike_z = None if flags.local_bad else self._losses.observe(loss)
         grads_bad = cfg.check.gradients and flags.grads_bad
-        scaled = scaler is not None
-        self._outcome = classify(flags, grads_bad, scaled, self._overflow.observe(flags, grads_bad, scaled))
-        if self._outcome is Outcome.INCIDENT:
-            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled)
-        elif self._outcome is Outcome.HEALTHY:
-            self._healthy(trainer, pl_module, params, norm, flags, spike_z)
+        outcome = classify(flags, grads_bad, scaled, self._overflow.observe(flags, grads_bad, scaled))
+        if outcome is Outcome.INCIDENT:
+            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled, late)
+        elif outcome is Outcome.HEALTHY:
+            outcome = self._healthy(trainer, pl_module, params, norm, flags, spike_z, late)
+        return outcome
 
     def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
-                 norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float]) -> None:
+                 norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float],
+                 late: Optional[LateStep] = None) -> Outcome:
         clip_to = None
+        checked = self._evidence.loss_checked if late is None else late.loss_checked
         if getattr(pl_module, "automatic_optimization", True):  # manual: one loss stream per optimizer, mixed
-            evidence = self._divergence.observe(trainer.global_step, flags.loss if self._evidence.loss_checked
-                                                else None, flags.grad_norm)
-            if evidence is not None and self._responder.divergence(trainer, pl_module, params, flags, evidence):
-                self._outcome = Outcome.INCIDENT  # skipped; the rollback and LR cut follow at the end of the step
-                return
+            evidence = self._divergence.observe(trainer.global_step if late is None else late.step,
+                                                flags.loss if checked else None, flags.grad_norm)
+            if evidence is not None and self._responder.divergence(trainer, pl_module, params, flags, evidence,
+                                                                   late):
+                return Outcome.INCIDENT  # skipped; the rollback and LR cut follow at the end of the step
         if spike_z is not None:
-            spike = self._responder.spike(trainer, pl_module, params, flags, spike_z)
+            spike = self._responder.spike(trainer, pl_module, params, flags, spike_z, late)
             if spike.skip:
-                self._outcome = Outcome.SKIPPED
-                return
+                return Outcome.SKIPPED
             clip_to = spike.clip_to
         self._evidence.grads_were_finite = True
         ladder = self._recovery.ladder
         ladder.healthy()
-        self._clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
-        if norm is not None and self._clipper.clipping_persists(ladder.adaptive_clip):
-            self._responder.clipping_persists(trainer, params, flags)
-            self._outcome = Outcome.INCIDENT
-        self._losses.healthy(flags.loss if self._evidence.loss_checked else None)
+        outcome = Outcome.HEALTHY
+        if late is None:
+            self._clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
+        elif late.has_norm:  # clipped on the device already
+            self._clipper.observe(flags.grad_norm, late.spike_limit if clip_to is not None else late.limit)
+        if (norm is not None or late is not None and late.has_norm) and self._clipper.clipping_persists(
+                ladder.adaptive_clip):
+            self._responder.clipping_persists(trainer, params, flags, late)
+            outcome = Outcome.INCIDENT
+        self._losses.healthy(flags.loss if checked else None)
+        return outcome
+
+    # ------------------------------------------------------------------------------ lagged reads
+
+    def _stage(self, trainer: "pl.Trainer", optimizer: Any, params: list[Tensor], norm: Optional[Tensor],
+               device: torch.device, scaler: Optional[Any]) -> None:
+        """``check.sync: lagged``: skip on the device if the flags say so, clip on the device, and start the
+        copy of the flags to the host; the step is judged when they are read (:meth:`_judge_late`)."""
+        vec = self._evidence.vector(norm, device, scaler, self._sync)  # reduced over ranks: the same everywhere
+        if norm is not None and self._sync.sharded:
+            norm = vec[NORM].to(norm.dtype)  # the completed norm
+        # under a GradScaler, non-finite gradients are its own (routine) overflows: its found_inf skips them
+        skip = skip_flag(vec, self.config.check.gradients and scaler is None)
+        # a loss spike acts on its own step: the spike test of the statistics read so far, on the device
+        action = self.config.check.spike_action
+        spike = self._losses.spike_flag(vec[LOSS]) if self._evidence.loss_checked and action in (
+            "skip_step", "clip") else None
+        if spike is not None and action == "skip_step":  # (a step with bad evidence is skipped anyway)
+            skip = torch.maximum(skip, spike.float())
+        device_skip = skip_on_device(optimizer, skip, scaler)
+        limit, spike_limit = self._clipper.clip_on_device(params, norm, self._recovery.ladder.adaptive_clip,
+                                                          spike if action == "clip" else None,
+                                                          self._clipper.zclip.mean)
+        self._evidence.stage(vec)
+        self._staged = LateStep(
+            step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self._evidence.batch_idx,
+            window=list(self._evidence.window), rng=list(self._diagnoser._rng),
+            lrs=[g["lr"] for g in optimizer.param_groups], skip=skip, device_skip=device_skip, limit=limit,
+            spike_limit=spike_limit,
+            has_norm=norm is not None, loss_checked=self._evidence.loss_checked, scaled=scaler is not None,
+            optimizer=optimizer, local=self._sync.last_local)
+        self._outcome = Outcome.PENDING
+
+    def _judge_late(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", current: bool = True) -> bool:
+        """Read and judge the lagged step. ``current``: a step is under way whose gradients were taken on the
+        weights that step left; returns True when that step must be skipped (its weights were rolled back)."""
+        late, self._late = self._late, None
+        assert late is not None
+        flags = self._evidence.take()
+        pristine = self._recovery.pristine
+        outcome = self._judge(trainer, pl_module, late.optimizer, [], flags, None, late.scaled, late)
+        # what the device did with it: skipped where its skip flag was set and the optimizer honours it (under a
+        # GradScaler, also on an overflow)
+        # its skip flag, as the device set it (a loss spike too, with check.spike_action: skip_step)
+        flagged = (flags.local_bad or self.config.check.gradients and not late.scaled and flags.grads_bad
+                   or outcome is Outcome.SKIPPED)
+        applied = not (late.device_skip and flagged or late.scaled and flags.grads_bad)
+        self._recovery.settle_metrics(skipped=flagged)  # its metric states were undone on the device where flagged
+        if outcome is Outcome.HEALTHY:
+            self._recovery.healthy_step()
+        if outcome in (Outcome.HEALTHY, Outcome.ROUTINE_OVERFLOW):
+            self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
+        if not self._responder.pending:
+            return False
+        # the current step's gradients hold for the restored weights only if nothing was applied since them
+        keep = current and pristine and not applied
+        rollbacks = self._recovery.rollbacks
+        self._responder.finish(trainer, pl_module, keep_step=keep)
+        rolled_back = self._recovery.rollbacks > rollbacks
+        return current and (self._recovery.stopped or rolled_back and not self._recovery.kept_step)
+
+    def _flush(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+        """Judge the lagged step now (train end, validation, a checkpoint, a due snapshot); True if there was one."""
+        if self._late is None:
+            return False
+        self._judge_late(trainer, pl_module, current=False)
+        return True
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -324,7 +436,9 @@ class NaNGuard(pl.Callback):
             return  # a non-final micro-batch of gradient accumulation
         self._evidence.step_end()
         self._diagnoser.step_end()
-        if self._responder.pending:
+        if outcome is Outcome.PENDING:
+            self._after_staged(trainer, pl_module)
+        elif self._responder.pending:
             self._responder.finish(trainer, pl_module)
             if not self._recovery.stopped:  # weights can go bad during a skipped step too
                 self._evidence.after_step(pl_module)
@@ -344,10 +458,30 @@ class NaNGuard(pl.Callback):
     def _after_healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._recovery.healthy_step()
         self._evidence.after_step(pl_module)  # read with the next step's flags
+        self._maybe_snapshot(trainer, pl_module)
+        self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
+
+    def _after_staged(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """End of a lagged step: undo its buffer writes where it was skipped (on the device), flag the weights
+        it left, and leave its flags to the next step; read them now only if a snapshot may be due."""
+        staged, self._staged = self._staged, None
+        assert staged is not None
+        clear_device_skip(staged.optimizer, staged.skip)
+        self._recovery.undo_buffers_where(staged.skip)
+        self._recovery.undo_metrics_where(staged.skip)  # settled once its flags are read
+        self._evidence.after_step(pl_module)  # read with the next step's flags
+        self._late = staged
+        # a snapshot copies the weights to the host and waits anyway: judge the step first, never keep unread state
+        if self._recovery.snapshot_due(ahead=1) and not self._recovery.stopped:
+            healthy = self._recovery.healthy_since_snapshot
+            self._flush(trainer, pl_module)
+            if self._recovery.healthy_since_snapshot > healthy:  # judged healthy
+                self._maybe_snapshot(trainer, pl_module)
+
+    def _maybe_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # never snapshot a run whose gradient norm is running away: finite is not known-good
         if self._recovery.snapshot_due() and not self._clipper.diverging() and not self._divergence.growing():
             self._snapshot(trainer, pl_module)
-        self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
 
     def _snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._recovery.store is None:
@@ -366,6 +500,8 @@ class NaNGuard(pl.Callback):
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
+        if self._flush(trainer, pl_module):  # the lagged step's verdict belongs in the checkpoint (and may roll back)
+            rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         if not self.config.check.parameters:
             return
         exempt = self._evidence.state.exempt

@@ -99,8 +99,9 @@ class CheckConfig(_Section):
     gradients: bool = _opt(True, "check one fused total gradient norm at every optimizer step")
     inputs: Literal["off", "on_incident", "always"] = _opt(
         "on_incident", "check every floating tensor of the batch: only after an incident, every step, or never")
-    parameters: bool = _opt(True, "check parameters and buffers after every optimizer step, before snapshots "
-                                  "and before checkpoints are written")
+    parameters: bool = _opt(True, "check parameters and buffers: on every incident, before snapshots, checkpoints "
+                                  "and validation, at the end of fit, and after every step while loss or "
+                                  "gradients is off")
     activations: Union[Literal["off", "on_incident", "always"], int] = _opt(
         "on_incident", "module outputs: off, during the incident replay, every step, or every N steps")
     spike_action: Literal["off", "warn", "skip_step", "clip", "reduce_lr"] = _opt(
@@ -123,6 +124,10 @@ class CheckConfig(_Section):
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",
                                 lo=0.0, lo_open=True)
+    sync: Literal["auto", "eager", "lagged"] = _opt(
+        "auto", "when the step's flags reach the host: eager (one sync per step, exact host-side skip), lagged "
+                "(read one step late, bad steps skipped on the device: no sync), auto (lagged off the CPU when "
+                "every optimizer can skip on the device, e.g. fused=True, else eager)")
 
     def _validate(self) -> None:
         if isinstance(self.activations, int) and self.activations < 1:

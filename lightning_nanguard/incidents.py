@@ -36,7 +36,7 @@ from .report.recorder import Recorder
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Responder", "Pending", "SPIKES_BEFORE_LR_CUT"]
+__all__ = ["Responder", "Pending", "LateStep", "SPIKES_BEFORE_LR_CUT"]
 
 # loss spikes within recovery.incident_window steps that cut the LR whatever check.spike_action says (one
 # spike is noise the detector may have missed; repeated ones are a divergence under way, often one that
@@ -52,6 +52,28 @@ class Pending:
     plan: Plan
     ctx: IncidentContext
     report: str  # extra report text (the module frames of a replay)
+
+
+@dataclass
+class LateStep:
+    """A step whose flags are on their way to the host (``check.sync: lagged``): what its judgement, one step
+    later, needs to know about it."""
+
+    step: int
+    epoch: int
+    batch_idx: int
+    window: list  # (batch, batch_idx) of its micro-batches, kept one step longer for the replay
+    rng: list  # the RNG state at each micro-batch
+    lrs: list  # the learning rates it ran with
+    skip: Tensor  # the device flag that skipped it (0-dim float)
+    device_skip: bool  # the optimizer honoured ``skip`` on the device (else a bad step was applied)
+    limit: Optional[float]  # the clipping limit applied on the device
+    spike_limit: Optional[float]  # the limit applied instead to a loss spike (check.spike_action: clip)
+    has_norm: bool  # its gradient norm was computed
+    loss_checked: bool
+    scaled: bool  # a GradScaler was active
+    optimizer: Any = None
+    local: Optional[Tensor] = None  # this rank's vector before the all-reduce (DDP)
 
 
 @dataclass
@@ -80,8 +102,12 @@ class Responder:
 
     # ------------------------------------------------------------------------------------------- helpers
 
-    def _event(self, trainer: "pl.Trainer", kind: str) -> NaNEvent:
-        return self.recorder.new_event(trainer, kind, self.evidence.batch_idx)
+    def _event(self, trainer: "pl.Trainer", kind: str, late: Optional[LateStep] = None) -> NaNEvent:
+        if late is None:
+            return self.recorder.new_event(trainer, kind, self.evidence.batch_idx)
+        event = self.recorder.new_event(trainer, kind, late.batch_idx)
+        event.step, event.epoch = late.step, late.epoch  # recorded for the step it happened at
+        return event
 
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  **evidence: Any) -> IncidentContext:
@@ -108,74 +134,111 @@ class Responder:
     # --------------------------------------------------------------------------------- step incidents
 
     def incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any,
-                 params: list[Tensor], flags: StepFlags, scaled: bool) -> None:
+                 params: list[Tensor], flags: StepFlags, scaled: bool, late: Optional[LateStep] = None) -> None:
         """A step with non-finite evidence: diagnose it (before any state changes: the replay needs the
-        weights and buffers of the bad forward), skip it, and plan the rest for the end of the step."""
+        weights and buffers of the bad forward), skip it, and plan the rest for the end of the step.
+
+        ``late``: a step judged one step after it ran (``check.sync: lagged``): it was skipped on the device
+        and its buffer writes undone there (else, applied, it is rolled back); its window is replayed on the
+        weights it left, which are the ones it ran on when it was skipped.
+        """
         cfg = self.config
-        event = self._event(trainer, flags.incident_kind())
+        event = self._event(trainer, flags.incident_kind(), late)
         event.details["grad_norm"] = flags.grad_norm
-        event.details["lr"] = current_lrs([optimizer])
-        ctx = self._context(trainer, pl_module, event, batches=list(self.evidence.window), grad_norm=flags.grad_norm,
+        event.details["lr"] = current_lrs([optimizer]) if late is None else [float(lr) for lr in late.lrs]
+        window = list(self.evidence.window) if late is None else late.window
+        ctx = self._context(trainer, pl_module, event, batches=window, grad_norm=flags.grad_norm,
                             grads_were_finite=self.evidence.grads_were_finite, only_gradients=not flags.local_bad)
+        if late is not None:
+            ctx.rng_states = list(late.rng)
         if scaled:
             ctx.scaler_overflows, ctx.grad_scale = self.overflow.overflows, self.overflow.scale
-        if event.kind == "parameter":
-            ctx.param_findings = self.evidence.state.find(pl_module)
-            if ctx.param_findings and all(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):
+        if late is None:
+            self.recovery.undo_buffers()
+        # a bad weight read by the forward spoils the loss before any pass over the weights sees it: look now
+        ctx.param_findings = self._weight_findings(pl_module, event.kind == "parameter", late)
+        if ctx.param_findings:
+            event.kind = "parameter"
+            if all(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):
                 event.kind = "buffer"
         elif cfg.check.inputs != "off":
-            ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(self.evidence.window)
+            ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(window)
                                   for f in find_batch_nonfinite(b)]
             if ctx.input_findings:
                 event.kind = "input"
-        self.recovery.undo_buffers()
         with self.evidence.activations.paused():
             extra = self.diagnoser.diagnose(ctx, self.recorder.events)
-        extra = share_incident(self.sync, event, extra)  # several processes: one account for all
+        extra = share_incident(self.sync, event, extra, None if late is None else late.local)  # one account for all
 
         self.evidence.grads_were_finite = math.isfinite(flags.grad_norm)
-        plan = self.recovery.ladder.incident(trainer.global_step, event.kind, can_roll_back=self.recovery.can_roll_back,
+        step = trainer.global_step if late is None else late.step
+        plan = self.recovery.ladder.incident(step, event.kind, can_roll_back=self.recovery.can_roll_back,
                                              cause=event.cause, safe_factor=_safe_factor(event))
-        self.recovery.skip(params)
-        event.add_action("skip_step")
+        if late is None:
+            self.recovery.skip(params)
+            event.add_action("skip_step")
+        elif late.device_skip:
+            self.recovery.skipped_steps += 1
+            event.add_action("skip_step")
+        else:  # the optimizer could not skip it on the device: undo it
+            self.recovery.ladder.step_was_applied(plan, self.recovery.can_roll_back)
         if plan.enable_adaptive_clip:
             event.add_action("clip")
         self.pending.append(Pending(event, plan, ctx, extra))
 
+    def _weight_findings(self, pl_module: "pl.LightningModule", flagged: bool, late: Optional[LateStep]) -> list[dict]:
+        """The non-finite parameters and buffers behind an incident (``check.parameters``; syncs: incident only).
+
+        ``flagged``: the step's flags already say so. A lagged step is judged while the next one runs: its own
+        weights are the current ones only if it was skipped on the device, and the buffers now hold the next
+        step's writes, so only its parameters are looked at (nothing when its update was applied)."""
+        if not self.config.check.parameters and not flagged:
+            return []
+        if late is not None and not flagged and not late.device_skip:
+            return []
+        findings = self.evidence.state.find(pl_module)
+        if late is not None and not flagged:
+            params = {n for n, _ in pl_module.named_parameters()}
+            findings = [f for f in findings if f["name"] in params]
+        return findings
+
     def divergence(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
-                   flags: StepFlags, evidence: dict) -> bool:
+                   flags: StepFlags, evidence: dict, late: Optional[LateStep] = None) -> bool:
         """A finite loss (or gradient norm) running away (:mod:`.detect.divergence`): diagnose and record it.
         With ``check.divergence: act`` the step is skipped, and at its end the run rolls back to the newest
         snapshot from before the onset and the LR is cut as the cause allows (the ladder). Returns True when
-        the step is skipped."""
-        event = self._event(trainer, "divergence")
+        the step is skipped (or, ``late``: read one step later, when its update, already applied, is to be
+        rolled back)."""
+        event = self._event(trainer, "divergence", late)
         event.details.update(divergence=evidence, loss=flags.loss, grad_norm=flags.grad_norm,
-                             lr=current_lrs(trainer.optimizers))
+                             lr=current_lrs(trainer.optimizers) if late is None else [float(lr) for lr in late.lrs])
         ctx = self._context(trainer, pl_module, event, grad_norm=flags.grad_norm, divergence=evidence)
         extra = self.diagnoser.diagnose(ctx, self.recorder.events)
         if self.config.check.divergence == "warn":
             event.add_action("warn")
             self._record(trainer, event, ctx, extra)
             return False
-        plan = self.recovery.ladder.incident(trainer.global_step, "divergence",
+        plan = self.recovery.ladder.incident(trainer.global_step if late is None else late.step, "divergence",
                                              can_roll_back=self.recovery.can_roll_back, cause=event.cause,
                                              safe_factor=_safe_factor(event))
         plan.rollback_before = evidence.get("onset_step")
-        self.recovery.skip(params)
-        self.recovery.undo_buffers()
-        event.add_action("skip_step")
+        if late is None:
+            self.recovery.skip(params)
+            self.recovery.undo_buffers()
+            event.add_action("skip_step")
         if plan.enable_adaptive_clip:
             event.add_action("clip")
         self.pending.append(Pending(event, plan, ctx, extra))
         return True
 
     def spike(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
-              flags: StepFlags, z: float) -> SpikeResponse:
+              flags: StepFlags, z: float, late: Optional[LateStep] = None) -> SpikeResponse:
         """A finite loss far above its running statistics: record it and apply ``check.spike_action``. A
         spike does not climb the ladder (no rollback, no give-up); three within ``recovery.incident_window``
-        steps cut the LR whatever the action."""
+        steps cut the LR whatever the action. ``late`` (lagged read): the spike was skipped or clipped on the
+        device already, by the same test; an LR cut applies from the step after it."""
         action = self.config.check.spike_action
-        event = self._event(trainer, "spike")
+        event = self._event(trainer, "spike", late)
         zclip = self.clipper.zclip
         norm_z = zclip.zscore(flags.grad_norm)
         stats = self.losses.detector.stats
@@ -184,9 +247,14 @@ class Responder:
         event.cause = "exploding_gradient" if norm_z is not None and norm_z > zclip.z_threshold else "unknown"
         event.suggestion = SPIKE_SUGGESTION
         response = SpikeResponse()
-        if action == "skip_step":
-            self.recovery.skip(params)
-            self.recovery.undo_buffers()
+        if action == "skip_step" and late is not None and not late.device_skip:
+            pass  # the optimizer cannot skip on the device: the spike was applied (a warning)
+        elif action == "skip_step":
+            if late is None:
+                self.recovery.skip(params)
+                self.recovery.undo_buffers()
+            else:
+                self.recovery.skipped_steps += 1
             event.add_action("skip_step")
             response.skip = True
         elif action == "clip":
@@ -195,7 +263,8 @@ class Responder:
             event.add_action("clip")
             event.details["clip_to"] = response.clip_to
         window = self.config.recovery.incident_window
-        repeated = self.losses.detector.repeated(trainer.global_step, SPIKES_BEFORE_LR_CUT, window)
+        step = trainer.global_step if late is None else late.step
+        repeated = self.losses.detector.repeated(step, SPIKES_BEFORE_LR_CUT, window)
         if action == "reduce_lr" or repeated:  # repeated spikes are a divergence on its way: cut the LR
             reason = (f"{SPIKES_BEFORE_LR_CUT} loss spikes within {window} steps"
                       if repeated and action != "reduce_lr" else "loss spike")
@@ -205,34 +274,38 @@ class Responder:
         self._record(trainer, event, self._context(trainer, pl_module, event), "")
         return response
 
-    def clipping_persists(self, trainer: "pl.Trainer", params: list[Tensor], flags: StepFlags) -> None:
+    def clipping_persists(self, trainer: "pl.Trainer", params: Optional[list[Tensor]], flags: StepFlags,
+                          late: Optional[LateStep] = None) -> None:
         """The adaptive clip acted on ``CLIPS_BEFORE_LR_CUT`` steps in a row: a divergence that clipping slows
         but does not stop, with the weights already drifting. Skip this step, roll back to the newest
         snapshot and cut the LR at the end of the step, like an incident (recorded as a ``spike`` event:
-        abnormal, still finite; it does not count towards the ladder's give-up)."""
+        abnormal, still finite; it does not count towards the ladder's give-up). ``late`` (lagged read): the
+        step was applied; the rollback undoes it."""
         zclip = self.clipper.zclip
-        event = self._event(trainer, "spike")
+        event = self._event(trainer, "spike", late)
         event.details.update(reason=f"gradient norm clipped by the adaptive clip on {zclip.streak} consecutive "
                                     "steps", grad_norm=flags.grad_norm, clip_threshold=zclip.threshold(),
                              loss=flags.loss)
         event.cause, event.suggestion = "exploding_gradient", SPIKE_SUGGESTION
         event.add_action("clip")
-        event.add_action("skip_step")
         zclip.streak = 0
-        self.recovery.skip(params)
+        if late is None:
+            event.add_action("skip_step")
+            self.recovery.skip(params or [])
         ctx = self._context(trainer, trainer.lightning_module, event)
         plan = Plan(rollback=self.recovery.can_roll_back, reduce_lr=True, reasons=["persistent adaptive clipping"])
         self.pending.append(Pending(event, plan, ctx, ""))
 
-    def finish(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """End of the step: carry out the pending plans."""
+    def finish(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", keep_step: bool = False) -> None:
+        """End of the step: carry out the pending plans. ``keep_step``: see :meth:`.Recovery.rollback`."""
         pending, self.pending = self.pending, []
         for p in pending:
-            self._conclude(trainer, pl_module, p)
+            self._conclude(trainer, pl_module, p, keep_step)
 
-    def _conclude(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", p: Pending) -> None:
+    def _conclude(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", p: Pending,
+                  keep_step: bool = False) -> None:
         """Carry out the plan, record the event, and stop or raise if the plan gives up."""
-        self.recovery.apply(trainer, pl_module, p.event, p.plan, self.overflow.overflows)
+        self.recovery.apply(trainer, pl_module, p.event, p.plan, self.overflow.overflows, keep_step)
         self.evidence.state.refresh()  # a rollback replaced the tensors, and the flag computed on them
         self.evidence.forget_state()
         if p.plan.give_up:

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 D, PV, PR, PC, RC, RP = ("tests/test_detection.py", "tests/test_prevention.py", "tests/test_precision.py",
                          "tests/test_recovery.py", "tests/test_reporting.py", "tests/test_diagnosis.py")
+SY = "tests/test_sync_modes.py"
 DV = "tests/test_divergence.py"
 
 KEY_TESTS: dict[str, list[str]] = {
@@ -42,6 +43,8 @@ KEY_TESTS: dict[str, list[str]] = {
                                     f"{PR}::test_persistent_overflow_is_an_incident"],
     "check.amp_min_scale": [f"{PR}::test_amp_min_scale_turns_an_overflow_below_it_into_an_incident",
                             f"{PR}::test_persistent_overflow_is_an_incident"],
+    "check.sync": [f"{SY}::test_the_flags_are_read_once_per_step_and_lagged_one_step_late",
+                   f"{SY}::test_16_mixed_guard_skip_joins_the_scaler_found_inf"],
     "clip.max_norm": [f"{PV}::test_fixed_max_norm_bounds_every_step_the_optimizer_applies"],
     "clip.norm_type": [f"{PV}::test_norm_type_is_the_norm_that_is_clipped"],
     "clip.adaptive": [f"{PV}::test_adaptive_on_incident_arms_after_an_incident_and_off_never"],

@@ -9,6 +9,7 @@ without a host sync, unscale what must be unscaled, and decide when overflows st
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Optional
 
@@ -17,7 +18,8 @@ from torch import Tensor
 
 from .flags import StepFlags
 
-__all__ = ["grad_scaler", "scale_tensor", "unscale_value", "scale_flag", "ensure_unscaled", "OverflowWatch"]
+__all__ = ["grad_scaler", "scale_tensor", "unscale_value", "scale_flag", "ensure_unscaled", "reads_found_inf",
+           "skip_on_device", "clear_device_skip", "OverflowWatch"]
 
 
 def grad_scaler(trainer: Any) -> Optional[Any]:
@@ -59,6 +61,48 @@ def ensure_unscaled(scaler: Any, optimizer: Any) -> None:
     state = scaler._per_optimizer_states[id(optimizer)]
     if state["stage"] is OptState.READY:
         scaler.unscale_(optimizer)
+
+
+def reads_found_inf(optimizer: Any) -> bool:
+    """Does ``optimizer.step()`` honour a device ``found_inf`` tensor (skip the whole update when it is 1)?
+
+    The GradScaler contract: an optimizer that sets ``_step_supports_amp_scaling`` (torch's Adam, AdamW, SGD,
+    Adagrad built with ``fused=True``) reads ``getattr(self, "found_inf", None)`` in ``step()`` and leaves
+    parameters, moments and step counters untouched when it is set; one still taking the older ``grad_scaler``
+    keyword does not.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    try:
+        return "grad_scaler" not in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a step without a signature
+        return False
+
+
+def skip_on_device(optimizer: Any, skip: Tensor, scaler: Optional[Any]) -> bool:
+    """Make the coming ``optimizer.step()`` skip when the 0-dim float ``skip`` is 1, without a host read.
+
+    Under a GradScaler the flag joins the scaler's own ``found_inf`` of this optimizer (after ``unscale_``):
+    the scaler then skips the step (a fused optimizer on the device, another after its own read) and lowers
+    its scale, as for an overflow; it cannot tell the two apart. Otherwise a fused optimizer gets it as
+    ``found_inf`` (removed by :func:`clear_device_skip` after the step). Returns False when the optimizer
+    cannot skip on the device: its step will be applied.
+    """
+    if scaler is not None:
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        for t in found.values():
+            t.copy_(torch.maximum(t, skip.to(device=t.device, dtype=t.dtype)))
+        return bool(found)
+    if reads_found_inf(optimizer):
+        optimizer.found_inf = skip
+        return True
+    return False
+
+
+def clear_device_skip(optimizer: Any, skip: Optional[Tensor]) -> None:
+    """Remove the ``found_inf`` that :func:`skip_on_device` gave ``optimizer`` (as the GradScaler does)."""
+    if skip is not None and getattr(optimizer, "found_inf", None) is skip:
+        del optimizer.found_inf
 
 
 class OverflowWatch:

@@ -21,11 +21,11 @@ from ..layouts import checkable
 from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
-from .flags import StepFlags, dense_nonfinite_flag, nonfinite_flag
+from .flags import StepFlags, dense_nonfinite_flag
 from .state import StateCheck
 from .sync import StepSync
 
-__all__ = ["StepEvidence"]
+__all__ = ["StepEvidence", "HostCopy"]
 
 
 class StepEvidence:
@@ -45,12 +45,13 @@ class StepEvidence:
         self.activations = ActivationCheck(check.activations)
         self.state = StateCheck()
         self.grads_were_finite = True
-        self._loss_bad: Optional[Tensor] = None
         self._loss_sum: Optional[Tensor] = None
         self._input_bad: Optional[Tensor] = None
         self._state_bad: Optional[Tensor] = None  # parameters/buffers after the previous optimizer step
+        self._state_module: Optional[nn.Module] = None  # its weights changed since they were last checked
         self._read = False  # manual optimization: the losses since the last read belong to the next step
-        self._nan: dict[torch.device, Tensor] = {}
+        self._consts: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self.host = HostCopy()
 
     @property
     def batch_idx(self) -> int:
@@ -64,7 +65,7 @@ class StepEvidence:
         """A micro-batch starts; returns True when it is the first of an optimizer step."""
         first = not self.window
         if first:
-            self._loss_bad = self._loss_sum = self._input_bad = None
+            self._loss_sum = self._input_bad = None
             self.activations.step_start(step)
         self.window.append((batch, batch_idx))
         if self.check.inputs == "always":
@@ -79,56 +80,120 @@ class StepEvidence:
         if not self.check.loss:
             return
         if self._read:
-            self._loss_bad = self._loss_sum = None
+            self._loss_sum = None
             self._read = False
         loss = loss.detach()
-        flag = nonfinite_flag(loss)
-        value = unscale_value(loss.float().sum(), scaler)
-        self._loss_bad = flag if self._loss_bad is None else self._loss_bad | flag
+        # a sum is non-finite when any term is (NaN and +-Inf propagate): the step's flag is taken from it
+        value = loss if loss.dtype is torch.float32 and loss.dim() == 0 else loss.float().sum()
+        value = unscale_value(value, scaler)
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
 
     def loss_bad(self) -> bool:
         """Read the loss flag of the step so far (one sync: outside the step decision, incidents only)."""
-        return self._loss_bad is not None and not self._read and bool(self._loss_bad)
+        return self._loss_sum is not None and not self._read and not bool(torch.isfinite(self._loss_sum))
+
+    @property
+    def state_every_step(self) -> bool:
+        """Is every step's update checked by a pass over the parameters and buffers? Only while ``check.loss`` or
+        ``check.gradients`` is off: otherwise a bad weight that the next forward reads spoils that step's loss
+        (or gradients), and the incident path names it; one that no forward reads is found before the next
+        snapshot, checkpoint or validation, and at the end of fit (``check.parameters``)."""
+        return self.check.parameters and not (self.check.loss and self.check.gradients)
 
     def after_step(self, module: nn.Module) -> None:
-        """After an optimizer step: the flag over every parameter and buffer, read with the next step's."""
+        """After an optimizer step: the weights changed since they were last checked. With
+        :attr:`state_every_step`, their flag (read with the next step's)."""
         if self.check.parameters:
-            self._state_bad = self.state.flag(module)
+            self._state_module = module
+            if self.state_every_step:
+                self._state_bad = self.state.flag(module)
 
     def state_bad(self, consume: bool) -> Optional[bool]:
-        """Read the pending parameter/buffer flag now (one sync; snapshot and validation time only); None
-        when there is none. ``consume``: it is not read again with the next step's flags."""
+        """Read the flag of the weights changed since the last check now (one sync; snapshot and validation time
+        only); None when they did not change. ``consume``: not checked again until the next step changes them."""
+        if self._state_bad is None and self._state_module is not None:
+            self._state_bad = self.state.flag(self._state_module)
         if self._state_bad is None:
             return None
         bad = bool(self._state_bad)
         if consume:
-            self._state_bad = None
+            self._state_bad = self._state_module = None
         return bad
 
     def forget_state(self) -> None:
         """Drop the pending parameter/buffer flag (a rollback replaced the weights it was computed on)."""
-        self._state_bad = None
+        self._state_bad = self._state_module = None
 
-    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> StepFlags:
-        """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
-        zero = torch.zeros((), device=device)
-        nan = self._nan.get(device)
-        if nan is None:
-            nan = self._nan[device] = torch.full((), math.nan, device=device)
+    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> Tensor:
+        """The step's :class:`StepFlags` vector on the device, stacked with ``norm`` and agreed across ranks
+        (one all-reduce under DDP); nothing is read."""
+        consts = self._consts.get(device)
+        if consts is None:  # stacked, never written: shared by every step
+            consts = self._consts[device] = (torch.zeros((), device=device), torch.full((), math.nan, device=device))
+        zero, nan = consts
 
         def part(t: Optional[Tensor]) -> Tensor:
-            return zero if t is None else t.float().to(device)
+            if t is None:
+                return zero
+            if t.dtype is not torch.float32:
+                t = t.float()
+            return t if t.device == device else t.to(device)
 
-        parts = {"grad_norm": part(norm), "loss": part(self._loss_sum), "loss_bad": part(self._loss_bad),
+        loss_bad = None if self._loss_sum is None else ~torch.isfinite(self._loss_sum)
+        parts = {"grad_norm": part(norm), "loss": part(self._loss_sum), "loss_bad": part(loss_bad),
                  "input_bad": part(self._input_bad), "param_bad": part(self._state_bad),
                  "activation_bad": part(self.activations.take()),
                  "grad_scale": scale_flag(scaler, device) if scaler is not None else nan}
-        self._state_bad = None
+        if self._state_bad is not None:  # checked with this step's flags
+            self._state_bad = self._state_module = None
         self._read = True
-        vec = torch.stack([parts[name] for name in StepFlags._fields])
-        return StepFlags.from_values(sync.reduce(vec).tolist())
+        return sync.reduce(torch.stack([parts[name] for name in StepFlags._fields]))
+
+    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> StepFlags:
+        """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
+        return StepFlags.from_values(self.vector(norm, device, scaler, sync).tolist())
+
+    def stage(self, vec: Tensor) -> None:
+        """Start copying ``vec`` to the host without waiting (``check.sync: lagged``); :meth:`take` reads it."""
+        self.host.put(vec)
+
+    def take(self) -> StepFlags:
+        """The staged vector's values (by now copied: its step's work finished while the next one was queued)."""
+        return StepFlags.from_values(self.host.take())
 
     def step_end(self) -> None:
         self.activations.step_end()
         self.window.clear()
+
+
+class HostCopy:
+    """A flag vector on its way to the host: copied without a wait, read one optimizer step later.
+
+    CUDA: a non-blocking copy into pinned host memory and an event recorded behind it; by the time the next
+    step reads it, the event has long completed, so the read waits for nothing (it only synchronises on the
+    event if it has not). CPU: every op has finished when it returns; the vector is kept as it is. Other
+    devices: the vector stays on the device and the read copies it (a wait, one step late).
+    """
+
+    def __init__(self) -> None:
+        self.buffer: Optional[Tensor] = None
+        self._event: Optional[Any] = None
+
+    def put(self, vec: Tensor) -> None:
+        vec = vec.detach()
+        if vec.is_cuda:
+            if self.buffer is None or self.buffer.shape != vec.shape or self.buffer.dtype != vec.dtype:
+                self.buffer = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
+            self.buffer.copy_(vec, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self.buffer, self._event = vec, None
+
+    def take(self) -> list[float]:
+        assert self.buffer is not None, "nothing was staged"
+        if self._event is not None:
+            if not self._event.query():
+                self._event.synchronize()
+            self._event = None
+        return self.buffer.tolist()

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..layouts import is_strided, stored_values
 
-__all__ = ["nonfinite_flag", "any_nonfinite_flag", "total_norm", "StepFlags", "Outcome", "classify"]
+__all__ = ["nonfinite_flag", "any_nonfinite_flag", "total_norm", "StepFlags", "Outcome", "classify", "skip_flag"]
 
 # CPU: tensors below this many elements are concatenated (bounded temporary copy: 4 MiB of float32)
 CPU_CHUNK = 1 << 20
@@ -165,6 +165,16 @@ class Outcome(enum.Enum):
     ROUTINE_OVERFLOW = "routine_overflow"  # a GradScaler overflow the scaler handles by itself
     INCIDENT = "incident"  # non-finite evidence: skip the step, diagnose, climb the ladder
     SKIPPED = "skipped"  # not judged: the guard has stopped, or batches are skipped after a rollback
+    PENDING = "pending"  # check.sync lagged: judged when its flags reach the host, one step later
+
+
+def skip_flag(vec: Tensor, gradients: bool) -> Tensor:
+    """0-dim float on ``vec``'s device, 1 when the step of the :class:`StepFlags` vector ``vec`` must be skipped:
+    a local ``*_bad`` flag (a rank count under DDP), or, with ``gradients``, a non-finite gradient norm. No sync."""
+    bad = vec[FLAGS].ne(0).any()
+    if gradients:
+        bad = bad | ~torch.isfinite(vec[NORM])
+    return bad.float()
 
 
 def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool) -> Outcome:

@@ -17,6 +17,8 @@ import math
 from collections import deque
 from typing import Any, Iterable, Optional, Sequence
 
+from torch import Tensor
+
 __all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore"]
 
 
@@ -134,6 +136,13 @@ class SpikeDetector:
         self._recent = []
         return True
 
+    def test_terms(self) -> Optional[tuple[float, float]]:
+        """``(mean, std)`` of the test :meth:`observe` makes while ready (None before): a loss is a spike when
+        ``(loss - mean) / std > z_threshold``, in float64; the same test can be made on the device."""
+        if not self.stats.ready:
+            return None
+        return self.stats.mean, max(self.stats.std, self.rel_floor * abs(self.stats.mean), 1e-12)
+
     def observe(self, loss: float) -> Optional[float]:
         if not math.isfinite(loss):
             return None
@@ -172,6 +181,15 @@ class LossWatch:
         if loss is None or not self.enabled:
             return None
         return self.detector.observe(loss)
+
+    def spike_flag(self, loss: Tensor) -> Optional[Tensor]:
+        """0-dim bool device tensor: is ``loss`` (the step's loss on the device, not read) a spike? The test of
+        :meth:`observe` with the statistics of the steps before, made on the device; None while it cannot fire."""
+        terms = self.detector.test_terms() if self.enabled else None
+        if terms is None:
+            return None
+        mean, std = terms
+        return (loss.double() - mean) / std > self.detector.z_threshold
 
     def healthy(self, loss: Optional[float]) -> None:
         if loss is not None:

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .amp import grad_scaler, reads_found_inf
 from .flags import FLAGS, LOSS, NORM, SCALE, total_norm
 
-__all__ = ["StepSync", "shards_gradients", "local_tensor", "local_norm_power", "share_incident"]
+__all__ = ["StepSync", "shards_gradients", "local_tensor", "local_norm_power", "share_incident", "choose_sync"]
 
 _SHARDING_NAMES = ("FSDP", "FullyShardedDataParallel", "ModelParallel")
 _EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion")
@@ -102,11 +103,18 @@ class StepSync:
             return norm
         return torch.full((), value, dtype=norm.dtype, device=norm.device)
 
-    def local_flags(self) -> list[bool]:
-        """This rank's own ``*_bad`` flags of the last step (syncs: incident only)."""
-        if self._local is None:
+    def local_flags(self, local: Optional[Tensor] = None) -> list[bool]:
+        """This rank's own ``*_bad`` flags of the last step, or of ``local`` (a step's vector before
+        :meth:`reduce`, kept for a lagged read) (syncs: incident only)."""
+        local = self._local if local is None else local
+        if local is None:
             return []
-        return [bool(v) for v in self._local[FLAGS].tolist()]
+        return [bool(v) for v in local[FLAGS].tolist()]
+
+    @property
+    def last_local(self) -> Optional[Tensor]:
+        """This rank's vector of the last :meth:`reduce`, before the reduction (None on one process)."""
+        return self._local
 
     def any_rank(self, flag: bool, device: Any = None) -> bool:
         """Is ``flag`` set on any rank? One all-reduce; for rare decisions (checkpoint time), never per step."""
@@ -117,17 +125,18 @@ class StepSync:
         return bool(t.item())
 
 
-def share_incident(sync: StepSync, event: Any, extra: str) -> str:
+def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tensor] = None) -> str:
     """On an incident: gather every rank's evidence and make every rank adopt the same account.
 
     The chosen rank is the first one with local evidence (a non-finite loss, input or parameter), else the
     first whose diagnosis found something of its own (bad inputs, an op), else rank 0. ``event.rank`` becomes
     that rank and ``event.details["ranks"]`` lists the ranks with evidence. Returns the chosen rank's report
-    text. Costs one ``all_gather_object``; never called in steady state.
+    text. Costs one ``all_gather_object``; never called in steady state. ``local``: the rank's vector of the
+    incident's step when it is not the last one reduced (a lagged read).
     """
     if not sync.distributed:
         return extra
-    local = sync.local_flags()
+    local = sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
     evidence = 2 if any(local) else 1 if own else 0
     payload = {"rank": int(dist.get_rank()),
@@ -142,3 +151,36 @@ def share_incident(sync: StepSync, event: Any, extra: str) -> str:
     event.details = dict(event.details)
     event.details["ranks"] = [p["rank"] for p in gathered if p["evidence"] > 0]
     return best["extra"]
+
+
+def choose_sync(mode: str, trainer: Any, pl_module: Any) -> tuple[bool, str]:
+    """``check.sync`` for this fit: (read the flags lagged?, why, in words for the user).
+
+    ``auto`` is lagged when the device is not the CPU (where every op has finished when it returns, so a
+    read waits for nothing) and every optimizer can skip a bad step on the device: a fused torch optimizer
+    (``found_inf``), or any optimizer under a GradScaler (its ``found_inf``). Manual optimization always reads
+    eagerly.
+    """
+    optimizers = list(getattr(trainer, "optimizers", None) or [])
+    scaled = grad_scaler(trainer) is not None
+    cannot = [type(o).__name__ for o in optimizers if not scaled and not reads_found_inf(o)]
+    if mode == "eager":
+        return False, "check.sync: eager: one host sync per step"
+    if not getattr(pl_module, "automatic_optimization", True):
+        return False, "manual optimization: each optimizer.step() is judged when it is called, one host sync each"
+    if mode == "lagged":
+        if cannot:
+            return True, (f"check.sync: lagged; optimizer {cannot[0]} cannot skip a step on the device: a bad step is "
+                          "applied, then undone one step later by a rollback to the newest snapshot")
+        return True, "check.sync: lagged: bad steps are skipped on the device, the flags are read one step late"
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    if device is None or torch.device(device).type == "cpu":
+        return False, "on the CPU every op has finished when it returns: reading the flags waits for nothing"
+    if cannot or not optimizers:
+        name = cannot[0] if cannot else "(none)"
+        return False, (f"optimizer {name} is not fused: one host sync per step; use {name}(fused=True) to "
+                       "remove it")
+    if scaled and any(not reads_found_inf(o) for o in optimizers):
+        return True, ("16-mixed: the GradScaler skips bad steps; its own check of a non-fused optimizer still reads "
+                      "once per step (fused=True removes it)")
+    return True, "every optimizer skips bad steps on the device (fused): no host sync on a healthy step"

@@ -123,6 +123,30 @@ class BufferUndo:
             self._versions[n] = b._version
         return restored
 
+    def undo_where(self, skip: Tensor) -> None:
+        """:meth:`undo` where the 0-dim device flag ``skip`` is set, else keep the buffers: no host read
+        (``check.sync: lagged``, where the host learns one step later whether this step was skipped)."""
+        self._learn()
+        with torch.no_grad():
+            for n, b in self.named:
+                if n in self._backup and b.layout == torch.strided:
+                    b.copy_(torch.where(skip.to(b.device).bool(), self._backup[n], b))
+        for n, b in self.named:
+            self._versions[n] = b._version
+
+    def written(self) -> dict[str, Tensor]:
+        """Copies of the buffers this step's forward passes write (those :meth:`arm` backs up)."""
+        return {n: b.detach().clone() for n, b in self.named if n in self._backup}
+
+    def put_back(self, values: dict[str, Tensor]) -> None:
+        """Copy ``values`` (from :meth:`written`) into the buffers of the same names."""
+        with torch.no_grad():
+            for n, b in self.named:
+                if n in values:
+                    b.copy_(values[n])
+        for n, b in self.named:
+            self._versions[n] = b._version
+
     def disarm(self) -> None:
         """After a healthy step: learn which buffers the forward pass changed."""
         self._learn()

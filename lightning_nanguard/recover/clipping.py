@@ -122,6 +122,16 @@ def adaptive_grad_clip_(params: Iterable[Tensor], clip_factor: float = 0.01, eps
     torch._foreach_mul_(grads, scales)
 
 
+def _clip_above(params: list[Tensor], norm: Tensor, limit: float, when: Optional[Tensor]) -> None:
+    """``clip_grads_with_norm_(params, limit, norm)`` where ``norm > limit`` (and ``when``), else nothing: on the
+    device, bitwise what the host-side clip does either way."""
+    # compared in float64 like the host's float; a zero norm makes the coefficient clamp to exactly 1.0
+    above = (norm if norm.device.type == "mps" else norm.double()) > limit
+    if when is not None:
+        above = above & when.to(above.device)
+    torch.nn.utils.clip_grads_with_norm_(params, limit, torch.where(above, norm, torch.zeros_like(norm)))
+
+
 class Clipper:
     """Clipping of healthy steps and the statistics of their gradient norms.
 
@@ -160,6 +170,35 @@ class Clipper:
         if norm is not None:
             self.zclip.update(norm_value)
             self.history.append(norm_value)
+
+    def clip_on_device(self, params: list[Tensor], norm: Optional[Tensor], adaptive: bool,
+                       spike: Optional[Tensor] = None, spike_to: Optional[float] = None
+                       ) -> tuple[Optional[float], Optional[float]]:
+        """Clip without reading this step's norm (``check.sync: lagged``); returns the limits applied: without,
+        and with ``spike_to`` (a loss spike with ``check.spike_action: clip``, where the device flag ``spike``
+        is set).
+
+        The limits come from the statistics of the steps already read (host floats, as on the eager path);
+        the comparison with this step's norm is made on the device: where ``norm > limit`` the gradients are
+        scaled exactly as :meth:`clip` scales them, elsewhere by exactly 1 (bitwise unchanged). The step's
+        norm is learned by :meth:`observe` once it is read.
+        """
+        limit = self.threshold(adaptive)
+        spike_limit = self.threshold(adaptive, spike_to) if spike is not None and spike_to is not None else None
+        if norm is not None:
+            for lim, when in ((limit, None if spike_limit is None else ~spike), (spike_limit, spike)):
+                if lim is not None:
+                    _clip_above(params, norm, lim, when)
+        if self.cfg.agc_clip_factor is not None:
+            adaptive_grad_clip_(params, self.cfg.agc_clip_factor)
+        return limit, spike_limit
+
+    def observe(self, norm_value: float, limit: Optional[float]) -> None:
+        """Learn a lagged step's norm, once read; ``limit``: what :meth:`clip_on_device` applied to it."""
+        if limit is not None and norm_value > limit:
+            self.clipped_steps += 1
+        self.zclip.update(norm_value)
+        self.history.append(norm_value)
 
     def clipping_persists(self, adaptive: bool) -> bool:
         """The adaptive clip had to act on ``CLIPS_BEFORE_LR_CUT`` steps in a row: the norm grows faster than

@@ -153,6 +153,22 @@ class RecoveryLadder:
                                 "skipping did not help" if by_rollback else "repeated incidents")
         return plan
 
+    def step_was_applied(self, plan: Plan, can_roll_back: bool) -> None:
+        """The incident's step was applied (read one step late, by an optimizer that cannot skip on the device):
+        only a rollback undoes it. Counted like any other rollback, so a run that keeps failing still gives up."""
+        if plan.rollback or plan.give_up or not can_roll_back:
+            return
+        if self.failed_rollbacks >= self.cfg.max_rollbacks:
+            plan.give_up = True
+            plan.reasons.append(f"{self.failed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
+                                f"{self.cfg.max_rollbacks})")
+            return
+        plan.rollback = True
+        self.failed_rollbacks += 1
+        self.consecutive = 0
+        plan.skip_batches = self.cfg.skip_batches
+        plan.reasons.append("the bad step was applied (its optimizer cannot skip on the device)")
+
     # ------------------------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class MetricUndo:
         self._saved: dict[int, _Saved] = {}
         self._results: Optional[dict] = None
         self._keys: Optional[set] = None
+        self._added: Optional[list] = None  # what a step undone on the device added on the host (undo_where)
 
     def arm(self, results: Optional[dict] = None) -> None:
         """Back up every metric of the module and, given Lightning's result collection (``trainer._results``),
@@ -145,3 +146,37 @@ class MetricUndo:
         if results is not None and keys is not None:
             for key in [k for k in results if k not in keys]:  # first logged in the skipped step
                 del results[key]
+
+    def undo_where(self, skip: Tensor) -> None:
+        """:meth:`undo` where the 0-dim device flag ``skip`` is set, without a host read (``check.sync: lagged``,
+        where the host learns one step later whether the step was skipped): every tensor state is put back on
+        the device. What lives on the host (list states, update counts) waits for :meth:`settle`, which gets
+        what the step added to them."""
+        added = []
+        with torch.no_grad():
+            for saved in self._saved.values():
+                metric = saved.metric
+                for attr, buf in saved.tensors.items():
+                    current = getattr(metric, attr, None) if attr in metric._defaults else None
+                    if (isinstance(current, Tensor) and current.shape == buf.shape and current.dtype == buf.dtype
+                            and current.device == buf.device and not current.requires_grad):
+                        current.copy_(torch.where(skip.to(current.device).bool(), buf, current))
+                metric._computed = None
+                lists = {attr: (len(items), len(getattr(metric, attr))) for attr, items in saved.lists.items()
+                         if isinstance(getattr(metric, attr, None), list)}
+                added.append((metric, metric._update_count - saved.update_count, lists))
+        self._added = added
+
+    def settle(self, skipped: bool) -> None:
+        """The host has read the flag of the step :meth:`undo_where` undid on the device: if it was skipped, take
+        out what it added to list states and update counts (later steps may have added more since)."""
+        added, self._added = self._added, None
+        if not skipped or not added:
+            return
+        for metric, updates, lists in added:
+            metric._update_count = max(metric._update_count - updates, 0)
+            metric._computed = None
+            for attr, (start, end) in lists.items():
+                items = getattr(metric, attr, None)
+                if isinstance(items, list) and len(items) >= end:
+                    del items[start:end]

@@ -68,6 +68,10 @@ class Recovery:
         self.store: Optional[SnapshotStore] = None
         self.buffers: Optional[BufferUndo] = None
         self.metrics: Optional[MetricUndo] = None
+        # no optimizer step was applied since the newest snapshot was taken or restored: the parameters are
+        # the snapshot's (a lagged rollback then keeps the current step, whose gradients were taken on them)
+        self.pristine = True
+        self.kept_step = False  # the last rollback kept the current step (see rollback's keep_step)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -100,11 +104,27 @@ class Recovery:
         if self.buffers is not None:
             self.buffers.undo()
 
+    def undo_buffers_where(self, skip: Any) -> None:
+        """:meth:`undo_buffers` where the device flag ``skip`` is set, without a host read."""
+        if self.buffers is not None:
+            self.buffers.undo_where(skip)
+
     def healthy_step(self) -> None:
         """After a healthy optimizer step."""
         if self.buffers is not None:
             self.buffers.disarm()
         self.healthy_since_snapshot += 1
+        self.pristine = False
+
+    def undo_metrics_where(self, skip: Any) -> None:
+        """:meth:`undo_metrics` where the device flag ``skip`` is set, without a host read (``check.sync: lagged``);
+        :meth:`settle_metrics` finishes it once the flag is read."""
+        if self.metrics is not None:
+            self.metrics.undo_where(skip)
+
+    def settle_metrics(self, skipped: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.settle(skipped)
 
     def undo_metrics(self) -> None:
         """Undo what this step wrote into the user's metrics and Lightning's logged aggregates (a skipped step)."""
@@ -119,12 +139,13 @@ class Recovery:
         if self.metrics is not None:
             self.metrics.arm(getattr(trainer, "_results", None))  # Lightning's results of the running loop
 
-    def snapshot_due(self) -> bool:
-        """Every ``snapshot_every`` healthy steps (``confirm_after`` while a rollback awaits confirmation)."""
+    def snapshot_due(self, ahead: int = 0) -> bool:
+        """Every ``snapshot_every`` healthy steps (``confirm_after`` while a rollback awaits confirmation);
+        ``ahead``: counting that many steps not judged yet as healthy."""
         every = self.cfg.snapshot_every
         if self.ladder.failed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
             every = min(every, self.cfg.confirm_after)
-        return self.store is not None and self.healthy_since_snapshot >= every
+        return self.store is not None and self.healthy_since_snapshot + ahead >= every
 
     def take_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Keep the current state as known-good: module, optimizers, schedulers, grad scaler, statistics."""
@@ -141,6 +162,7 @@ class Recovery:
         meta.update({name: obj.state_dict() for name, obj in self.statistics.items()})
         self.store.take(trainer.global_step, state, meta)
         self.healthy_since_snapshot = 0
+        self.pristine = True
         self.snapshots += 1
         self.ladder.snapshot_taken()
 
@@ -157,12 +179,18 @@ class Recovery:
             return None
         return snap.step, self.store.load(snap)["module"]
 
-    def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int) -> None:
-        """Restore the newest snapshot, then re-apply the LR cuts made since it was taken."""
+    def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int,
+                 keep_step: bool = False) -> None:
+        """Restore the newest snapshot, then re-apply the LR cuts made since it was taken. ``keep_step``: a
+        lagged rollback before the current step's update, whose gradients were taken on the snapshot's
+        parameters (:attr:`pristine`): keep them and the buffers its forward wrote, so the step goes ahead."""
         assert self.store is not None and self.store.newest is not None
         snap = self.store.newest
         state = self.store.load(snap)
+        written = self.buffers.written() if keep_step and self.buffers is not None else {}
         load_module_state(pl_module, state["module"])
+        if written:
+            self.buffers.put_back(written)  # type: ignore[union-attr]
         for opt, opt_state in zip(trainer.optimizers, state["optimizers"]):
             opt.load_state_dict(opt_state)
         for sched_cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
@@ -177,8 +205,11 @@ class Recovery:
         if snap_scale != self.lr_scale:  # the snapshot carries the LR scale of its time; keep the cuts since
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs],
                      self.lr_scale / snap_scale)
-        skip_step(pl_module.parameters())
+        self.kept_step = keep_step
+        if not keep_step:
+            skip_step(pl_module.parameters())
         self.healthy_since_snapshot = 0
+        self.pristine = True
         self.rollbacks += 1
 
     @property
@@ -213,8 +244,9 @@ class Recovery:
         event.details["lr_scale"] = self.lr_scale
 
     def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, plan: Plan,
-              scaler_overflows: int = 0) -> None:
-        """Carry out a plan's rollback, batch skipping and LR cut (a give-up restores the newest snapshot)."""
+              scaler_overflows: int = 0, keep_step: bool = False) -> None:
+        """Carry out a plan's rollback, batch skipping and LR cut (a give-up restores the newest snapshot).
+        ``keep_step``: see :meth:`rollback` (not for a give-up, nor when going further back)."""
         if plan.give_up:
             self.stopped = True
             if self.store:
@@ -224,10 +256,12 @@ class Recovery:
         if plan.rollback and self.store:
             if plan.go_further_back:
                 self.store.drop_newest()
+            dropped = len(self.store)
             while plan.rollback_before is not None and len(self.store) > 1 and self.store.newest is not None \
                     and self.store.newest.step > plan.rollback_before:
                 self.store.drop_newest()  # taken after the divergence began: not known-good
-            self.rollback(trainer, pl_module, scaler_overflows)
+            further = plan.go_further_back or len(self.store) < dropped
+            self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
             event.add_action("rollback")
             event.details["restored_step"] = self.store.newest.step if self.store.newest else None
             if plan.skip_batches:
@@ -249,5 +283,6 @@ class Recovery:
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.ladder.load_state_dict(state.get("ladder", {}))
         self.healthy_since_snapshot = int(state.get("healthy_since_snapshot", 0))
+        self.pristine = self.healthy_since_snapshot == 0
         for key in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots"):
             setattr(self, key, int(state.get(key, 0)))

@@ -1,6 +1,9 @@
 """A real 2-process DDP run (gloo, CPU) with NaNGuard; run by tests/test_distributed.py.
 
-    python ddp_guard.py OUT_DIR
+    python ddp_guard.py OUT_DIR [SYNC]
+
+``SYNC`` is ``check.sync`` (default ``auto``, eager on the CPU); with ``lagged`` the optimizer is a fused AdamW,
+which skips a bad step on the device.
 
 Lightning's ``ddp`` launcher re-runs this script for rank 1. Rank 1 alone sees a non-finite loss on some
 batches (``BAD``): a NaN *constant* added to the loss (gradients stay finite, so only rank 1 knows), a loss
@@ -29,6 +32,7 @@ from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect import sync as nd
 
 STEPS = 24
+SYNC = sys.argv[2] if len(sys.argv) > 2 else "auto"
 BAD = {3: "const", 8: "mul", 13: "const", 14: "const", 15: "const", 16: "const", 20: "input"}  # rank 1 only
 GUARD_DIR = os.path.dirname(lightning_nanguard.__file__)
 NAMES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier", "reduce",
@@ -80,7 +84,7 @@ class Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.parameters(), lr=0.02)
+        opt = torch.optim.AdamW(self.parameters(), lr=0.02, fused=SYNC == "lagged")
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -116,7 +120,7 @@ def main(out: Path) -> None:
     y = x.sum(dim=1, keepdim=True)
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     guard = NaNGuard(recovery={"max_skips": 3, "snapshot_every": 4, "confirm_after": 4},
-                     logging={"loggers": False})
+                     logging={"loggers": False}, check={"sync": SYNC})
     probe = Probe()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -135,6 +139,7 @@ def main(out: Path) -> None:
         "calls": list(CALLS),
         "steps": probe.steps,
         "sharded": probe.sharded,
+        "lagged": guard.lagged,
     }, out / f"rank{trainer.global_rank}.pt")
     # both files are written before either process leaves; then skip the interpreter's teardown, where
     # gloo's threads can abort the process ("terminate called without an active exception") after a
