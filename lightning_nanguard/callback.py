@@ -348,7 +348,7 @@ class NaNGuard(pl.Callback):
             if spike.skip:
                 return Outcome.SKIPPED
             clip_to = spike.clip_to
-        self._evidence.grads_were_finite = True
+        self._evidence.grads_were_finite = True if self.config.check.gradients else None  # unchecked: unknown
         ladder = self._recovery.ladder
         ladder.healthy()
         outcome = Outcome.HEALTHY
