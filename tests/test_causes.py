@@ -163,6 +163,8 @@ def test_tiny_gpt2_with_sgd_at_lr_100_is_learning_rate_not_precision(tmp_path: A
     assert rel["safe_lr"] < 100.0 / rel["relative_update"]
     assert first.details["lr_after"] == [pytest.approx(rel["safe_lr"])]
     assert rel["safe_lr"] < 100.0 * guard.config.recovery.divergence_lr_factor
+    assert f"edge of stability near {rel['edge_lr']:.3g}" in first.suggestion
+    assert f"about {rel['safe_lr']:.3g} or below" in first.suggestion
     if divergence == "act":
         norms = first.details["divergence"]["grad_norms"]
         ratios = sorted(b / a for a, b in zip(norms, norms[1:]))
