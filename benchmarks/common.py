@@ -19,6 +19,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from tests.models import markov_tokens  # noqa: E402,F401  (one generator for tests and benchmarks)
+
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")
@@ -34,18 +36,6 @@ def single_thread() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- data
-
-
-def markov_tokens(n_seq: int, seq_len: int, vocab: int, seed: int = 0) -> TensorDataset:
-    """Sequences from a sparse random first-order Markov chain: learnable, with a known entropy floor."""
-    g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)  # each token has 4 possible successors
-    seq = torch.empty(n_seq, seq_len + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(0, vocab, (n_seq,), generator=g)
-    for t in range(seq_len):
-        choice = torch.randint(0, 4, (n_seq,), generator=g)
-        seq[:, t + 1] = nxt[seq[:, t], choice]
-    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
 
 
 def classification_data(n: int, features: int, classes: int, seed: int = 0) -> TensorDataset:

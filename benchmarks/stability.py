@@ -48,80 +48,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from common import RESULTS, LinearRegression, TinyLM, loader, machine, make_trainer, markov_tokens, regression_data
+from tests.models import GPT, DeepMLP  # noqa: E402  (shared with the tests that pin these cases)
 
 from lightning_nanguard import NaNGuard
 
 # --------------------------------------------------------------------------------------------------- models
-
-
-class DeepMLP(pl.LightningModule):
-    """20 Linear+ReLU layers of width 32, Kaiming init, no normalisation, SGD."""
-
-    def __init__(self, lr: float, depth: int = 20, width: int = 32, features: int = 16) -> None:
-        super().__init__()
-        self.lr = lr
-        layers: list[nn.Module] = []
-        for i in range(depth):
-            layers += [nn.Linear(features if i == 0 else width, width), nn.ReLU()]
-        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
-        for m in self.net:
-            if isinstance(m, nn.Linear):
-                nn.init.kaiming_normal_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(pl.LightningModule):
-    """A tiny GPT-2: token and position embeddings, 2 pre-LN blocks (d=32), final LayerNorm, N(0, 0.02) init."""
-
-    def __init__(self, lr: float, optimizer: str, vocab: int = 64, d: int = 32, length: int = 16) -> None:
-        super().__init__()
-        self.lr, self.optimizer_name = lr, optimizer
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(length, d)
-        self.blocks = nn.ModuleList([Block(d, 2) for _ in range(2)])
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        for p in self.parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-        self.register_buffer("mask", torch.ones(length, length, dtype=torch.bool).triu(1), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
-        for block in self.blocks:
-            h = block(h, self.mask)
-        return self.head(self.ln_f(h))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr)
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 class TooLarge(LinearRegression):
@@ -156,16 +87,6 @@ class FeatureSquare(pl.LightningModule):
 
 
 # ----------------------------------------------------------------------------------------------------- data
-
-
-def tokens(n: int = 512, length: int = 16, vocab: int = 64, seed: int = 0) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)
-    seq = torch.empty(n, length + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(0, vocab, (n,), generator=g)
-    for t in range(length):
-        seq[:, t + 1] = nxt[seq[:, t], torch.randint(0, 4, (n,), generator=g)]
-    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
 
 
 def poisoned(data: TensorDataset, fraction: float = 0.01, seed: int = 0) -> TensorDataset:
@@ -234,7 +155,7 @@ def cases(quick: bool) -> list[Case]:
     lin = regression_data()
     mlp = regression_data(1024, 16, seed=7)
     lm = markov_tokens(1024, 32, 128)
-    gpt = tokens()
+    gpt = markov_tokens(512, 16, 64)
     clean = extreme_feature(scale=None)
     return [
         Case("linear, LR too high (SGD lr=1.5)", lambda: LinearRegression(lr=1.5), lin, 32, e(3), mse(lin),

@@ -20,36 +20,12 @@ from lightning_nanguard import NaNGuard
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
 from lightning_nanguard.diagnose import dynamics
 from lightning_nanguard.recover.ladder import LARGEST_CUT, LR_CAUSES, NO_LR_CUT, RecoveryLadder
-from .models import Regression, loader, regression_data, trainer
-from .test_divergence import GPT, LossTrace, tokens
+from .models import GPT, DeepMLP, Regression, loader, markov_tokens, regression_data, trainer
+from .test_divergence import LossTrace
 
 QUIET = {"verbose": False}
 
 # ------------------------------------------------------------------------------------------------ models
-
-
-class DeepMLP(pl.LightningModule):
-    """20 Linear+ReLU layers, Kaiming init, no normalisation, SGD: the gradient norm grows over the first steps
-    until it explodes (the loss stays finite until the last one)."""
-
-    def __init__(self, depth: int = 20, width: int = 32, features: int = 16, lr: float = 0.02) -> None:
-        super().__init__()
-        self.lr = lr
-        layers: list[nn.Module] = []
-        for i in range(depth):
-            layers += [nn.Linear(features if i == 0 else width, width), nn.ReLU()]
-        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
-        for m in self.net:
-            if isinstance(m, nn.Linear):
-                nn.init.kaiming_normal_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 class TooLarge(Regression):
@@ -151,7 +127,7 @@ def test_tiny_gpt2_with_sgd_at_lr_100_is_learning_rate_not_precision(tmp_path: A
     Defaults act on the growing loss before any value is non-finite."""
     guard = NaNGuard(check={"divergence": divergence}, logging=QUIET)
     trainer(tmp_path, [guard], max_steps=8).fit(GPT(lr=100.0, optimizer="sgd"),
-                                                DataLoader(tokens(n=128), batch_size=16))
+                                                DataLoader(markov_tokens(n=128), batch_size=16))
     first = guard.events[0]
     assert first.cause == "learning_rate"
     rel = first.details["relative_update"]

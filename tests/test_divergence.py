@@ -14,71 +14,13 @@ from typing import Any, Optional
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect.divergence import RECORD_FACTOR, DivergenceWatch
-from .models import Regression, loader, regression_data, trainer
+from .models import GPT, Regression, loader, markov_tokens, regression_data, trainer
 
 # ------------------------------------------------------------------------------------------- shared parts
-
-
-class Block(nn.Module):
-    """A GPT-2 block: pre-LN causal self-attention and MLP, residual."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(pl.LightningModule):
-    """A tiny GPT-2 (token and position embeddings, 2 pre-LN blocks, final LayerNorm, GPT-2's N(0, 0.02) init)."""
-
-    def __init__(self, lr: float, optimizer: str = "adamw", vocab: int = 64, d: int = 32, length: int = 16) -> None:
-        super().__init__()
-        self.lr, self.optimizer_name = lr, optimizer
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(length, d)
-        self.blocks = nn.ModuleList([Block(d, 2) for _ in range(2)])
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        for p in self.parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-        self.register_buffer("mask", torch.ones(length, length, dtype=torch.bool).triu(1), persistent=False)
-        self.losses: list[float] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        h = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
-        for block in self.blocks:
-            h = block(h, self.mask)
-        logits = self.head(self.ln_f(h))
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=self.lr)
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
-
-
-def tokens(n: int = 256, length: int = 16, vocab: int = 64, seed: int = 0) -> TensorDataset:
-    """Sequences of a sparse Markov chain (4 successors per token): learnable, entropy floor log(4)."""
-    g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)
-    seq = torch.empty(n, length + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(0, vocab, (n,), generator=g)
-    for t in range(length):
-        seq[:, t + 1] = nxt[seq[:, t], torch.randint(0, 4, (n,), generator=g)]
-    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
 
 
 class LossTrace(pl.Callback):
@@ -217,7 +159,7 @@ def test_too_high_lr_is_acted_on_before_the_first_nan(tmp_path: Any) -> None:
 
 def test_adamw_at_lr_10_on_a_small_transformer_is_caught_though_never_nan(tmp_path: Any) -> None:
     """The loss jumps from ~log(64) to thousands and stays there, finite: caught by the far-above rule."""
-    data = tokens(n=128)
+    data = markov_tokens(n=128)
     plain = GPT(lr=10.0)
     trainer(tmp_path / "plain", [], max_steps=12).fit(plain, DataLoader(data, batch_size=16))
     assert all(math.isfinite(v) for v in plain.losses) and min(plain.losses[1:]) > 100 * plain.losses[0]
@@ -246,7 +188,7 @@ def test_one_lr_cut_sized_from_the_growth_rate_stops_sgd_at_lr_100(tmp_path: Any
     again a few steps later), and training goes on finite, below the untrained loss."""
     model = GPT(lr=100.0, optimizer="sgd")
     guard = NaNGuard(logging={"verbose": False})
-    trainer(tmp_path, [guard], max_steps=24, max_epochs=10).fit(model, DataLoader(tokens(n=128), batch_size=16))
+    trainer(tmp_path, [guard], max_steps=24, max_epochs=10).fit(model, DataLoader(markov_tokens(n=128), batch_size=16))
     (event,) = guard.events
     rel = event.details["relative_update"]
     assert (event.kind, event.cause) == ("divergence", "learning_rate") and event.details["restored_step"] == 0
@@ -332,7 +274,7 @@ def test_check_divergence_factor_is_how_far_above_the_first_loss(tmp_path: Any, 
     """AdamW at lr=10 holds the loss at ~300-800x its first value: above a factor of 100, below one of 1e4."""
     guard = NaNGuard(check={"divergence_factor": factor}, logging={"verbose": False})
     model = GPT(lr=10.0)
-    trainer(tmp_path, [guard], max_steps=10, max_epochs=10).fit(model, DataLoader(tokens(n=128), batch_size=16))
+    trainer(tmp_path, [guard], max_steps=10, max_epochs=10).fit(model, DataLoader(markov_tokens(n=128), batch_size=16))
     assert max(model.losses[1:6]) < 1e4 * model.losses[0] < 1e4 * min(model.losses[1:6]) * 100
     assert [(e.step, e.details["divergence"]["rule"]) for e in guard.events if "divergence" in e.details] == (
         [(guard.config.check.divergence_steps + 2, "loss_above_first")] if caught else [])
