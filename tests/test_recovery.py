@@ -5,6 +5,7 @@ the incident window, snapshots, and giving up."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -390,19 +391,28 @@ def test_rollback_restores_the_running_statistics_of_the_snapshot(fit: Any) -> N
     rollback: they are part of the known-good state."""
     import pytorch_lightning as pl
 
-    seen: list[tuple[dict, dict, dict, dict]] = []
+    seen: list[tuple[int, dict, dict, dict, dict]] = []
+    before: list[tuple[dict, dict]] = []  # the statistics of the last step before the rollback
 
     class Probe(pl.Callback):  # after the guard's on_train_batch_end, i.e. after the rollback
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-            if guard.counters["rollbacks"] and not seen:
-                meta = guard._recovery.store.newest.meta
-                seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"],
-                             guard._losses.detector.state_dict()))
+            if not guard.counters["rollbacks"]:
+                before[:] = [(copy.deepcopy(guard._clipper.zclip.state_dict()),
+                              copy.deepcopy(guard._losses.detector.state_dict()))]
+            elif not seen:
+                newest = guard._recovery.store.newest
+                seen.append((newest.step, newest.meta["zclip"], guard._clipper.zclip.state_dict(),
+                             newest.meta["loss_stats"], guard._losses.detector.state_dict()))
 
-    guard = NaNGuard()  # snapshot every 50 steps; 4 NaN losses in a row: skip x3, then roll back
-    fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), regression_data(), [guard, Probe()], shuffle=True, max_epochs=5)
-    assert guard.counters["rollbacks"] == 1 and guard._recovery.store.newest.step >= 50
-    (zclip_snap, zclip_now, loss_snap, loss_now), = seen
+    guard = NaNGuard()  # 4 NaN losses in a row: skip x3, then roll back
+    first_nan = 70  # healthy steps after the newest snapshot change the statistics before the NaN steps
+    nan_steps = tuple(range(first_nan, first_nan + guard.config.recovery.max_skips + 1))
+    fit(NaNLossRegression(nan_steps=nan_steps), regression_data(), [guard, Probe()], shuffle=True, max_epochs=6)
+    (snap_step, zclip_snap, zclip_now, loss_snap, loss_now), = seen
+    assert first_nan - guard.config.recovery.snapshot_every < snap_step < first_nan
+    (zclip_before, loss_before), = before
+    assert zclip_before["count"] == zclip_snap["count"] + (first_nan - snap_step)  # learned since the snapshot
+    assert loss_before != loss_snap
     assert zclip_now == zclip_snap and loss_now == loss_snap and zclip_now["count"] >= 50
 
 
