@@ -185,11 +185,13 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-_FAILED = re.compile(r"^(FAILED|ERROR) (.+?)(?: - .*)?$", re.M)  # pytest's short summary (-ra in pyproject)
+_FAILED = re.compile(r"^(FAILED|ERROR) (.+?)(?: - .*)?$", re.M)  # pytest's short summary (-rfE)
 
 
 def first_failure(output: str) -> str:
-    m = _FAILED.search(output)
+    # only in pytest's short summary: a captured log line can start with "ERROR" too
+    summary = output.rfind("short test summary info")
+    m = _FAILED.search(output, summary if summary >= 0 else 0)
     if m:
         name = m.group(2) if len(m.group(2)) <= 150 else m.group(2)[:147] + "..."
         return name + (" (error)" if m.group(1) == "ERROR" else "")
