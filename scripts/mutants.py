@@ -23,7 +23,7 @@ class Mutant:
 
 
 AREAS = ("detection", "ladder", "snapshots", "lr", "clipping", "spikes", "diagnosis", "events", "config",
-         "checkpoint")
+         "checkpoint", "divergence", "metrics", "sync", "compat")
 
 PKG = "lightning_nanguard/"
 CALLBACK = PKG + "callback.py"
@@ -47,6 +47,12 @@ EVENTS = PKG + "report/events.py"
 SINKS = PKG + "report/sinks.py"
 RECORDER = PKG + "report/recorder.py"
 PROGRESS = PKG + "report/progress.py"
+METRICS = PKG + "recover/metrics.py"
+LAYOUTS = PKG + "layouts.py"
+REPLAY = PKG + "diagnose/replay.py"
+RECORDERS = PKG + "diagnose/recorders.py"
+LIGHTNING = PKG + "lightning.py"
+USAGE = PKG + "usage_errors.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------ detection
@@ -462,4 +468,107 @@ MUTANTS: list[Mutant] = [
            'return self._generate_state_key(name=self.name) if self.name else "NaNGuard"',
            'return "NaNGuard"',
            "two named guards share one state_key: their checkpoint state collides"),
+    # ------------------------------------------------------------------------------------------ divergence
+    # (issue 13: a finite run running away; a few only, the rules themselves change often)
+    Mutant("divergence", "div-warn-acts", INCIDENTS,
+           'if self.config.check.divergence == "warn":', "if False:",
+           "check.divergence: warn skips, rolls back and cuts the LR like act"),
+    Mutant("divergence", "div-rollback-before-onset-ignored", RECOVERY,
+           "while plan.rollback_before is not None and", "while False and plan.rollback_before is not None and",
+           "a divergence rolls back to the newest snapshot even if it was taken after the growth began"),
+    Mutant("divergence", "div-snapshot-while-growing", CALLBACK,
+           " and not self._divergence.growing()", "",
+           "a snapshot is taken while the loss grows towards a divergence (a rollback target that cannot help)"),
+    Mutant("divergence", "div-no-cut-causes-cut", LADDER,
+           'if cause in NO_LR_CUT or kind == "input":', 'if kind == "input":',
+           "actions stop following the cause: an overflow, precision or backward_op incident cuts the LR"),
+
+    # --------------------------------------------------------------------------------------------- metrics
+    # (issue 12: a skipped step leaves no trace in the user's metrics and Lightning's logged aggregates)
+    Mutant("metrics", "met-undo-dropped", RECOVERY,
+           "self.metrics.undo()", "pass",
+           "a skipped step's metric updates are kept (a MeanMetric of the loss takes in the NaN batch)"),
+    Mutant("metrics", "met-logged-aggregates-not-armed", RECOVERY,
+           'self.metrics.arm(getattr(trainer, "_results", None))', "self.metrics.arm(None)",
+           "Lightning's logged aggregates (train_loss_epoch, what EarlyStopping reads) keep a skipped step's value"),
+    Mutant("metrics", "met-first-logged-key-kept", METRICS,
+           "del results[key]", "pass",
+           "a key first logged in a skipped step stays in the epoch's logged values"),
+    Mutant("metrics", "met-list-states-kept", METRICS,
+           "setattr(metric, attr, list(items))", "pass",
+           "list states (a CatMetric, AUROC's preds) keep the skipped step's items"),
+    Mutant("metrics", "met-given-up-hidden", CALLBACK,
+           "if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not self._recovery.stopped:",
+           "if outcome in (Outcome.INCIDENT, Outcome.SKIPPED):",
+           "after giving up, the failed steps are hidden from the logs (EarlyStopping never sees the run fail)"),
+    # recovery.restore_at_end (snapshots)
+    Mutant("snapshots", "snap-end-restore-key-ignored", CALLBACK,
+           "elif self.config.recovery.restore_at_end:", "elif True:",
+           "recovery.restore_at_end: false still restores the newest snapshot at fit end"),
+    Mutant("snapshots", "snap-end-skipped-incidents-not-restored", INCIDENTS,
+           'if not unconfirmed and all(e.kind == "input" for e in skipped):', "if not unconfirmed:",
+           "a fit ending on skipped incidents (a divergence the skips had not stopped) keeps the broken weights"),
+    Mutant("snapshots", "snap-end-param-rollback-restored", INCIDENTS,
+           "unconfirmed = ladder.failed_rollbacks > 0 and (rolled_back is None or rolled_back.kind not in (",
+           "unconfirmed = ladder.failed_rollbacks > 0 and (True or rolled_back.kind not in (",
+           "the healthy steps after rolling back a one-off bad parameter are thrown away at fit end"),
+
+    # ------------------------------------------------------------------------------------------------ sync
+    # (issue 14: check.sync lagged: device-side skip through found_inf, flags read one step late)
+    Mutant("sync", "sync-found-inf-not-set", AMP,
+           "optimizer.found_inf = skip", "pass",
+           "lagged: a fused optimizer is not told to skip on the device: the bad step is applied"),
+    Mutant("sync", "sync-rollback-keeps-step-under-way", CALLBACK,
+           "return current and (self._recovery.stopped or rolled_back and not self._recovery.kept_step)",
+           "return current and self._recovery.stopped",
+           "lagged: a rollback read one step late lets the step under way apply gradients of the discarded weights"),
+    Mutant("sync", "sync-no-flush-at-train-end", CALLBACK,
+           "-> None:\n        self._flush(trainer, pl_module)", "-> None:\n        pass",
+           "lagged: the last step's flags are never read (an incident at the last step goes unrecorded)"),
+    Mutant("sync", "sync-no-flush-at-checkpoint", CALLBACK,
+           "if self._flush(trainer, pl_module):", "if False:",
+           "lagged: a checkpoint is written without the verdict of the step before it"),
+    Mutant("sync", "sync-buffer-undo-inverted", ACTIONS,
+           "b.copy_(torch.where(skip.to(b.device).bool(), self._backup[n], b))",
+           "b.copy_(torch.where(skip.to(b.device).bool(), b, self._backup[n]))",
+           "lagged: the device buffer undo restores BatchNorm statistics of healthy steps and keeps a skipped one's"),
+    Mutant("sync", "sync-metrics-not-settled", CALLBACK,
+           "self._recovery.settle_metrics(skipped=flagged)", "self._recovery.settle_metrics(skipped=False)",
+           "lagged: a device-skipped step's list states and update counts stay in the user's metrics"),
+
+    # ---------------------------------------------------------------------------------------------- compat
+    # (issue 12: the lightning package, LightningCLI usage errors, sparse layouts, torch.compile; the user's anomaly mode)
+    # and weight checks on incidents (detection)
+    Mutant("compat", "compat-lightning-not-subclassed", LIGHTNING,
+           "class NaNGuard(_NaNGuard, _lp.Callback):", "class NaNGuard(_NaNGuard):",
+           "lightning_nanguard.lightning.NaNGuard is not a lightning.pytorch.Callback: its LightningCLI refuses it"),
+    Mutant("compat", "compat-usage-error-traceback", USAGE,
+           'parser.error(f"NaNGuard init_args: {err}")', "pass",
+           "under LightningCLI an out-of-range value is a long traceback, not a one-line usage error"),
+    Mutant("compat", "compat-coo-values-unread", LAYOUTS,
+           "return t._values()", "return None",
+           "a sparse COO tensor is skipped by every check (a NaN in a sparse adjacency buffer goes unseen)"),
+    Mutant("compat", "compat-sparse-buffer-not-restored", LAYOUTS,
+           "_copy_back(module, name, buf, state[name])", "pass",
+           "a rollback leaves a sparse buffer as the bad step left it"),
+    Mutant("compat", "compat-compiled-replay-not-eager", REPLAY,
+           "    with eager():\n        return _replay_window(", "    if True:\n        return _replay_window(",
+           "the replay of a torch.compile'd model re-traces it under the replay's hooks instead of running eagerly"),
+    Mutant("compat", "compat-compiled-twin-keeps-methods", REPLAY,
+           'twin.__dict__.pop(key[len("original_"):], None)', "pass",
+           "the float64 twin of a LightningModule compiled whole runs the original (float32) compiled methods"),
+    Mutant("compat", "compat-compiled-names-orig-mod", RECORDERS,
+           'return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name',
+           "return name",
+           "a culprit in a compiled module is named with torch.compile's _orig_mod, not as the user wrote the model"),
+    Mutant("compat", "compat-user-anomaly-mode-dropped", DIAGNOSER,
+           "torch.autograd.set_detect_anomaly(*before)", "torch.autograd.set_detect_anomaly(False)",
+           "a diagnosis turns the user's own anomaly mode (Trainer(detect_anomaly=True)) off for the rest of the fit"),
+    Mutant("detection", "det-weights-not-read-on-incident", INCIDENTS,
+           'ctx.param_findings = self._weight_findings(pl_module, event.kind == "parameter", late)',
+           "ctx.param_findings = []",
+           "a NaN weight read by the forward is reported as a loss incident and skipped, not named and rolled back"),
+    Mutant("detection", "det-weights-not-checked-every-step", EVIDENCE,
+           "return self.check.parameters and not (self.check.loss and self.check.gradients)", "return False",
+           "with check.loss or check.gradients off, a bad update is not caught at the next step"),
 ]
