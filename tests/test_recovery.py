@@ -688,6 +688,36 @@ def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, fit_steps,
         assert not folder.exists()
 
 
+class GrowingLoss(models.Regression):
+    """The loss value times ``factors[step]`` (a detached offset: the gradients, and so the gradient norm, are
+    those of the plain loss)."""
+
+    def __init__(self, factors: dict[int, float]) -> None:
+        super().__init__()
+        self.factors = factors
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + (self.factors.get(self.global_step, 1.0) - 1.0) * loss.detach()
+
+
+def test_no_snapshot_while_the_loss_grows_towards_a_divergence(fit_steps):
+    """A snapshot that falls due while the loss grows (divergence_steps - 1 growth ratios, no event yet) waits:
+    the NaN that follows rolls back to the snapshot from before the growth."""
+    every = 5
+    guard = NaNGuard(recovery={"snapshot_every": every}, logging=QUIET)
+    growth = 2.5 * guard.config.check.divergence_growth  # well above the growth threshold despite batch noise
+    due = 2 * every - 1  # the step at whose end the second periodic snapshot falls due
+    steps = guard.config.check.divergence_steps - 1
+    factors = {due - steps + 1 + i: growth ** (i + 1) for i in range(steps)}  # the growth ends at the due step
+    nan_steps = list(range(due + 1, due + 2 + guard.config.recovery.max_skips))
+    snaps = models.SnapshotSpy(guard)
+    fit_steps(GrowingLoss(factors), [FaultInjector(Fault("loss", steps=nan_steps)), guard, snaps], steps=due + 8)
+    assert guard._divergence.enabled and not any(e.kind == "divergence" for e in guard.events)
+    assert due + 1 not in snaps.states  # deferred while the loss grew
+    rollback = next(e for e in guard.events if "rollback" in e.actions)
+    assert rollback.step == nan_steps[-1] and rollback.details["restored_step"] == every
+
 def test_confirm_after_takes_the_confirming_snapshot_sooner(fit_steps):
     """After a rollback, a snapshot confirms it after confirm_after healthy steps (not snapshot_every)."""
     recovery = {"snapshot_every": 20, "confirm_after": 3, "max_skips": 1}
