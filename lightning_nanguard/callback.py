@@ -10,21 +10,20 @@ from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
-from .detect.amp import OverflowWatch, clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
+from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
-from .detect.flags import LOSS, NORM, Outcome, StepFlags, classify, skip_flag
 from .detect.spikes import LossWatch
-from .detect.sync import StepSync, choose_sync
 from .diagnose.diagnoser import Diagnoser
 from .errors import NaNGuardError
-from .incidents import LateStep, Responder
-from .recover.checkpoint import nonfinite_entries, optimizer_state_nonfinite, rebuild
+from .incidents import Responder
+from .recover.checkpoint import nonfinite_entries, rebuild
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
 from .report.events import NaNEvent
 from .report.progress import say
 from .report.recorder import Recorder
+from .step import StepFlow
 from .usage_errors import usage_errors
 
 try:  # the callback works in both packages' Trainers; it subclasses the classic one
@@ -158,11 +157,8 @@ class NaNGuard(pl.Callback):
         self._recorder = Recorder(cfg.logging, self.name)
         self._responder = Responder(cfg, self._evidence, self._clipper, self._losses, self._overflow,
                                     self._recovery, self._diagnoser, self._recorder)
-        self._sync = StepSync()
-        self._outcome: Optional[Outcome] = None  # set by the optimizer step, consumed at the batch's end
-        self.lagged = False  # check.sync as chosen at fit start: flags read one step late
-        self._late: Optional[LateStep] = None  # the lagged step whose flags are not read yet
-        self._staged: Optional[LateStep] = None  # the lagged step now running (until its batch ends)
+        self._flow = StepFlow(cfg, self._evidence, self._clipper, self._losses, self._overflow, self._divergence,
+                              self._recovery, self._diagnoser, self._recorder, self._responder)
 
     # ------------------------------------------------------------------------------------------- views
 
@@ -177,6 +173,11 @@ class NaNGuard(pl.Callback):
     @property
     def stopped(self) -> bool:
         return self._recovery.stopped
+
+    @property
+    def lagged(self) -> bool:
+        """``check.sync`` as chosen at fit start: flags read one step late."""
+        return self._flow.lagged
 
     @property
     def counters(self) -> dict[str, int]:
@@ -219,11 +220,7 @@ class NaNGuard(pl.Callback):
         self._recorder.start(trainer)
         assert self._recorder.out_dir is not None
         self._recovery.start(trainer, pl_module, self._recorder.out_dir)
-        self._sync = self._responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type)
-        self.lagged, why = choose_sync(self.config.check.sync, trainer, pl_module)
-        if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
-            why += " (recovery.snapshot is off: nothing to roll back to)"
-        say(trainer, f"[nanguard] sync: {'lagged' if self.lagged else 'eager'} ({why})")
+        self._flow.start(trainer, pl_module)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._resumed = False  # callback state is restored before this hook on every strategy
@@ -239,10 +236,10 @@ class NaNGuard(pl.Callback):
             if findings:
                 self._responder.initialization_incident(trainer, pl_module, findings)
                 return
-        self._snapshot(trainer, pl_module)
+        self._flow.snapshot(trainer, pl_module)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._flush(trainer, pl_module)  # the last lagged step's flags
+        self._flow.flush(trainer, pl_module)  # the last lagged step's flags
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
@@ -256,7 +253,7 @@ class NaNGuard(pl.Callback):
         # validation (and checkpoints picked by its metrics) never runs on weights poisoned by that step
         if trainer.sanity_checking:
             return
-        self._flush(trainer, pl_module)
+        self._flow.flush(trainer, pl_module)
         if self._recovery.stopped:
             return
         bad = self._evidence.state_bad(consume=True)
@@ -266,9 +263,7 @@ class NaNGuard(pl.Callback):
             self._responder.parameter_incident(trainer, pl_module, where="validation_start")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        if self._staged is not None:
-            clear_device_skip(self._staged.optimizer, self._staged.skip)
-        self._late = self._staged = None
+        self._flow.abort()
         self._stop_hooks()
         self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
         self._recorder.flush()
@@ -290,224 +285,26 @@ class NaNGuard(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        scaler = grad_scaler(trainer)
-        if scaler is not None:
-            ensure_unscaled(scaler, optimizer)
-        # lagged: the previous step's flags, read now that this step's work is queued; a rollback they call for
-        # skips this step too, unless its gradients were taken on the very weights restored
-        skip_now = self._late is not None and self._judge_late(trainer, pl_module)
-        if self._recovery.stopped or self._recovery.skip_batches_left > 0 or skip_now:
-            self._recovery.skip(params)
-            self._outcome = Outcome.SKIPPED
-            return
-        cfg = self.config
-        ladder = self._recovery.ladder
-        grads = [p.grad for p in params if p.grad is not None]
-        # clipping needs the norm even where check.gradients is off (then it only clips, never detects)
-        clipping = cfg.clip.max_norm is not None or ladder.adaptive_clip or cfg.check.spike_action == "clip"
-        norm = self._sync.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
-        device = params[0].device if params else torch.device("cpu")
-        if self.lagged:
-            self._stage(trainer, optimizer, params, norm, device, scaler)
-            return
-        flags = self._evidence.read(norm, device, scaler, self._sync)  # the one host-device sync of the step
-        # several processes: the flags were reduced over ranks, so everything below is identical on every rank
-        norm = self._sync.global_norm(norm, flags.grad_norm)
-        self._outcome = self._judge(trainer, pl_module, optimizer, params, flags, norm, scaler is not None)
-
-    def _judge(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any, params: list[Tensor],
-               flags: StepFlags, norm: Optional[Tensor], scaled: bool, late: Optional[LateStep] = None) -> Outcome:
-        """The step's outcome from its flags, and what follows on the host (``late``: read one step later)."""
-        cfg = self.config
-        self._clipper.last_norm = flags.grad_norm
-        checked = self._evidence.loss_checked if late is None else late.loss_checked
-        loss = flags.loss if checked else None
-        spike_z = None if flags.local_bad else self._losses.observe(loss)
-        grads_bad = cfg.check.gradients and flags.grads_bad
-        outcome = classify(flags, grads_bad, scaled, self._overflow.observe(flags, grads_bad, scaled))
-        if outcome is Outcome.INCIDENT:
-            self._responder.incident(trainer, pl_module, optimizer, params, flags, scaled, late)
-        elif outcome is Outcome.HEALTHY:
-            outcome = self._healthy(trainer, pl_module, params, norm, flags, spike_z, late)
-        return outcome
-
-    def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", params: list[Tensor],
-                 norm: Optional[Tensor], flags: StepFlags, spike_z: Optional[float],
-                 late: Optional[LateStep] = None) -> Outcome:
-        clip_to = None
-        checked = self._evidence.loss_checked if late is None else late.loss_checked
-        if getattr(pl_module, "automatic_optimization", True):  # manual: one loss stream per optimizer, mixed
-            evidence = self._divergence.observe(trainer.global_step if late is None else late.step,
-                                                flags.loss if checked else None, flags.grad_norm)
-            if evidence is not None and self._responder.divergence(trainer, pl_module, params, flags, evidence,
-                                                                   late):
-                return Outcome.INCIDENT  # skipped; the rollback and LR cut follow at the end of the step
-        if spike_z is not None:
-            spike = self._responder.spike(trainer, pl_module, params, flags, spike_z, late)
-            if spike.skip:
-                return Outcome.SKIPPED
-            clip_to = spike.clip_to
-        self._evidence.grads_were_finite = True
-        ladder = self._recovery.ladder
-        ladder.healthy()
-        outcome = Outcome.HEALTHY
-        if late is None:
-            self._clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
-        elif late.has_norm:  # clipped on the device already
-            self._clipper.observe(flags.grad_norm, late.spike_limit if clip_to is not None else late.limit)
-        if (norm is not None or late is not None and late.has_norm) and self._clipper.clipping_persists(
-                ladder.adaptive_clip):
-            self._responder.clipping_persists(trainer, params, flags, late)
-            outcome = Outcome.INCIDENT
-        self._losses.healthy(flags.loss if checked else None)
-        return outcome
-
-    # ------------------------------------------------------------------------------ lagged reads
-
-    def _stage(self, trainer: "pl.Trainer", optimizer: Any, params: list[Tensor], norm: Optional[Tensor],
-               device: torch.device, scaler: Optional[Any]) -> None:
-        """``check.sync: lagged``: skip on the device if the flags say so, clip on the device, and start the
-        copy of the flags to the host; the step is judged when they are read (:meth:`_judge_late`)."""
-        vec = self._evidence.vector(norm, device, scaler, self._sync)  # reduced over ranks: the same everywhere
-        if norm is not None and self._sync.sharded:
-            norm = vec[NORM].to(norm.dtype)  # the completed norm
-        # under a GradScaler, non-finite gradients are its own (routine) overflows: its found_inf skips them
-        skip = skip_flag(vec, self.config.check.gradients and scaler is None)
-        # a loss spike acts on its own step: the spike test of the statistics read so far, on the device
-        action = self.config.check.spike_action
-        spike = self._losses.spike_flag(vec[LOSS]) if self._evidence.loss_checked and action in (
-            "skip_step", "clip") else None
-        if spike is not None and action == "skip_step":  # (a step with bad evidence is skipped anyway)
-            skip = torch.maximum(skip, spike.float())
-        device_skip = skip_on_device(optimizer, skip, scaler)
-        limit, spike_limit = self._clipper.clip_on_device(params, norm, self._recovery.ladder.adaptive_clip,
-                                                          spike if action == "clip" else None,
-                                                          self._clipper.zclip.mean)
-        self._evidence.stage(vec)
-        self._staged = LateStep(
-            step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self._evidence.batch_idx,
-            window=list(self._evidence.window), rng=list(self._diagnoser._rng),
-            lrs=[g["lr"] for g in optimizer.param_groups], skip=skip, device_skip=device_skip, limit=limit,
-            spike_limit=spike_limit,
-            has_norm=norm is not None, loss_checked=self._evidence.loss_checked, scaled=scaler is not None,
-            optimizer=optimizer, local=self._sync.last_local)
-        self._outcome = Outcome.PENDING
-
-    def _judge_late(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", current: bool = True) -> bool:
-        """Read and judge the lagged step. ``current``: a step is under way whose gradients were taken on the
-        weights that step left; returns True when that step must be skipped (its weights were rolled back)."""
-        late, self._late = self._late, None
-        assert late is not None
-        flags = self._evidence.take()
-        pristine = self._recovery.pristine
-        outcome = self._judge(trainer, pl_module, late.optimizer, [], flags, None, late.scaled, late)
-        # what the device did with it: skipped where its skip flag was set and the optimizer honours it (under a
-        # GradScaler, also on an overflow)
-        # its skip flag, as the device set it (a loss spike too, with check.spike_action: skip_step)
-        flagged = (flags.local_bad or self.config.check.gradients and not late.scaled and flags.grads_bad
-                   or outcome is Outcome.SKIPPED)
-        applied = not (late.device_skip and flagged or late.scaled and flags.grads_bad)
-        self._recovery.settle_metrics(skipped=flagged)  # its metric states were undone on the device where flagged
-        if outcome is Outcome.HEALTHY:
-            self._recovery.healthy_step()
-        if outcome in (Outcome.HEALTHY, Outcome.ROUTINE_OVERFLOW):
-            self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
-        if not self._responder.pending:
-            return False
-        # the current step's gradients hold for the restored weights only if nothing was applied since them
-        keep = current and pristine and not applied
-        rollbacks = self._recovery.rollbacks
-        self._responder.finish(trainer, pl_module, keep_step=keep)
-        rolled_back = self._recovery.rollbacks > rollbacks
-        return current and (self._recovery.stopped or rolled_back and not self._recovery.kept_step)
-
-    def _flush(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
-        """Judge the lagged step now (train end, validation, a checkpoint, a due snapshot); True if there was one."""
-        if self._late is None:
-            return False
-        self._judge_late(trainer, pl_module, current=False)
-        return True
+        self._flow.before_optimizer_step(trainer, pl_module, optimizer)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        outcome, self._outcome = self._outcome, None
-        if outcome is None:
-            return  # a non-final micro-batch of gradient accumulation
-        self._evidence.step_end()
-        self._diagnoser.step_end()
-        if outcome is Outcome.PENDING:
-            self._after_staged(trainer, pl_module)
-        elif self._responder.pending:
-            self._responder.finish(trainer, pl_module)
-            if not self._recovery.stopped:  # weights can go bad during a skipped step too
-                self._evidence.after_step(pl_module)
-        elif outcome is Outcome.HEALTHY:
-            self._after_healthy(trainer, pl_module)
-        elif outcome is Outcome.SKIPPED and self._recovery.skip_batches_left > 0:
-            self._recovery.skip_batches_left -= 1
-            self._recovery.undo_buffers()
-        if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not self._recovery.stopped:
-            # a rescued step leaves no trace in what the user logged; a failed run (given up) is not hidden
-            self._recovery.undo_metrics()
-        if outcome is Outcome.ROUTINE_OVERFLOW:  # log the lowered scale like a healthy step
-            self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
-        if self.config.logging.progress_bar:
+        if self._flow.end(trainer, pl_module) and self.config.logging.progress_bar:
             self._recorder.status.update(trainer, pl_module, self._recorder.incidents, self._recovery.lr_scale)
-
-    def _after_healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._recovery.healthy_step()
-        self._evidence.after_step(pl_module)  # read with the next step's flags
-        self._maybe_snapshot(trainer, pl_module)
-        self._recorder.scalars(trainer, lambda: self._responder.scalars(trainer))
-
-    def _after_staged(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """End of a lagged step: undo its buffer writes where it was skipped (on the device), flag the weights
-        it left, and leave its flags to the next step; read them now only if a snapshot may be due."""
-        staged, self._staged = self._staged, None
-        assert staged is not None
-        clear_device_skip(staged.optimizer, staged.skip)
-        self._recovery.undo_buffers_where(staged.skip)
-        self._recovery.undo_metrics_where(staged.skip)  # settled once its flags are read
-        self._evidence.after_step(pl_module)  # read with the next step's flags
-        self._late = staged
-        # a snapshot copies the weights to the host and waits anyway: judge the step first, never keep unread state
-        if self._recovery.snapshot_due(ahead=1) and not self._recovery.stopped:
-            healthy = self._recovery.healthy_since_snapshot
-            self._flush(trainer, pl_module)
-            if self._recovery.healthy_since_snapshot > healthy:  # judged healthy
-                self._maybe_snapshot(trainer, pl_module)
-
-    def _maybe_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # never snapshot a run whose gradient norm is running away: finite is not known-good
-        if self._recovery.snapshot_due() and not self._clipper.diverging() and not self._divergence.growing():
-            self._snapshot(trainer, pl_module)
-
-    def _snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._recovery.store is None:
-            return
-        if self.config.check.parameters:
-            if self._evidence.state_bad(consume=False):  # never snapshot poisoned state: the next step rolls back
-                return
-            if optimizer_state_nonfinite(trainer.optimizers, self._sync, trainer.strategy.root_device):
-                # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
-                self._responder.parameter_incident(trainer, pl_module, where="snapshot")
-                return
-        self._recovery.take_snapshot(trainer, pl_module)
-        self._evidence.state.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then
 
     # ----------------------------------------------------------------------------------- checkpoints
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
-        if self._flush(trainer, pl_module):  # the lagged step's verdict belongs in the checkpoint (and may roll back)
+        if self._flow.flush(trainer, pl_module):  # the lagged step's verdict belongs in the checkpoint (and may roll back)
             rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         if not self.config.check.parameters:
             return
         exempt = self._evidence.state.exempt
         bad = nonfinite_entries(checkpoint, exempt=exempt)  # weights and optimizer states
         # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision
-        if self._sync.sharded and self._sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
+        sync = self._flow.sync
+        if sync.sharded and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
             bad = [{"name": "(a shard on another rank)"}]
         if not bad:
             return

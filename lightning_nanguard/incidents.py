@@ -170,7 +170,7 @@ class Responder:
             extra = self.diagnoser.diagnose(ctx, self.recorder.events)
         extra = share_incident(self.sync, event, extra, None if late is None else late.local)  # one account for all
 
-        self.evidence.grads_were_finite = math.isfinite(flags.grad_norm)
+        self.evidence.grads_were_finite = math.isfinite(flags.grad_norm) if self.config.check.gradients else None
         step = trainer.global_step if late is None else late.step
         plan = self.recovery.ladder.incident(step, event.kind, can_roll_back=self.recovery.can_roll_back,
                                              cause=event.cause, safe_factor=_safe_factor(event))

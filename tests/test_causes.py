@@ -156,8 +156,19 @@ def test_tiny_gpt2_with_sgd_at_lr_100_is_learning_rate_not_precision(tmp_path: A
     assert first.cause == "learning_rate"
     rel = first.details["relative_update"]
     assert rel["optimizer"] == "sgd" and rel["reference_step"] == 0 and rel["relative_update"] > 1
-    assert first.details["lr_after"] == [pytest.approx(100.0 * guard.config.recovery.divergence_lr_factor)]
+    # the gradient norm grows ~50-100x per step: the edge of stability is near 100 x 2 / (r + 1), and the cut
+    # goes EDGE_MARGIN below it, further than divergence_lr_factor and the relative update's safe LR
+    assert rel["edge_lr"] == pytest.approx(dynamics.edge_lr(100.0, rel["grad_norm_growth"]))
+    assert rel["safe_lr"] == pytest.approx(rel["edge_lr"] / dynamics.EDGE_MARGIN)
+    assert rel["safe_lr"] < 100.0 / rel["relative_update"]
+    assert first.details["lr_after"] == [pytest.approx(rel["safe_lr"])]
+    assert rel["safe_lr"] < 100.0 * guard.config.recovery.divergence_lr_factor
+    assert f"edge of stability near {rel['edge_lr']:.3g}" in first.suggestion
+    assert f"about {rel['safe_lr']:.3g} or below" in first.suggestion
     if divergence == "act":
+        norms = first.details["divergence"]["grad_norms"]
+        ratios = sorted(b / a for a, b in zip(norms, norms[1:]))
+        assert rel["grad_norm_growth"] == pytest.approx(ratios[(len(ratios) - 1) // 2])
         assert first.kind == "divergence" and first.details["divergence"]["rule"] == "loss_growth"
     else:  # the first non-finite value: the gradient norm overflows float32 at step 4 (the loss is ~1e9)
         assert (first.kind, first.step) == ("gradient", 4) and math.isinf(first.details["grad_norm"])
@@ -233,6 +244,67 @@ def test_relative_update_for_sgd_and_adaptive_optimizers() -> None:
     # a reference (the weights at the onset) replaces the current ones
     found = dynamics.relative_update([adam], net, math.nan, reference={"weight": 10.0}, reference_step=3)
     assert found["relative_update"] == pytest.approx(0.5) and found["reference_step"] == 3
+
+
+def test_a_gradient_norm_growing_r_fold_per_step_places_the_edge_of_stability() -> None:
+    """SGD diverging r-fold per step means lr x curvature = r + 1 + momentum; the edge is lr x curvature =
+    2 (1 + momentum). A cut sized from it aims EDGE_MARGIN below the edge when that is below the relative
+    update's safe LR; adaptive optimizers (no such relation) ignore the growth."""
+    assert dynamics.edge_lr(100.0, 49.0) == pytest.approx(100.0 * 2 / 50)
+    assert dynamics.edge_lr(1.0, 4.0, momentum=0.9) == pytest.approx(2 * 1.9 / 5.9)
+    net = nn.Linear(100, 1, bias=False)
+    with torch.no_grad():
+        net.weight.fill_(0.1)  # norm 1.0
+    sgd = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    found = dynamics.relative_update([sgd], net, grad_norm=2.0, growth=60.0)
+    edge = 0.5 * 2 * 1.9 / (60.0 + 1.9)
+    assert found["grad_norm_growth"] == 60.0 and found["edge_lr"] == pytest.approx(edge)
+    assert found["safe_lr"] == pytest.approx(edge / dynamics.EDGE_MARGIN) and found["safe_lr"] < 0.5 / 10.0
+    slow = dynamics.relative_update([sgd], net, grad_norm=2.0, growth=2.5)  # the relative update asks for more
+    assert slow["safe_lr"] == pytest.approx(0.5 / 10.0) and slow["safe_lr"] < slow["edge_lr"] / dynamics.EDGE_MARGIN
+    adam = dynamics.relative_update([torch.optim.Adam(net.parameters(), lr=0.5)], net, math.nan, growth=60.0)
+    assert "edge_lr" not in adam
+    assert adam["safe_lr"] == pytest.approx(0.5 * dynamics.SAFE_RELATIVE_UPDATE["adaptive"] / 5)
+
+
+def test_growth_rate_is_the_median_ratio_of_the_final_growth_run() -> None:
+    """The first ratio of a run is low (the gradient is not yet along the unstable direction), the last
+    non-linear: the median stands for the run; a run shorter than two ratios, or one broken by a non-finite
+    value, gives none."""
+    assert dynamics.growth_rate([5.0, 4.0, 0.5, 20.0, 1600.0, 1.6e9]) == pytest.approx(80.0)  # 40, 80, 1e6
+    assert dynamics.growth_rate([0.5, 20.0, 1600.0]) == pytest.approx(40.0)  # even count: the lower one
+    assert dynamics.growth_rate([1.0, 3.0]) is None and dynamics.growth_rate([9.0, 1.0, 3.0]) is None
+    assert dynamics.growth_rate([1.0, 3.0, 9.0, math.inf]) is None
+    assert dynamics.growth_rate([1.0, 1.5, 2.2, 3.3]) is None  # growing, but never 2-fold in a step
+
+
+def test_the_edge_estimate_matches_the_curvature_of_a_quadratic(tmp_path: Any) -> None:
+    """Full-batch SGD on least squares is a quadratic with the largest curvature lam = top eigenvalue of
+    2 X^T X / n: the edge of stability 2 (1 + momentum) / lam is known. Diverging at 6x to 30x it, the estimate
+    from the gradient norm's growth lands within 25% of it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 8, generator=g)
+    data = TensorDataset(x, x @ torch.randn(8, 1, generator=g))
+    design = torch.cat([x, torch.ones(256, 1)], 1)  # the bias is a weight on a constant feature
+    lam = float(torch.linalg.eigvalsh(2 * design.T @ design / 256).max())
+
+    class Momentum(Regression):
+        def __init__(self, lr: float, momentum: float) -> None:
+            super().__init__(lr=lr)
+            self.momentum = momentum
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+    for times, momentum in ((6.0, 0.0), (30.0, 0.0), (12.0, 0.9)):
+        pl.seed_everything(0, verbose=False)
+        guard = NaNGuard(check={"divergence": "warn"}, logging=QUIET)
+        trainer(tmp_path / f"{times}-{momentum}", [guard], max_steps=6, max_epochs=6).fit(
+            Momentum(times / lam, momentum), DataLoader(data, batch_size=256))
+        (event,) = guard.events
+        rel = event.details["relative_update"]
+        assert event.kind == "divergence" and rel["grad_norm_growth"] + 1 + momentum == pytest.approx(times, rel=0.25)
+        assert rel["edge_lr"] == pytest.approx(2 * (1 + momentum) / lam, rel=0.25)
 
 
 def test_layer_growth_needs_gradients_growing_towards_the_input() -> None:

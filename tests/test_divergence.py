@@ -240,6 +240,21 @@ def test_adamw_at_lr_10_on_a_small_transformer_is_caught_though_never_nan(tmp_pa
     assert all(math.isfinite(v) for v in model.losses)
 
 
+def test_one_lr_cut_sized_from_the_growth_rate_stops_sgd_at_lr_100(tmp_path: Any) -> None:
+    """A tiny GPT-2 with SGD at lr=100: the gradient norm grows ~50-100x per step, which puts the edge of
+    stability near lr=2-4. One cut a margin below that edge holds (divergence_lr_factor alone, to lr=10, diverges
+    again a few steps later), and training goes on finite, below the untrained loss."""
+    model = GPT(lr=100.0, optimizer="sgd")
+    guard = NaNGuard(logging={"verbose": False})
+    trainer(tmp_path, [guard], max_steps=24, max_epochs=10).fit(model, DataLoader(tokens(n=128), batch_size=16))
+    (event,) = guard.events
+    rel = event.details["relative_update"]
+    assert (event.kind, event.cause) == ("divergence", "learning_rate") and event.details["restored_step"] == 0
+    assert 1.0 < rel["edge_lr"] < 10.0 and event.details["lr_after"] == [pytest.approx(rel["safe_lr"])]
+    assert guard.lr_scale == pytest.approx(rel["safe_lr"] / 100.0) and guard.counters["lr_cuts"] == 1
+    assert all(math.isfinite(v) for v in model.losses) and max(model.losses[-8:]) < model.losses[0]
+
+
 def test_warn_records_the_divergence_and_changes_nothing(tmp_path: Any) -> None:
     data = regression_data(n=512, features=8)
     weights = []

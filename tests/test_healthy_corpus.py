@@ -118,6 +118,24 @@ def _zero_head() -> nn.Module:
     return net
 
 
+def _deep_mlp(depth: int = 20, width: int = 32, features: int = 8) -> nn.Sequential:
+    """Un-normalised, Kaiming init: at a sane LR its gradient norm grows several-fold as it learns, with spikes
+    20x above its earlier level (the same net at 10x the LR blows up, benchmarks/stability.py)."""
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers += [nn.Linear(features if i == 0 else width, width), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(width, 1))
+    for m in net:
+        if isinstance(m, nn.Linear):
+            nn.init.kaiming_normal_(m.weight)
+            nn.init.zeros_(m.bias)
+    return net
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def _harder_later(n: int) -> torch.Tensor:
     return torch.linspace(0.05, 3.0, n)[:, None]  # unshuffled: the noise (and the loss) rise through the epoch
 
@@ -146,6 +164,8 @@ CORPUS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[], TensorDat
                                     _regression, 16, 2),
     "negative_loss": (lambda: Net(_mlp(out=2), _gaussian_nll, lambda p: torch.optim.Adam(p, lr=3e-2)),
                       lambda: _regression(noise=0.01), 16, 6),
+    "deep_mlp_gradient_grows": (lambda: Net(_deep_mlp(), _mse, lambda p: torch.optim.SGD(p, lr=0.0035)),
+                                _regression, 16, 6),
 }
 
 
@@ -173,6 +193,10 @@ SHAPE: dict[str, Callable[[list[float], list[float]], bool]] = {
     "harder_data_later": lambda loss, norm: loss[-1] > 5 * min(loss),
     "sgd_near_the_stability_edge": lambda loss, norm: _rise(loss) > 10,
     "negative_loss": lambda loss, norm: loss[0] > 0 > min(loss),
+    # after the early transient the norm grows several-fold, with spikes 20x its earlier level
+    "deep_mlp_gradient_grows": lambda loss, norm: (_median(norm[-24:]) > 3 * _median(norm[24:48])
+                                                   and max(norm[48:]) > 20 * _median(norm[24:48])
+                                                   and loss[-1] < loss[0] / 2),
 }
 
 

@@ -114,6 +114,10 @@ class DivergenceWatch:
     def _streak(self) -> Optional[dict[str, Any]]:
         if len(self.window) < 2:
             return None
+        (_, loss0, norm0), (_, loss1, norm1) = self.window[-2], self.window[-1]
+        if (_ratio(loss0, loss1) or 0.0) < self.growth and (_ratio(norm0, norm1) or 0.0) < self.growth:
+            self.streak_latched = False  # no growth at this step: no rule can complete, and a latch re-arms
+            return None
         steps = [s for s, _, _ in self.window]
         losses = [v for _, v, _ in self.window]
         norms = [v for _, _, v in self.window]

@@ -36,7 +36,8 @@ class StepEvidence:
         activations: the module-output check (``check.activations``).
         state: the parameter/buffer check (``check.parameters``).
         grads_were_finite: the gradients of the last judged step were finite (a non-finite parameter after
-            finite gradients points at the optimizer); set by the guard once it has judged a step.
+            finite gradients points at the optimizer); None when ``check.gradients`` is off (not known); set by
+            the guard once it has judged a step.
     """
 
     def __init__(self, check: CheckConfig) -> None:

@@ -25,7 +25,10 @@ The rules, in order (each puts its evidence in ``details`` under the key named i
       gradient norm started growing 2-fold per step; SGD: ``lr / (1 - momentum) x |grad|``, adaptive
       optimizers: ``lr x sqrt(n)``; the weights of the newest snapshot from before the onset, or of fit
       start) is 1 or more (healthy training: about ``1e-3``): ``learning_rate`` [relative_update]. Weights
-      already moving by their own size each step before anything grew: the LR, not the network, is wrong;
+      already moving by their own size each step before anything grew: the LR, not the network, is wrong.
+      For SGD, a gradient norm growing ``r``-fold per step (the median ratio of its final 2-fold run) also
+      places the edge of stability at ``lr x 2 (1 + momentum) / (r + 1 + momentum)`` [edge_lr], and the
+      safe LR is at most a quarter of it;
    d. ``exploding_gradient`` when the relative update at the onset was small and the gradients grew:
       per-layer gradient RMS growing 100x from the output side to the input side [layer_growth];
       activations growing layer by layer over 4+ weight layers in the replayed forward pass
@@ -214,12 +217,21 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
         reference = (0, initial)
     optimizers = getattr(ctx.trainer, "optimizers", None) or []
     found = dynamics.relative_update(optimizers, ctx.pl_module, grad_norm,
-                                     reference[1] if reference else None, reference[0] if reference else None)
+                                     reference[1] if reference else None, reference[0] if reference else None,
+                                     growth=dynamics.growth_rate(_norms(ctx)))
     if found is None:
         return None
     found["onset_step"] = step
     ctx.event.details["relative_update"] = found
     return "learning_rate" if found["relative_update"] >= dynamics.RELATIVE_UPDATE_LR else None
+
+
+def _norms(ctx: IncidentContext) -> list[float]:
+    """The gradient norms up to the incident: the divergence's streak, or the healthy history and the incident's
+    own norm if finite."""
+    if ctx.divergence is not None:
+        return [math.nan if v is None else float(v) for v in ctx.divergence.get("grad_norms", [])]
+    return list(ctx.norm_history) + ([ctx.grad_norm] if math.isfinite(ctx.grad_norm) else [])
 
 
 def _exploding(ctx: IncidentContext, rows: list[dict]) -> Optional[str]:
@@ -236,10 +248,7 @@ def _exploding(ctx: IncidentContext, rows: list[dict]) -> Optional[str]:
         if acts is not None:
             details["activation_growth"] = acts
             return "exploding_gradient"
-    norms = list(ctx.norm_history) + ([ctx.grad_norm] if math.isfinite(ctx.grad_norm) else [])
-    if ctx.divergence is not None:
-        norms = [v for v in ctx.divergence.get("grad_norms", []) if v is not None]
-    tail = dynamics.short_growth(norms)
+    tail = dynamics.short_growth(_norms(ctx))
     if tail is not None:
         details["grad_norm_growth"] = tail
         return "exploding_gradient"

@@ -9,7 +9,8 @@ norms; they are read on the first incident).
 - :func:`oversized`: the weight whose RMS, at fit start and now, is :data:`INIT_RATIO` times that scale.
 - :func:`relative_update`: ``lr x |update| / |w|`` for one step at the onset of a growth: SGD moves the
   weights by ``lr / (1 - momentum) x |grad|``; adaptive optimizers (Adam, RMSprop, ...) move each element by
-  about ``lr``, i.e. ``lr x sqrt(n)`` in all.
+  about ``lr``, i.e. ``lr x sqrt(n)`` in all. For SGD, a gradient norm growing ``r``-fold per step also
+  places the edge of stability (:func:`edge_lr`).
 - :func:`layer_growth`: per-layer gradient RMS growing from the output side to the input side;
   :func:`activation_growth`: module outputs growing layer by layer in a replayed forward pass;
   :func:`short_growth`: a gradient norm growing geometrically over the last few steps.
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 __all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "LAYER_GROWTH", "ACTIVATION_GROWTH",
            "SHORT_GROWTH",
            "expected_scale", "fan_in", "InitialScales", "norms", "oversized", "relative_update", "layer_growth",
-           "activation_growth", "short_growth", "growth_onset"]
+           "activation_growth", "short_growth", "growth_onset", "growth_rate", "edge_lr", "EDGE_MARGIN"]
 
 INIT_RATIO = 1e3  # a weight this many times 1/sqrt(fan_in), at fit start and now, was initialised wrongly
 RELATIVE_UPDATE_LR = 1.0  # one step moving the weights by their own size (healthy: ~1e-3): the LR is too high
@@ -39,6 +40,9 @@ ACTIVATION_GROWTH = 1e3  # abs-max growth over a chain of weight layers in one f
 ACTIVATION_CHAIN = 4  # consecutive weight layers, each at least doubling the abs-max
 SHORT_GROWTH = 2.0  # per-step growth of the gradient norm ...
 SHORT_GROWTH_STEPS = 2  # ... over this many consecutive steps (the incident's own norm included if finite)
+# an LR cut sized from the growth rate aims this many times below the edge of stability: room for the sharpness
+# to grow (it rises as training proceeds) before the new LR is at the edge again
+EDGE_MARGIN = 4.0
 
 
 def fan_in(shape: Sequence[int]) -> int:
@@ -131,13 +135,39 @@ def _sgd_like(group: dict[str, Any]) -> bool:
     return all(k in group for k in ("momentum", "dampening", "nesterov"))
 
 
+def edge_lr(lr: float, growth: float, momentum: float = 0.0) -> float:
+    """The LR at the edge of stability of SGD (heavy-ball ``momentum``) whose gradient norm grows ``growth``-fold
+    per step at ``lr``.
+
+    On a quadratic of curvature ``h`` SGD multiplies the error along it by ``1 - lr h`` per step (with momentum
+    ``b``: the largest root of ``z^2 - (1 + b - lr h) z + b``, about ``lr h - 1 - b`` in size once that
+    exceeds 1); it diverges when ``lr h > 2 (1 + b)``. A growth of ``r`` per step thus means ``lr h = r + 1 + b``,
+    and the edge is at ``lr x 2 (1 + b) / (r + 1 + b)``."""
+    return lr * 2.0 * (1.0 + momentum) / (growth + 1.0 + momentum)
+
+
+def growth_rate(values: Sequence[float], ratio: float = SHORT_GROWTH,
+                steps: int = SHORT_GROWTH_STEPS) -> Optional[float]:
+    """The per-step growth of the final run of ``ratio``-fold growth of ``values``, when that run spans ``steps``
+    steps or more (else None): the median of its ratios, the lower one of an even count. The first ratio is
+    low (at the onset the gradient is not yet along the unstable direction), the last ones high once the
+    blow-up turns non-linear; the median is the steady growth between."""
+    run = list(values[growth_onset(values, ratio):])
+    if len(run) < steps + 1 or not all(math.isfinite(v) and v > 0 for v in run):
+        return None
+    ratios = sorted(b / a for a, b in zip(run, run[1:]))
+    return ratios[(len(ratios) - 1) // 2]
+
+
 def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: float,
                     reference: Optional[dict[str, float]] = None,
-                    reference_step: Optional[int] = None) -> Optional[dict[str, Any]]:
+                    reference_step: Optional[int] = None, growth: Optional[float] = None) -> Optional[dict[str, Any]]:
     """``lr x |update| / |w|`` of one step (see the module docstring), with the gradient norm ``grad_norm`` and
     the weights whose norms ``reference`` holds (parameter name -> norm, from the onset of the growth) or,
     without one, the current ones. The largest over the optimizers' param groups, with ``safe_lr``: the LR
-    at which it would be :data:`SAFE_RELATIVE_UPDATE`; None when nothing can be computed."""
+    at which it would be :data:`SAFE_RELATIVE_UPDATE`, or for SGD whose gradient norm grew ``growth``-fold per
+    step (:func:`growth_rate`) :data:`EDGE_MARGIN` times below :func:`edge_lr` if that is lower; None when
+    nothing can be computed."""
     names = {id(p): n for n, p in module.named_parameters()}
     best: Optional[dict[str, Any]] = None
     for opt in optimizers:
@@ -165,6 +195,10 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
                 best = {"relative_update": rel, "lr": lr, "optimizer": kind, "weight_norm": w,
                         "update_norm": step, "grad_norm": grad_norm if kind == "sgd" else None,
                         "reference_step": reference_step, "safe_lr": lr * SAFE_RELATIVE_UPDATE[kind] / rel}
+                if kind == "sgd" and growth is not None:
+                    edge = edge_lr(lr, growth, float(group.get("momentum") or 0.0))
+                    best.update(grad_norm_growth=growth, edge_lr=edge,
+                                safe_lr=min(best["safe_lr"], edge / EDGE_MARGIN))
     return best
 
 

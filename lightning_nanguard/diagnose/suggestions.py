@@ -67,9 +67,11 @@ def suggest(ev: NaNEvent, cause: str, input_findings: Optional[list[dict]] = Non
                 "Re-initialise it with nn.init.xavier_uniform_ / kaiming_normal_, or check what loads or scales it.")
     if cause == "learning_rate" and d.get("relative_update"):
         f = d["relative_update"]
+        edge = (f"; the gradient norm grew {f['grad_norm_growth']:.3g}x per step, which puts the edge of stability "
+                f"near {f['edge_lr']:.3g}") if f.get("edge_lr") is not None else ""
         return (f"The learning rate ({f['lr']:.3g}) is too high: one step moves the weights by "
-                f"{f['relative_update']:.3g}x their own size. Lower it to about {f['safe_lr']:.3g} or below, or "
-                "add warm-up.")
+                f"{f['relative_update']:.3g}x their own size{edge}. Lower it to about {f['safe_lr']:.3g} or below, "
+                "or add warm-up.")
     if cause == "exploding_gradient" and (d.get("layer_growth") or d.get("activation_growth")):
         what = "gradients grow layer by layer towards the input" if d.get("layer_growth") else \
             "activations grow layer by layer"

@@ -13,11 +13,12 @@ Rungs, in order of escalation:
    - ``learning_rate`` and ``exploding_gradient``: cut at the first incident of a run of incidents, and again
      after each rollback forced because skipping did not help; ``exploding_gradient`` by ``lr_factor`` (a
      NaN after a gradient outlier may be a one-off), ``learning_rate`` and any ``divergence`` (a run caught
-     running away: half the LR usually lands just below the edge) by ``recovery.divergence_lr_factor`` and,
-     for ``learning_rate``, further if that is not enough: down to the LR at which
+     running away is past the edge of stability) by ``recovery.divergence_lr_factor`` and, for
+     ``learning_rate``, further if that is not enough: down to the LR at which
      the diagnosis' relative update would be safe (``safe_lr`` in its evidence: SGD moving the weights by at
-     most their own size per step, an adaptive optimizer's largest step at 5% of their RMS; at most
-     10,000-fold in one cut);
+     most their own size per step, or a quarter of the edge of stability its gradient norm's growth rate
+     implies if lower; an adaptive optimizer's largest step at 5% of their RMS; at most 10,000-fold in one
+     cut);
    - ``input``, ``initialization``, ``overflow``, ``precision`` and ``backward_op`` name a problem a smaller
      LR cannot fix (bad data, bad weights, a dtype's range, an op's domain): never cut;
    - no cause, ``unknown`` or ``optimizer``: cut after a rollback forced because skipping did not help
