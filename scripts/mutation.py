@@ -177,6 +177,12 @@ def run_suite(copy: Path, timeout: float, pytest_args: list[str]) -> tuple[str, 
     return outcome, time.monotonic() - start, output
 
 
+def _kill_all() -> None:
+    with _procs_lock:
+        for proc in list(_procs.values()):
+            _kill(proc)
+
+
 def _kill(proc: subprocess.Popen) -> None:
     """Kill the suite's process group (pytest and the subprocesses it spawned: DDP ranks, CLI runs)."""
     try:
@@ -185,11 +191,13 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-_FAILED = re.compile(r"^(FAILED|ERROR) (.+?)(?: - .*)?$", re.M)  # pytest's short summary (-ra in pyproject)
+_FAILED = re.compile(r"^(FAILED|ERROR) (.+?)(?: - .*)?$", re.M)  # pytest's short summary (-rfE)
 
 
 def first_failure(output: str) -> str:
-    m = _FAILED.search(output)
+    # only in pytest's short summary: a captured log line can start with "ERROR" too
+    summary = output.rfind("short test summary info")
+    m = _FAILED.search(output, summary if summary >= 0 else 0)
     if m:
         name = m.group(2) if len(m.group(2)) <= 150 else m.group(2)[:147] + "..."
         return name + (" (error)" if m.group(1) == "ERROR" else "")
@@ -270,6 +278,10 @@ def summarise(results: list[Result], wall: float, baseline: float) -> dict:
             "python": sys.executable, "results": [asdict(r) for r in results]}
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,6 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the mutated copies (under the temp folder)")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string, e.g. '-m \"not ddp\"'")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # a background run ignores SIGINT: kill -TERM stops it cleanly
 
     chosen = select(args)
     if args.list:
@@ -319,11 +332,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         results: list[Result] = []
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             futures = {pool.submit(run_mutant, m, files, work, timeout, pytest_args, args.keep): m for m in chosen}
-            for n, fut in enumerate(as_completed(futures), start=1):
-                r = fut.result()
-                results.append(r)
-                extra = f"by {r.killed_by}" if r.killed_by else r.detail
-                print(f"[{n:>3}/{len(chosen)}] {r.status:<8} {r.id:<40} {r.seconds:5.0f} s  {extra}", flush=True)
+            try:
+                for n, fut in enumerate(as_completed(futures), start=1):
+                    r = fut.result()
+                    results.append(r)
+                    extra = f"by {r.killed_by}" if r.killed_by else r.detail
+                    print(f"[{n:>3}/{len(chosen)}] {r.status:<8} {r.id:<40} {r.seconds:5.0f} s  {extra}", flush=True)
+            except KeyboardInterrupt:  # before the pool waits for the running suites: stop them first
+                for fut in futures:
+                    fut.cancel()
+                _kill_all()
+                raise
         order = {m.id: i for i, m in enumerate(MUTANTS)}
         results.sort(key=lambda r: order[r.id])
         summary = summarise(results, time.monotonic() - start, baseline)
@@ -333,9 +352,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         unexplained = summary["survived"] - summary["survived_harmless"]
         return 0 if unexplained == summary["stale"] == 0 else 1
     except KeyboardInterrupt:
-        with _procs_lock:
-            for proc in list(_procs.values()):
-                _kill(proc)
+        _kill_all()
         return 130
     finally:
         if not args.keep:

@@ -131,6 +131,34 @@ def test_resume_from_last_ckpt_continues_numbering_and_starts_at_the_cut_lr(tmp_
     assert guard2.counters["incidents"] == 0 and guard2.lr_scale == 1.0
 
 
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_two_named_guards_keep_their_own_state_through_a_checkpoint(tmp_path, fit):
+    """Named guards have distinct ``state_key``s: both states reach the checkpoint and each is restored to its
+    own guard on resume."""
+    steps_per_epoch = 10
+
+    def guards():  # same incidents, different state: only "b" cuts the LR at the first one
+        return (NaNGuard(name="a", logging={"verbose": False}),
+                NaNGuard(name="b", logging={"verbose": False}, recovery={"reduce_lr_after": 1}))
+
+    a, b = guards()
+    assert a.state_key != b.state_key
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    data = models.loader(models.regression_data(n=8 * steps_per_epoch), batch_size=8)
+    fit(models.NaNLossOnBatches(bad={2}), data, [a, b, ckpt], subdir="run1", max_epochs=1, enable_checkpointing=True)
+    assert (a.lr_scale, b.lr_scale) == (1.0, 0.5) and a.counters["incidents"] == b.counters["incidents"] == 1
+    saved = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)["callbacks"]
+    assert {a.state_key, b.state_key} <= set(saved)
+    assert [saved[g.state_key]["recovery"]["lr_scale"] for g in (a, b)] == [1.0, 0.5]
+
+    a2, b2 = guards()
+    fit(models.NaNLossOnBatches(bad={4}), data, [a2, b2], subdir="run2", max_epochs=2,
+        ckpt_path=str(tmp_path / "ckpts" / "last.ckpt"))
+    assert [e.index for e in a2.events] == [e.index for e in b2.events] == [2]  # numbering continues, each
+    assert a2.counters["lr_cuts"] == 0 and a2.lr_scale == 1.0
+    assert b2.counters["lr_cuts"] == 2 and b2.lr_scale == 0.25  # its own cut, then one more
+
 # -------------------------------------------------------------- non-finite weights found at checkpoint time
 
 

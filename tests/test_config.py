@@ -107,6 +107,18 @@ def test_constructor_validates_keyword_sections():
         NaNGuard(check="always")  # type: ignore[arg-type]
 
 
+
+@pytest.mark.parametrize("name", ["a/b", "", "my guard", "1st", "../up", 3])
+def test_name_must_be_an_identifier(name):
+    """``name`` becomes a folder and a tag prefix: a path separator, a space or a non-string is refused."""
+    with pytest.raises(ConfigError, match="name"):
+        NaNGuard(name=name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", [None, "b", "student_2"])
+def test_identifier_names_are_accepted(name):
+    assert NaNGuard(name=name).name == name
+
 # A double-quoted "\U" takes 8 hex digits: 0x10001000 is beyond U+10FFFF, PyYAML raises a plain ValueError.
 BAD_ESCAPE = 'recovery:\n  lr_factor: "\\U100010000"\n'
 # PyYAML recurses once per nesting level: RecursionError, not YAMLError.

@@ -86,3 +86,33 @@ def test_healthy_run_with_trainer_detect_anomaly_records_nothing(tmp_path):
     guard = NaNGuard()
     trainer(tmp_path, [guard], detect_anomaly=True).fit(RowNorm(), loader(_data(zero_row=False)))
     assert guard.events == [] and not (tmp_path / "nanguard" / "events.jsonl").exists()
+
+
+class RowNormWithExtra(RowNorm):
+    """RowNorm whose batches carry a field it never reads."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        return super().training_step((x, y), batch_idx)
+
+
+def test_the_users_anomaly_mode_stays_on_after_the_guard_handles_an_incident(tmp_path):
+    """A diagnosis pauses the user's anomaly mode and puts it back: a later NaN in backward still raises."""
+    unread_nan, zero_row = 1, 3  # batches: a NaN in the unread field, then an all-zero row (NaN in backward)
+    x, y = (t.clone() for t in regression_data(128).tensors)
+    extra = torch.zeros(128, 2)
+    extra[unread_nan * 32, 0] = float("nan")
+    x[zero_row * 32 + 3] = 0.0
+    seen: list[bool] = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(torch.is_anomaly_enabled())
+
+    guard = NaNGuard(check={"inputs": "always"}, logging={"verbose": False})
+    t = trainer(tmp_path, [guard, Probe()], detect_anomaly=True)
+    with pytest.raises(RuntimeError, match="returned nan values"):
+        t.fit(RowNormWithExtra(), loader(TensorDataset(x, y, extra)))
+    assert [(e.step, e.kind, e.actions) for e in guard.events] == [
+        (unread_nan, "input", ["skip_step"]), (zero_row, "gradient", ["raise"])]
+    assert seen == [True] * (zero_row + 1)

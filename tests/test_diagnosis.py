@@ -306,3 +306,74 @@ def test_frames_is_the_number_of_module_frames_in_the_report(tmp_path: Any, fit_
     assert len(rows) == min(frames, calls)
     assert rows[-1].split()[1:3] == ["square", "(0)"]
     assert rows[0].split()[1] == ("body" if frames == 2 else "body.0")
+
+
+# ------------------------------------------------------------------- precision, data-explained overflow, optimizer
+
+
+class FractionalPower(pl.LightningModule):
+    """``|w.x| ** 0.01`` (no bias): finite forward; its backward ``0.01 |u| ** -0.99`` overflows float32 for a
+    tiny ``u`` (a sample of 1e-44, subnormal) but not float64."""
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, 1, bias=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.linear(x).abs().pow(0.01), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_backward_only_overflow_finite_in_float64_is_precision(fit: Any) -> None:
+    """A NaN/Inf that first appears in backward is ``precision`` when the float64 backward is finite."""
+    x, y = (t.clone() for t in regression_data(8 * 16).tensors)
+    bad_step = 2
+    x[16 * bad_step + 3] = 1e-44
+    assert 0 < float(x[16 * bad_step + 3, 0]) < torch.finfo(torch.float32).tiny  # subnormal, not zero
+    guard = NaNGuard(logging={"verbose": False})
+    fit(FractionalPower(), TensorDataset(x, y), [guard], batch_size=16, max_epochs=1)
+    (ev,) = guard.events
+    assert (ev.step, ev.kind) == (bad_step, "gradient") and math.isinf(ev.details["grad_norm"])
+    assert ev.details["replay"]["reproduced"] and ev.details["replay"]["loss_finite"]
+    assert ev.details["float64"]["grads_finite"]
+    assert ev.cause == "precision" and ev.op == "PowBackward0"
+
+
+def test_overflow_explained_by_an_extreme_feature_stays_overflow_while_the_norm_history_grows(fit: Any) -> None:
+    """Rule 4b: extreme input features explain the overflow, even after a growing gradient-norm history (which,
+    alone, would be read as exploding gradients)."""
+    from lightning_nanguard.diagnose import dynamics
+    from .test_causes import FeatureSquare
+
+    x, y = (t.clone() for t in regression_data(n=16 * 8, features=8).tensors)
+    bad_step = 6
+    for k in range(bad_step):  # feature 5 grows 3x per batch: the gradient norm (~ x**4) grows with it
+        x[16 * k:16 * (k + 1), 5] *= 3.0 ** k
+    x[16 * bad_step:16 * (bad_step + 1), 5] = 1e20  # squared: 1e40, beyond float32
+    guard = NaNGuard(check={"divergence": "off"}, logging={"verbose": False})
+    fit(FeatureSquare(), TensorDataset(x, y), [guard], batch_size=16, max_epochs=1)
+    ev = guard.events[0]
+    assert (ev.step, ev.kind) == (bad_step, "loss")
+    history = list(guard._clipper.history)[:bad_step]
+    assert dynamics.short_growth(history) is not None  # the history alone says exploding_gradient
+    assert ev.details["extreme_features"][0]["features"] == [5]
+    assert ev.cause == "overflow" and ev.details["abs_max_float64"] > torch.finfo(torch.float32).max
+    assert "symptom" not in ev.details and "reduce_lr" not in ev.actions
+
+
+def test_nonfinite_parameters_after_nonfinite_gradients_are_unknown_not_optimizer(fit: Any) -> None:
+    """Rule 3 blames the optimizer only when the gradients of the step that wrote the weights were finite."""
+    from lightning_nanguard.testing import Fault, FaultInjector
+
+    bad_step = 3
+    injector = FaultInjector([Fault("gradient", steps=[bad_step], value="inf"),
+                              Fault("parameter", steps=[bad_step], target="linear.weight")])
+    guard = NaNGuard(logging={"verbose": False})
+    fit(Regression(), regression_data(128), [injector, guard], batch_size=16, max_steps=6)
+    assert [(e.step, e.kind) for e in guard.events[:2]] == [(bad_step, "gradient"), (bad_step + 1, "parameter")]
+    assert math.isinf(guard.events[0].details["grad_norm"])
+    ev = guard.events[1]
+    assert ev.culprit == "linear.weight" and ev.cause == "unknown"

@@ -51,6 +51,26 @@ def test_accumulation_poisoned_micro_batch_skips_exactly_its_step(fit):
     assert models.same_weights(guarded, reference)
 
 
+def test_accumulation_loss_fault_in_first_micro_batch_is_a_loss_incident(fit):
+    """Under accumulation the step's loss flag covers every micro-batch, not only the last one."""
+    from lightning_nanguard.testing import Fault, FaultInjector
+
+    accumulate, bad_step = 4, 2
+    guarded = models.Regression(lr=0.02, optimizer="adamw")
+    reference = copy.deepcopy(guarded)
+    guard = NaNGuard()
+    injector = FaultInjector([Fault("loss", steps=[bad_step], micro_batch=0)])
+    fit(guarded, models.regression_data(n=8 * 24), [injector, guard], batch_size=8, max_steps=6,
+        accumulate_grad_batches=accumulate)
+    assert [(r.step, r.micro_batch) for r in injector.log] == [(bad_step, 0)]
+    assert [(e.step, e.kind) for e in guard.events] == [(bad_step, "loss")]
+    assert guard.events[0].batch_idx == (bad_step + 1) * accumulate - 1  # decided at the step's last micro-batch
+    assert guard.counters["skipped_steps"] == 1
+    fit(reference, models.regression_data(n=8 * 24), [SkipSteps({bad_step})], subdir="ref", batch_size=8,
+        max_steps=6, accumulate_grad_batches=accumulate)
+    assert models.same_weights(guarded, reference)
+
+
 class TwoOptimizers(pl.LightningModule):
     """GAN-style manual optimization: a generator and a discriminator, one optimizer each."""
 

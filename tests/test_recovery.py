@@ -5,6 +5,7 @@ the incident window, snapshots, and giving up."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -390,19 +391,28 @@ def test_rollback_restores_the_running_statistics_of_the_snapshot(fit: Any) -> N
     rollback: they are part of the known-good state."""
     import pytorch_lightning as pl
 
-    seen: list[tuple[dict, dict, dict, dict]] = []
+    seen: list[tuple[int, dict, dict, dict, dict]] = []
+    before: list[tuple[dict, dict]] = []  # the statistics of the last step before the rollback
 
     class Probe(pl.Callback):  # after the guard's on_train_batch_end, i.e. after the rollback
         def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-            if guard.counters["rollbacks"] and not seen:
-                meta = guard._recovery.store.newest.meta
-                seen.append((meta["zclip"], guard._clipper.zclip.state_dict(), meta["loss_stats"],
-                             guard._losses.detector.state_dict()))
+            if not guard.counters["rollbacks"]:
+                before[:] = [(copy.deepcopy(guard._clipper.zclip.state_dict()),
+                              copy.deepcopy(guard._losses.detector.state_dict()))]
+            elif not seen:
+                newest = guard._recovery.store.newest
+                seen.append((newest.step, newest.meta["zclip"], guard._clipper.zclip.state_dict(),
+                             newest.meta["loss_stats"], guard._losses.detector.state_dict()))
 
-    guard = NaNGuard()  # snapshot every 50 steps; 4 NaN losses in a row: skip x3, then roll back
-    fit(NaNLossRegression(nan_steps=(60, 61, 62, 63)), regression_data(), [guard, Probe()], shuffle=True, max_epochs=5)
-    assert guard.counters["rollbacks"] == 1 and guard._recovery.store.newest.step >= 50
-    (zclip_snap, zclip_now, loss_snap, loss_now), = seen
+    guard = NaNGuard()  # 4 NaN losses in a row: skip x3, then roll back
+    first_nan = 70  # healthy steps after the newest snapshot change the statistics before the NaN steps
+    nan_steps = tuple(range(first_nan, first_nan + guard.config.recovery.max_skips + 1))
+    fit(NaNLossRegression(nan_steps=nan_steps), regression_data(), [guard, Probe()], shuffle=True, max_epochs=6)
+    (snap_step, zclip_snap, zclip_now, loss_snap, loss_now), = seen
+    assert first_nan - guard.config.recovery.snapshot_every < snap_step < first_nan
+    (zclip_before, loss_before), = before
+    assert zclip_before["count"] == zclip_snap["count"] + (first_nan - snap_step)  # learned since the snapshot
+    assert loss_before != loss_snap
     assert zclip_now == zclip_snap and loss_now == loss_snap and zclip_now["count"] >= 50
 
 
@@ -677,6 +687,36 @@ def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, fit_steps,
     else:
         assert not folder.exists()
 
+
+class GrowingLoss(models.Regression):
+    """The loss value times ``factors[step]`` (a detached offset: the gradients, and so the gradient norm, are
+    those of the plain loss)."""
+
+    def __init__(self, factors: dict[int, float]) -> None:
+        super().__init__()
+        self.factors = factors
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + (self.factors.get(self.global_step, 1.0) - 1.0) * loss.detach()
+
+
+def test_no_snapshot_while_the_loss_grows_towards_a_divergence(fit_steps):
+    """A snapshot that falls due while the loss grows (divergence_steps - 1 growth ratios, no event yet) waits:
+    the NaN that follows rolls back to the snapshot from before the growth."""
+    every = 5
+    guard = NaNGuard(recovery={"snapshot_every": every}, logging=QUIET)
+    growth = 2.5 * guard.config.check.divergence_growth  # well above the growth threshold despite batch noise
+    due = 2 * every - 1  # the step at whose end the second periodic snapshot falls due
+    steps = guard.config.check.divergence_steps - 1
+    factors = {due - steps + 1 + i: growth ** (i + 1) for i in range(steps)}  # the growth ends at the due step
+    nan_steps = list(range(due + 1, due + 2 + guard.config.recovery.max_skips))
+    snaps = models.SnapshotSpy(guard)
+    fit_steps(GrowingLoss(factors), [FaultInjector(Fault("loss", steps=nan_steps)), guard, snaps], steps=due + 8)
+    assert guard._divergence.enabled and not any(e.kind == "divergence" for e in guard.events)
+    assert due + 1 not in snaps.states  # deferred while the loss grew
+    rollback = next(e for e in guard.events if "rollback" in e.actions)
+    assert rollback.step == nan_steps[-1] and rollback.details["restored_step"] == every
 
 def test_confirm_after_takes_the_confirming_snapshot_sooner(fit_steps):
     """After a rollback, a snapshot confirms it after confirm_after healthy steps (not snapshot_every)."""

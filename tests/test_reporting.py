@@ -227,3 +227,43 @@ def test_events_file_is_flushed_and_fsynced_per_event(tmp_path, fit_logging, mon
     assert len(synced) == len(guard.events)  # one fsync of the events file per event
     assert [len(s) for s in synced] == list(range(1, len(guard.events) + 1))  # complete after every write
     assert [s[-1] for s in synced] == [e.to_dict() for e in guard.events]
+
+
+# ------------------------------------------------------------------------------------- a second, named guard
+
+
+def test_named_guard_writes_its_own_folder_and_tags_next_to_an_unnamed_one(tmp_path, fit):
+    """``NaNGuard(name="b")``: ``<log_dir>/nanguard/b/`` and ``nanguard/b/`` tags, apart from the unnamed guard's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    first, second = NaNGuard(logging={"verbose": False}), NaNGuard(name="b", logging={"verbose": False})
+    t = fit(Regression(lr=0.05), poisoned_loader(), [first, second], logger=logger, log_every_n_steps=50)
+    assert [e.step for e in first.events] == list(BAD_BATCHES) == [e.step for e in second.events]
+    root = Path(logger.log_dir) / "nanguard"
+    for folder in (root, root / "b"):
+        records = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(BAD_BATCHES), folder
+        assert sorted(p.name for p in folder.glob("incident-*.txt")) == [
+            f"incident-{i:04d}-step{s}.txt" for i, s in enumerate(BAD_BATCHES, 1)]
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    for prefix in ("nanguard/", "nanguard/b/"):
+        assert [(s.step, s.value) for s in acc.Scalars(prefix + "incidents")] == [
+            (s, float(i)) for i, s in enumerate(BAD_BATCHES, 1)], prefix
+    named_text = [tag for tag in acc.Tags()["tensors"] if tag.startswith("nanguard/b/")]
+    assert sorted(ev.step for tag in named_text for ev in acc.Tensors(tag)) == list(BAD_BATCHES)
+    assert t.progress_bar_metrics["ng_b_incidents"] == t.progress_bar_metrics[INCIDENTS_KEY] == len(BAD_BATCHES)
+
+
+@pytest.mark.parametrize("field, value", [("cause", "cosmic_rays"), ("kind", "weird"), ("actions", ["pray"])])
+def test_an_event_outside_the_vocabulary_is_refused_when_recorded(tmp_path, guarded_fit, field, value):
+    """KINDS, ACTIONS and CAUSES are enforced at record time: nothing outside them reaches a sink."""
+    guard, t = guarded_fit()
+    events_file = tmp_path / "nanguard" / "events.jsonl"
+    written = events_file.read_text()
+    event = guard._recorder.new_event(t, "loss", 0)
+    setattr(event, field, value)
+    with pytest.raises(ValueError, match="unknown"):
+        guard._recorder.record(t, event, "", {"incidents": 4.0})
+    assert len(guard.events) == len(BAD_BATCHES) and events_file.read_text() == written
