@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from common import RESULTS, LinearRegression, TinyLM, loader, machine, make_trainer, markov_tokens, regression_data
-from tests.models import GPT, DeepMLP  # noqa: E402  (shared with the tests that pin these cases)
+from tests.models import GPT, DeepMLP, FeatureSquare  # noqa: E402  (shared with the tests that pin these cases)
 
 from lightning_nanguard import NaNGuard
 
@@ -60,30 +60,6 @@ class TooLarge(LinearRegression):
         super().__init__(lr=lr)
         with torch.no_grad():
             self.linear.weight.mul_(1e20)
-
-
-class Square(nn.Module):
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * h
-
-
-class FeatureSquare(pl.LightningModule):
-    """Linear -> square -> Linear, Adam: a feature of ~1e20 squares past float32's max."""
-
-    def __init__(self, lr: float, features: int = 8) -> None:
-        super().__init__()
-        self.lr = lr
-        self.proj, self.square, self.head = nn.Linear(features, features), Square(), nn.Linear(features, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.square(self.proj(x)))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
 # ----------------------------------------------------------------------------------------------------- data

@@ -274,6 +274,30 @@ class SquareNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class FeatureSquare(pl.LightningModule):
+    """Linear -> x*x -> Linear, Adam: a feature of ~1e20 squares past float32's max (the seed-000 overflow case).
+    ``identity``: the first Linear starts as the identity, so the feature reaches the square unchanged."""
+
+    def __init__(self, lr: float = 1e-3, features: int = 8, identity: bool = False) -> None:
+        super().__init__()
+        self.lr = lr
+        self.proj, self.square, self.head = nn.Linear(features, features), Square(), nn.Linear(features, 1)
+        if identity:
+            with torch.no_grad():
+                self.proj.weight.copy_(torch.eye(features))
+                self.proj.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.square(self.proj(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
 def overflow_data(bad_batch: Optional[int] = 2, batches: int = 8, batch_size: int = 8) -> TensorDataset:
     """Regression data for :class:`SquareNet`; with ``bad_batch``, one feature of one sample of that batch is
     1e25: finite, but its square overflows float32 (finite again in float64)."""

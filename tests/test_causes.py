@@ -20,7 +20,7 @@ from lightning_nanguard import NaNGuard
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
 from lightning_nanguard.diagnose import dynamics
 from lightning_nanguard.recover.ladder import LARGEST_CUT, LR_CAUSES, NO_LR_CUT, RecoveryLadder
-from .models import GPT, DeepMLP, Regression, loader, markov_tokens, regression_data, trainer
+from .models import GPT, DeepMLP, FeatureSquare, Regression, loader, markov_tokens, regression_data, trainer
 from .test_divergence import LossTrace
 
 QUIET = {"verbose": False}
@@ -35,29 +35,6 @@ class TooLarge(Regression):
         super().__init__(features=8, lr=0.01)
         with torch.no_grad():
             self.linear.weight.mul_(1e20)
-
-
-class Square(nn.Module):
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * h
-
-
-class FeatureSquare(pl.LightningModule):
-    """Linear -> square -> Linear: one un-normalised feature column of ~1e20 overflows float32 (seed 000)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj, self.square, self.head = nn.Linear(8, 8), Square(), nn.Linear(8, 1)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.eye(8))
-            self.proj.bias.zero_()
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.head(self.square(self.proj(x))), y)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
 def _mlp_run(tmp_path: Any, divergence: str) -> tuple[NaNGuard, LossTrace]:
@@ -157,7 +134,7 @@ def test_data_overflow_names_the_feature_and_never_cuts_the_lr(tmp_path: Any) ->
     x[:, 5] = 1e20 * (1 + torch.rand(64))
     guard = NaNGuard(recovery={"max_skips": 1, "max_rollbacks": 1}, anomaly={"max_replays": 2}, logging=QUIET)
     t = trainer(tmp_path, [guard], max_epochs=4)
-    t.fit(FeatureSquare(), DataLoader(TensorDataset(x, y), batch_size=16))
+    t.fit(FeatureSquare(identity=True), DataLoader(TensorDataset(x, y), batch_size=16))
     assert guard.events and all(e.cause == "overflow" for e in guard.events)
     assert guard.events[0].details["extreme_features"][0]["features"] == [5]
     assert "feature(s) [5]" in guard.events[0].suggestion

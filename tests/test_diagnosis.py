@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
-from .models import EpsZeroEmbedding, Regression, loader, read_events, regression_data
+from .models import EpsZeroEmbedding, Regression, Square, loader, read_events, regression_data
 
 # ------------------------------------------------------------------------------------------------ models
 
@@ -218,11 +218,6 @@ def test_anomaly_always_stops_at_the_op_and_cleans_up_on_exception(tmp_path: Any
 
 
 # ---------------------------------------------------------------- anomaly.float64_check, max_replays, frames
-
-
-class Square(nn.Module):
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * h
 
 
 class OverflowNet(pl.LightningModule):
