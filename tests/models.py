@@ -364,14 +364,14 @@ class MetricsClassifier(pl.LightningModule):
                 if hasattr(m, "metric_state") for attr, value in m.metric_state.items()}
 
 
-def markov_tokens(n: int = 256, length: int = 16, vocab: int = 64, seed: int = 0) -> TensorDataset:
-    """Sequences of a sparse Markov chain (4 successors per token): learnable, entropy floor log(4)."""
+def markov_tokens(n: int = 256, length: int = 16, vocab: int = 64, seed: int = 0, successors: int = 4) -> TensorDataset:
+    """Sequences of a sparse Markov chain (``successors`` per token): learnable, entropy floor log(successors)."""
     g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 4), generator=g)
+    nxt = torch.randint(0, vocab, (vocab, successors), generator=g)
     seq = torch.empty(n, length + 1, dtype=torch.long)
     seq[:, 0] = torch.randint(0, vocab, (n,), generator=g)
     for t in range(length):
-        seq[:, t + 1] = nxt[seq[:, t], torch.randint(0, 4, (n,), generator=g)]
+        seq[:, t + 1] = nxt[seq[:, t], torch.randint(0, successors, (n,), generator=g)]
     return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
 
 

@@ -26,6 +26,8 @@ from lightning_nanguard import ConfigError, NaNGuard, NaNGuardConfig
 from lightning_nanguard.report.cli import main as cli_main
 from lightning_nanguard.config import SECTIONS, RecoveryConfig, iter_keys, load_yaml
 
+from .cli_runs import run_cli_cases
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
@@ -486,38 +488,21 @@ def test_generated_yaml_gives_a_valid_config_or_config_error(tmp_path, text):
 
 # ---------------------------------------------------------------------------------- LightningCLI
 
-# One interpreter (a real LightningCLI, as a user runs it) for every case: starting torch and Lightning
-# costs seconds per process. Each case parses its own argv; errors are captured per case.
-_DRIVER = r"""
-import contextlib, io, json, sys, traceback
-sys.path.insert(0, {examples!r})
+_SETUP = r"""
+sys.path.insert(0, EXAMPLES_HERE)
 import cli_example
 from cli_example import RegressionData, RegressionModel
 from pytorch_lightning.cli import LightningCLI
+"""
 
-def guard_config(cli):
+_CASE = """
+if name == "fit":  # the example script itself, as `python examples/cli_example.py fit ...`
+    sys.argv = ["cli_example.py", *args]
+    cli_example.main()
+else:
+    cli = LightningCLI(RegressionModel, RegressionData, args=args, run=False)
     guard = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "NaNGuard")
-    return guard.config.to_dict()
-
-results = {{}}
-for name, argv in json.loads(sys.argv[1]).items():
-    err = io.StringIO()
-    out = {{"exit": 0, "config": None}}
-    try:
-        with contextlib.redirect_stderr(err):
-            if name == "fit":  # the example script itself, as `python examples/cli_example.py fit ...`
-                sys.argv = ["cli_example.py", *argv]
-                cli_example.main()
-            else:
-                out["config"] = guard_config(LightningCLI(RegressionModel, RegressionData, args=argv, run=False))
-    except SystemExit as exc:
-        out["exit"] = exc.code if isinstance(exc.code, int) else 1
-    except Exception:
-        out["exit"] = 1
-        err.write(traceback.format_exc())
-    out["stderr"] = err.getvalue()
-    results[name] = out
-print("RESULTS=" + json.dumps(results))
+    out["config"] = guard.config.to_dict()
 """
 
 _INVALID = {
@@ -535,12 +520,7 @@ def cli_runs(tmp_path_factory):
     cases = {"override": base + ["--trainer.callbacks.init_args.recovery.max_rollbacks=7"],
              "fit": ["fit", *base, f"--trainer.default_root_dir={tmp / 'fit'}", "--trainer.logger=false"]}
     cases.update({name: base + [f"--trainer.callbacks.init_args.{arg}"] for name, (arg, _) in _INVALID.items()})
-    driver = write(tmp, _DRIVER.format(examples=str(ROOT / "examples")), "driver.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run([sys.executable, str(driver), json.dumps(cases)], cwd=tmp, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0 and "RESULTS=" in result.stdout, result.stderr[-3000:]
-    return tmp, json.loads(result.stdout.split("RESULTS=", 1)[1].splitlines()[0])
+    return tmp, run_cli_cases(tmp, _SETUP.replace("EXAMPLES_HERE", repr(str(ROOT / "examples"))), _CASE, cases)
 
 
 def _nanguard_init_args() -> dict:

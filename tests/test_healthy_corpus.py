@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
-from .models import trainer
+from .models import markov_tokens, trainer
 
 
 def _regression(n: int = 256, features: int = 8, seed: int = 0, scale: float = 1.0, offset: float = 0.0,
@@ -34,16 +34,6 @@ def _classes(n: int = 256, features: int = 8, classes: int = 4, seed: int = 0) -
     centers = 2.0 * torch.randn(classes, features, generator=g)
     y = torch.randint(0, classes, (n,), generator=g)
     return TensorDataset(centers[y] + torch.randn(n, features, generator=g), y)
-
-
-def _tokens(n: int = 64, length: int = 16, vocab: int = 32, seed: int = 0) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    nxt = torch.randint(0, vocab, (vocab, 3), generator=g)
-    seq = torch.empty(n, length + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(0, vocab, (n,), generator=g)
-    for t in range(length):
-        seq[:, t + 1] = nxt[seq[:, t], torch.randint(0, 3, (n,), generator=g)]
-    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
 
 
 class Net(pl.LightningModule):
@@ -151,7 +141,8 @@ CORPUS: dict[str, tuple[Callable[[], pl.LightningModule], Callable[[], TensorDat
                              lambda: _regression(scale=1000.0, offset=5000.0), 16, 3),
     "plateau_then_sharp_drop": (lambda: Net(_plateau_net(), _mse, lambda p: torch.optim.SGD(p, lr=0.05)),
                                 _regression, 32, 6),
-    "fresh_transformer": (lambda: Net(TinyLM(), _ce, lambda p: torch.optim.AdamW(p, lr=3e-3)), _tokens, 8, 3),
+    "fresh_transformer": (lambda: Net(TinyLM(), _ce, lambda p: torch.optim.AdamW(p, lr=3e-3)),
+                          lambda: markov_tokens(n=64, vocab=32, successors=3), 8, 3),
     "noisy_batches_regression": (lambda: Net(nn.Linear(8, 1), _mse, lambda p: torch.optim.SGD(p, lr=0.05)),
                                  _regression, 2, 1),
     "noisy_batches_classifier": (lambda: Net(_mlp(out=4), _ce, lambda p: torch.optim.Adam(p, lr=1e-2)),

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -22,6 +19,7 @@ import lightning_nanguard.lightning as unified
 from lightning_nanguard.config import ConfigError
 
 from . import models
+from .cli_runs import run_cli_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN_BATCHES = (2, 5)
@@ -78,8 +76,7 @@ def test_unified_class_behaves_the_same_in_a_lightning_pytorch_trainer(tmp_path)
 
 # ------------------------------------------------------------------------------------- LightningCLI
 
-_DRIVER = r"""
-import contextlib, io, json, sys, traceback
+_SETUP = r"""
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -88,7 +85,7 @@ import pytorch_lightning as pl
 from lightning.pytorch.cli import LightningCLI as UnifiedCLI
 from pytorch_lightning.cli import LightningCLI as ClassicCLI
 
-NAN_BATCHES = {nan_batches!r}
+NAN_BATCHES = NAN_BATCHES_HERE
 
 def classes(pkg):
     class Data(pkg.LightningDataModule):
@@ -114,28 +111,17 @@ def classes(pkg):
 
     return Model, Data
 
-CLIS = {{"classic": (ClassicCLI, *classes(pl)), "unified": (UnifiedCLI, *classes(L))}}
-results = {{}}
-for name, (package, argv) in json.loads(sys.argv[1]).items():
-    cli_cls, model, data = CLIS[package]
-    err = io.StringIO()
-    out = {{"exit": 0, "config": None, "type": None}}
-    try:
-        with contextlib.redirect_stderr(err):
-            run = bool(argv) and argv[0] == "fit"
-            cli = cli_cls(model, data, args=argv, run=run)
-            guard = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "NaNGuard")
-            out["config"] = guard.config.to_dict()
-            out["type"] = type(guard).__module__ + "." + type(guard).__qualname__
-            out["events"] = [(e.step, e.kind) for e in guard.events]
-    except SystemExit as exc:
-        out["exit"] = exc.code if isinstance(exc.code, int) else 1
-    except Exception:
-        out["exit"] = 1
-        err.write(traceback.format_exc())
-    out["stderr"] = err.getvalue()
-    results[name] = out
-print("RESULTS=" + json.dumps(results))
+CLIS = {"classic": (ClassicCLI, *classes(pl)), "unified": (UnifiedCLI, *classes(L))}
+"""
+
+_CASE = """
+cli_cls, model, data = CLIS[args[0]]
+argv = args[1]
+cli = cli_cls(model, data, args=argv, run=bool(argv) and argv[0] == "fit")
+guard = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "NaNGuard")
+out["config"] = guard.config.to_dict()
+out["type"] = type(guard).__module__ + "." + type(guard).__qualname__
+out["events"] = [(e.step, e.kind) for e in guard.events]
 """
 
 UNIFIED = "lightning_nanguard.lightning.NaNGuard"
@@ -179,13 +165,7 @@ def cli_runs(tmp_path_factory):
                                         f"--trainer.default_root_dir={tmp / 'fit'}"])
     cases["unified:fit_range"] = ("unified", ["fit", "--config", str(_config(tmp, UNIFIED)),
                                               f"{arg}recovery.max_rollbacks=-1"])
-    driver = tmp / "driver.py"
-    driver.write_text(_DRIVER.format(nan_batches=NAN_BATCHES))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run([sys.executable, str(driver), json.dumps(cases)], cwd=tmp, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0 and "RESULTS=" in result.stdout, result.stderr[-3000:]
-    return tmp, json.loads(result.stdout.split("RESULTS=", 1)[1].splitlines()[0])
+    return tmp, run_cli_cases(tmp, _SETUP.replace("NAN_BATCHES_HERE", repr(NAN_BATCHES)), _CASE, cases)
 
 
 CLI_KEYS = [f"unified:{UNIFIED}", f"classic:{UNIFIED}", f"classic:{CLASSIC}"]
