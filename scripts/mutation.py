@@ -3,8 +3,10 @@
 
 Each mutant of scripts/mutants.py (one exact find/replace in one file) is applied to a fresh copy of the
 repository (tracked and untracked-but-not-ignored files), and the test suite runs on that copy
-(``python -m pytest -x -q -p no:cacheprovider``, OMP_NUM_THREADS=1, PYTHONPATH=the copy). The real tree is
-only read. A mutant is
+(``python -m pytest -x -q -p no:cacheprovider``, OMP_NUM_THREADS=1, PYTHONPATH=the copy) in two passes: the
+tests not marked slow first, then, if they all passed, the slow ones (the same tests as one full run; most
+mutants fall to a quick test, so the pass saves most of the slow tests' time). The real tree is only read.
+A mutant is
 
 - killed:   a test failed (the first failing test is reported);
 - survived: the whole suite passed with the bug in place;
@@ -154,8 +156,9 @@ _procs: dict[int, subprocess.Popen] = {}
 _procs_lock = threading.Lock()
 
 
-def run_suite(copy: Path, timeout: float, pytest_args: list[str]) -> tuple[str, float, str]:
-    """Run the suite in ``copy``: (outcome, seconds, output); outcome is passed, failed or timeout."""
+def run_suite(copy: Path, timeout: float, pytest_args: list[str], allow_empty: bool = False) -> tuple[str, float, str]:
+    """Run the suite in ``copy``: (outcome, seconds, output); outcome is passed, failed or timeout.
+    ``allow_empty``: a selection with no test in it (pytest's exit status 5) passes."""
     cmd = [sys.executable, *PYTEST, f"--basetemp={copy / '.pytest-tmp'}", *pytest_args]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=copy, env=env_for(copy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -164,7 +167,7 @@ def run_suite(copy: Path, timeout: float, pytest_args: list[str]) -> tuple[str, 
         _procs[proc.pid] = proc
     try:
         output, _ = proc.communicate(timeout=timeout)
-        outcome = "passed" if proc.returncode == 0 else "failed"
+        outcome = "passed" if proc.returncode == 0 or (allow_empty and proc.returncode == 5) else "failed"
     except subprocess.TimeoutExpired:
         _kill(proc)
         output, _ = proc.communicate()
@@ -207,15 +210,24 @@ def first_failure(output: str) -> str:
     return tail[-1][:120] if tail else "(no output)"
 
 
+# the two passes of a mutant's run: together, the whole suite once
+PASSES = (["-m", "not slow"], ["-m", "slow"])
+
+
 def run_mutant(m: Mutant, files: list[str], work: Path, timeout: float, pytest_args: list[str],
-               keep: bool) -> Result:
+               keep: bool, passes: tuple[list[str], ...] = PASSES) -> Result:
     mutated, why = check_mutant(m)
     if mutated is None:
         return Result(m.id, m.area, "stale", detail=why, breaks=m.breaks)
     copy = make_copy(ROOT, files, work / m.id)
     try:
         (copy / m.file).write_text(mutated, encoding="utf-8")
-        outcome, seconds, output = run_suite(copy, timeout, pytest_args)
+        seconds = 0.0
+        for selection in passes:
+            outcome, took, output = run_suite(copy, timeout, [*selection, *pytest_args], allow_empty=bool(selection))
+            seconds += took
+            if outcome != "passed":
+                break
         if outcome == "passed":
             return Result(m.id, m.area, "survived", seconds, breaks=m.breaks, harmless=m.harmless)
         if outcome == "timeout":
@@ -296,7 +308,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skip-baseline", action="store_true",
                         help="do not run the unmutated suite first (only when it is known to pass; needs --timeout)")
     parser.add_argument("--keep", action="store_true", help="keep the mutated copies (under the temp folder)")
-    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string, e.g. '-m \"not ddp\"'")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, one string, e.g. '-k \"not ddp\"'")
+    parser.add_argument("--one-pass", action="store_true",
+                        help="run each mutant's suite in one pass instead of quick tests first, then slow ones "
+                             "(implied when --pytest-args selects with -m)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupted)  # a background run ignores SIGINT: kill -TERM stops it cleanly
 
@@ -308,6 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.skip_baseline and args.timeout is None:
         sys.exit("mutation.py: --skip-baseline needs --timeout")
     pytest_args = __import__("shlex").split(args.pytest_args)
+    passes = ([],) if args.one_pass or "-m" in pytest_args else PASSES
 
     files = repo_files(ROOT)
     work = Path(tempfile.mkdtemp(prefix="nanguard-mutation-"))
@@ -331,7 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         results: list[Result] = []
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = {pool.submit(run_mutant, m, files, work, timeout, pytest_args, args.keep): m for m in chosen}
+            futures = {pool.submit(run_mutant, m, files, work, timeout, pytest_args, args.keep, passes): m for m in chosen}
             try:
                 for n, fut in enumerate(as_completed(futures), start=1):
                     r = fut.result()
