@@ -112,6 +112,8 @@ class Responder:
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  **evidence: Any) -> IncidentContext:
         return self.diagnoser.context(trainer, pl_module, event, norm_history=list(self.clipper.history),
+                                      norm_history_end=self.clipper.history_end,
+                                      lr_cut_step=self.recovery.lr_cut_step,
                                       loss_history=list(self.losses.history), reference=self.recovery.weights_at,
                                       **evidence)
 

@@ -138,9 +138,9 @@ class StepFlow:
         ladder.healthy()
         outcome = Outcome.HEALTHY
         if late is None:
-            self.clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to)
+            self.clipper.clip(params, norm, flags.grad_norm, ladder.adaptive_clip, clip_to, trainer.global_step)
         elif late.has_norm:  # clipped on the device already
-            self.clipper.observe(flags.grad_norm, late.spike_limit if clip_to is not None else late.limit)
+            self.clipper.observe(flags.grad_norm, late.spike_limit if clip_to is not None else late.limit, late.step)
         if (norm is not None or late is not None and late.has_norm) and self.clipper.clipping_persists(
                 ladder.adaptive_clip):
             self.responder.clipping_persists(trainer, params, flags, late)

@@ -296,14 +296,32 @@ def test_causes_a_smaller_lr_cannot_fix_never_cut_it(cause: str) -> None:
         assert any(p.rollback for p in plans)
 
 
-@pytest.mark.parametrize("cause", LR_CAUSES)
-def test_lr_causes_cut_at_the_first_incident_and_on_rollback(cause: str) -> None:
+@pytest.mark.parametrize("cause, safe_factor", [("exploding_gradient", 0.02), ("learning_rate", 0.5)])
+def test_lr_causes_cut_at_the_first_incident_and_on_rollback(cause: str, safe_factor: float) -> None:
     ladder = _ladder(max_skips=2)
-    plans = [ladder.incident(s, "loss", can_roll_back=True, cause=cause, safe_factor=0.02) for s in range(3)]
+    plans = [ladder.incident(s, "loss", can_roll_back=True, cause=cause, safe_factor=safe_factor) for s in range(3)]
     assert [(p.reduce_lr, p.rollback) for p in plans] == [(True, False), (False, False), (True, True)]
     cfg = RecoveryConfig()  # a NaN after exploding gradients may be a one-off outlier: recovery.lr_factor
-    expected = min(cfg.divergence_lr_factor, 0.02) if cause == "learning_rate" else None
+    expected = cfg.divergence_lr_factor if cause == "learning_rate" else None  # (0.5 would cut less)
     assert plans[0].lr_factor == expected
+
+
+def test_a_cut_to_the_safe_lr_is_not_repeated_by_the_first_rollback_of_its_episode() -> None:
+    """learning_rate with a safe LR below divergence_lr_factor's: the cut goes there; the rollback that follows
+    undoes the weights that grew before it and does not cut again. An incident after the rollback is new
+    evidence (the first of a new run: it cuts), and a confirming snapshot ends the episode: without a sized cut
+    in it, a rollback cuts by divergence_lr_factor."""
+    ladder = _ladder(max_skips=1, max_rollbacks=5)
+    plans = [ladder.incident(s, "loss", can_roll_back=True, cause="learning_rate", safe_factor=0.02)
+             for s in range(4)]
+    assert [(p.reduce_lr, p.rollback) for p in plans] == [(True, False), (False, True), (True, False), (False, True)]
+    assert plans[0].lr_factor == plans[2].lr_factor == 0.02
+    assert all(any("safe LR" in r for r in p.reasons) for p in (plans[1], plans[3]))
+    ladder.snapshot_taken()
+    plans = [ladder.incident(s, "loss", can_roll_back=True, cause="learning_rate", safe_factor=1.0)
+             for s in range(10, 12)]
+    assert [(p.reduce_lr, p.rollback) for p in plans] == [(True, False), (True, True)]
+    assert plans[1].lr_factor == RecoveryConfig().divergence_lr_factor
 
 
 def test_a_divergence_rolls_back_and_cuts_at_once_and_the_cut_is_bounded() -> None:

@@ -104,6 +104,35 @@ def test_too_high_lr_is_rescued(tmp_path, fit):
         assert key in json.loads(lines[0])
 
 
+def test_too_high_lr_caught_only_at_its_nan_is_rescued_with_one_cut_to_the_safe_lr(tmp_path, fit):
+    """The same run with check.divergence off: it goes NaN under the guard (~step 37, the weights ~1e18 times
+    their start). The relative update is measured on weights and a gradient of one step (the fit-start
+    snapshot's, as the divergence path measures it), not the onset's 1e18 gradient against the start's weights
+    (a 1e18-fold update, an LR cut to the floor); the cut goes to the safe LR once, and the rollback that
+    follows undoes the grown weights without cutting again."""
+    data = models.regression_data(n=2048, features=8)
+    runs = {}
+    for name, lr, guard in (("divergence", 1.5, NaNGuard()), ("nan", 1.5, NaNGuard(check={"divergence": "off"})),
+                            ("sane", 0.05, None)):
+        pl.seed_everything(0, verbose=False)
+        model = models.Regression(features=8, lr=lr)
+        fit(model, data, [guard] if guard else [], subdir=name, shuffle=True, max_epochs=2)
+        runs[name] = (_final_mse(model, data), guard, model)
+    loss, guard, model = runs["nan"]
+    first = guard.events[0]
+    assert first.kind == "loss" and first.cause == "learning_rate" and first.step > 20  # a real NaN, late
+    rel, rel_div = first.details["relative_update"], runs["divergence"][1].events[0].details["relative_update"]
+    assert rel["reference_step"] == rel_div["reference_step"] == 0
+    assert rel["relative_update"] == pytest.approx(rel_div["relative_update"])  # the same step-0 measurement
+    assert first.details["lr_after"] == [pytest.approx(rel["safe_lr"])]
+    # after the cut, the growth measured before it says nothing of the edge of stability at the new LR
+    assert not any("edge_lr" in e.details.get("relative_update", {}) for e in guard.events[1:])
+    assert any("rollback" in e.actions for e in guard.events) and guard.counters["lr_cuts"] == 1
+    assert guard.lr_scale == pytest.approx(rel["safe_lr"] / 1.5)
+    assert guard.lr_scale > 100 * guard.config.recovery.min_lr_scale
+    assert models.all_finite(model) and loss < 1.1 * runs["sane"][0], (loss, runs["sane"][0])
+
+
 # ------------------------------------------------------------------------------------------ skipping a step
 
 

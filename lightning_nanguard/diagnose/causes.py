@@ -72,6 +72,8 @@ class IncidentContext:
     rng_states: list[Any] = field(default_factory=list)
     grad_norm: float = float("nan")
     norm_history: list[float] = field(default_factory=list)
+    norm_history_end: Optional[int] = None  # the step of the newest norm in norm_history (None: the step before)
+    lr_cut_step: Optional[int] = None  # the step of the guard's latest LR cut
     loss_history: list[float] = field(default_factory=list)
     param_findings: list[dict] = field(default_factory=list)
     input_findings: list[dict] = field(default_factory=list)
@@ -192,15 +194,33 @@ def _onset(ctx: IncidentContext) -> tuple[Optional[int], float]:
     healthy history: where the final run of 2-fold growth began)."""
     if ctx.divergence is not None:
         return ctx.divergence.get("onset_step"), float(ctx.divergence.get("onset_grad_norm", math.nan))
-    values = list(ctx.norm_history)
-    own = math.isfinite(ctx.grad_norm)
-    if own:
-        values.append(ctx.grad_norm)
+    values, steps = _history(ctx)
     if not values:
         return None, math.nan
     i = dynamics.growth_onset(values)
-    last_step = ctx.event.step if own else ctx.event.step - 1
-    return last_step - (len(values) - 1 - i), values[i]
+    return steps[i], values[i]
+
+
+def _history(ctx: IncidentContext) -> tuple[list[float], list[int]]:
+    """The healthy gradient norms up to the incident (its own norm last if finite), and their steps: the
+    history's are consecutive up to its newest one's (skipped incident steps are not in it)."""
+    end = ctx.norm_history_end if ctx.norm_history_end is not None else ctx.event.step - 1
+    n = len(ctx.norm_history)
+    values, steps = list(ctx.norm_history), list(range(end - n + 1, end + 1))
+    if math.isfinite(ctx.grad_norm):
+        values.append(ctx.grad_norm)
+        steps.append(ctx.event.step)
+    return values, steps
+
+
+def _norm_at(ctx: IncidentContext, step: int) -> float:
+    """The gradient norm of ``step`` (the divergence's streak, else the healthy history); NaN when not known."""
+    if ctx.divergence is not None:
+        for s, v in zip(ctx.divergence.get("steps", []), ctx.divergence.get("grad_norms", [])):
+            if s == step:
+                return math.nan if v is None else float(v)
+    values, steps = _history(ctx)
+    return values[steps.index(step)] if step in steps else math.nan
 
 
 def _learning_rate(ctx: IncidentContext) -> Optional[str]:
@@ -215,10 +235,17 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
     initial = ctx.initial.read() if ctx.initial is not None else {}
     if reference is None and initial:
         reference = (0, initial)
+    if reference is not None and step is not None and reference[0] < step and _grown(ctx, reference[1]):
+        # no weights from the onset, only older ones, and the weights grew a lot since: the onset's gradient
+        # (taken on grown weights) against them would overstate the update, by 1e18 after a long growth. The
+        # reference step's own gradient is the one taken on them.
+        at = _norm_at(ctx, reference[0])
+        if math.isfinite(at) and at > 0:
+            step, grad_norm = reference[0], at
     optimizers = getattr(ctx.trainer, "optimizers", None) or []
     found = dynamics.relative_update(optimizers, ctx.pl_module, grad_norm,
                                      reference[1] if reference else None, reference[0] if reference else None,
-                                     growth=dynamics.growth_rate(_norms(ctx)))
+                                     growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)))
     if found is None:
         return None
     found["onset_step"] = step
@@ -226,12 +253,25 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
     return "learning_rate" if found["relative_update"] >= dynamics.RELATIVE_UPDATE_LR else None
 
 
-def _norms(ctx: IncidentContext) -> list[float]:
+def _grown(ctx: IncidentContext, reference: dict[str, float]) -> bool:
+    """The trainable weights' norm is now :data:`~.dynamics.WEIGHT_GROWTH` times (or more) their norm in
+    ``reference`` (parameter name -> norm), or no longer finite."""
+    named = [(n, p) for n, p in ctx.pl_module.named_parameters() if p.requires_grad and n in reference]
+    before = math.sqrt(sum(reference[n] ** 2 for n, _ in named))
+    now = math.sqrt(sum(v * v for v in dynamics.norms(p for _, p in named)))
+    return bool(named) and (not math.isfinite(now) or now >= dynamics.WEIGHT_GROWTH * before)
+
+
+def _norms(ctx: IncidentContext, since: Optional[int] = None) -> list[float]:
     """The gradient norms up to the incident: the divergence's streak, or the healthy history and the incident's
-    own norm if finite."""
+    own norm if finite; ``since``: only those of later steps (a growth measured before an LR cut says nothing
+    about the edge of stability at the LR after it)."""
     if ctx.divergence is not None:
-        return [math.nan if v is None else float(v) for v in ctx.divergence.get("grad_norms", [])]
-    return list(ctx.norm_history) + ([ctx.grad_norm] if math.isfinite(ctx.grad_norm) else [])
+        values = [math.nan if v is None else float(v) for v in ctx.divergence.get("grad_norms", [])]
+        steps = list(ctx.divergence.get("steps", [])) or [None] * len(values)
+    else:
+        values, steps = _history(ctx)
+    return [v for v, s in zip(values, steps) if since is None or s is None or s > since]
 
 
 def _exploding(ctx: IncidentContext, rows: list[dict]) -> Optional[str]:

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "LAYER_GROWTH", "ACTIVATION_GROWTH",
+__all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "WEIGHT_GROWTH", "LAYER_GROWTH", "ACTIVATION_GROWTH",
            "SHORT_GROWTH",
            "expected_scale", "fan_in", "InitialScales", "norms", "oversized", "relative_update", "layer_growth",
            "activation_growth", "short_growth", "growth_onset", "growth_rate", "edge_lr", "EDGE_MARGIN"]
@@ -35,6 +35,9 @@ RELATIVE_UPDATE_LR = 1.0  # one step moving the weights by their own size (healt
 # initialised weights by up to about their size in the first steps); an adaptive optimizer's, lr x sqrt(n), is
 # the largest step it can take: healthy runs use 1% (large models) to 10% (small ones) of the weights' RMS
 SAFE_RELATIVE_UPDATE = {"sgd": 1.0, "adaptive": 0.05}
+# the weights grew this many times since the reference (the newest snapshot from before the onset): the onset's
+# gradient, taken on those grown weights, cannot be measured against the reference's
+WEIGHT_GROWTH = 10.0
 LAYER_GROWTH = 100.0  # per-layer gradient RMS, input side over output side
 ACTIVATION_GROWTH = 1e3  # abs-max growth over a chain of weight layers in one forward pass
 ACTIVATION_CHAIN = 4  # consecutive weight layers, each at least doubling the abs-max

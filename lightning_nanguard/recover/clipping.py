@@ -138,6 +138,7 @@ class Clipper:
     Attributes:
         zclip: the adaptive clip's running statistics (part of every snapshot).
         history: the last 200 healthy gradient norms (for the diagnosis).
+        history_end: the step of the newest of them (None: not known, e.g. none yet).
         last_norm: the gradient norm of the latest step, healthy or not.
         clipped_steps: steps whose gradients a norm limit scaled down.
     """
@@ -146,6 +147,7 @@ class Clipper:
         self.cfg = cfg
         self.zclip = ZClip(cfg.z_threshold, cfg.ema_alpha, cfg.warmup_steps)
         self.history: deque[float] = deque(maxlen=200)
+        self.history_end: Optional[int] = None
         self.last_norm = math.nan
         self.clipped_steps = 0
 
@@ -158,8 +160,8 @@ class Clipper:
         return min(limits) if limits else None
 
     def clip(self, params: list[Tensor], norm: Optional[Tensor], norm_value: float, adaptive: bool,
-             extra: Optional[float] = None) -> None:
-        """Clip a healthy step (norm limits, then AGC) and learn from its norm."""
+             extra: Optional[float] = None, step: Optional[int] = None) -> None:
+        """Clip a healthy step (norm limits, then AGC) and learn from its norm (the norm of ``step``)."""
         limit = self.threshold(adaptive, extra)
         if norm is not None and limit is not None and norm_value > limit:
             # takes the parameters (it scales p.grad); given bare grad tensors it silently does nothing
@@ -168,8 +170,12 @@ class Clipper:
         if self.cfg.agc_clip_factor is not None:
             adaptive_grad_clip_(params, self.cfg.agc_clip_factor)
         if norm is not None:
-            self.zclip.update(norm_value)
-            self.history.append(norm_value)
+            self._learn(norm_value, step)
+
+    def _learn(self, norm_value: float, step: Optional[int]) -> None:
+        self.zclip.update(norm_value)
+        self.history.append(norm_value)
+        self.history_end = step
 
     def clip_on_device(self, params: list[Tensor], norm: Optional[Tensor], adaptive: bool,
                        spike: Optional[Tensor] = None, spike_to: Optional[float] = None
@@ -193,12 +199,12 @@ class Clipper:
             adaptive_grad_clip_(params, self.cfg.agc_clip_factor)
         return limit, spike_limit
 
-    def observe(self, norm_value: float, limit: Optional[float]) -> None:
-        """Learn a lagged step's norm, once read; ``limit``: what :meth:`clip_on_device` applied to it."""
+    def observe(self, norm_value: float, limit: Optional[float], step: Optional[int] = None) -> None:
+        """Learn a lagged step's norm (of ``step``), once read; ``limit``: what :meth:`clip_on_device` applied
+        to it."""
         if limit is not None and norm_value > limit:
             self.clipped_steps += 1
-        self.zclip.update(norm_value)
-        self.history.append(norm_value)
+        self._learn(norm_value, step)
 
     def clipping_persists(self, adaptive: bool) -> bool:
         """The adaptive clip had to act on ``CLIPS_BEFORE_LR_CUT`` steps in a row: the norm grows faster than
@@ -213,9 +219,11 @@ class Clipper:
         return far_above or norm_growth(list(self.history)[-25:]) is not None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"zclip": self.zclip.state_dict(), "history": list(self.history), "clipped_steps": self.clipped_steps}
+        return {"zclip": self.zclip.state_dict(), "history": list(self.history), "history_end": self.history_end,
+                "clipped_steps": self.clipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.zclip.load_state_dict(state.get("zclip", {}))
         self.history.extend(state.get("history", []))
+        self.history_end = state.get("history_end")
         self.clipped_steps = int(state.get("clipped_steps", 0))

@@ -18,7 +18,9 @@ Rungs, in order of escalation:
      the diagnosis' relative update would be safe (``safe_lr`` in its evidence: SGD moving the weights by at
      most their own size per step, or a quarter of the edge of stability its gradient norm's growth rate
      implies if lower; an adaptive optimizer's largest step at 5% of their RMS; at most 10,000-fold in one
-     cut);
+     cut). After such a sized cut, the first rollback of the same episode does not cut again: the LR is
+     already where the diagnosis calls it safe, and the incidents that forced the rollback come from the
+     weights that grew before the cut (which the rollback undoes); a further failed rollback cuts;
    - ``input``, ``initialization``, ``overflow``, ``precision`` and ``backward_op`` name a problem a smaller
      LR cannot fix (bad data, bad weights, a dtype's range, an op's domain): never cut;
    - no cause, ``unknown`` or ``optimizer``: cut after a rollback forced because skipping did not help
@@ -76,6 +78,7 @@ class RecoveryLadder:
         self.failed_rollbacks = 0  # rollbacks not yet confirmed by a new snapshot
         self.adaptive_clip = clip.adaptive == "always"
         self._recent: deque[int] = deque()  # steps of recent non-input incidents
+        self.sized_cut = False  # the LR was cut to the diagnosis' safe LR since the last confirming snapshot
 
     # ------------------------------------------------------------------------------------ transitions
 
@@ -89,6 +92,7 @@ class RecoveryLadder:
     def snapshot_taken(self) -> None:
         """A snapshot after healthy training confirms the last rollback worked."""
         self.failed_rollbacks = 0
+        self.sized_cut = False
 
     def incident(self, step: int, kind: str, *, can_roll_back: bool, cause: Optional[str] = None,
                  safe_factor: Optional[float] = None, diverging: bool = False) -> Plan:
@@ -141,13 +145,17 @@ class RecoveryLadder:
         by_cause = cause in LR_CAUSES and (self.consecutive == 1 or kind == "divergence")
         by_divergence = kind == "divergence"
         by_count = self.cfg.reduce_lr_after > 0 and len(self._recent) >= self.cfg.reduce_lr_after
-        if by_cause or by_divergence or by_rollback or by_count:
+        if by_rollback and self.sized_cut and not (by_cause or by_divergence or by_count):
+            self.sized_cut = False  # once: if this rollback does not help either, the next one cuts
+            plan.reasons.append("no LR cut: the LR was cut to the diagnosis' safe LR since the last good snapshot")
+        elif by_cause or by_divergence or by_rollback or by_count:
             plan.reduce_lr = True
             self._recent.clear()
             if cause == "learning_rate" or kind == "divergence":
                 plan.lr_factor = self.cfg.divergence_lr_factor
             if cause == "learning_rate" and safe_factor is not None and safe_factor < plan.lr_factor:
                 plan.lr_factor = max(safe_factor, LARGEST_CUT)
+                self.sized_cut = True
             plan.reasons.append("the learning rate is too high" if cause == "learning_rate" else
                                 "exploding gradients" if cause == "exploding_gradient" else
                                 "a divergence, whatever its cause, runs at too high an LR" if by_divergence else
@@ -174,10 +182,11 @@ class RecoveryLadder:
 
     def state_dict(self) -> dict[str, Any]:
         return {"consecutive": self.consecutive, "failed_rollbacks": self.failed_rollbacks,
-                "adaptive_clip": self.adaptive_clip, "recent": list(self._recent)}
+                "adaptive_clip": self.adaptive_clip, "recent": list(self._recent), "sized_cut": self.sized_cut}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive = int(state.get("consecutive", 0))
         self.failed_rollbacks = int(state.get("failed_rollbacks", 0))
         self.adaptive_clip = bool(state.get("adaptive_clip", self.adaptive_clip))
         self._recent = deque(int(s) for s in state.get("recent", []))
+        self.sized_cut = bool(state.get("sized_cut", False))

@@ -20,7 +20,7 @@ given up, the failed steps are not hidden: the run stops with them in its logs.)
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn

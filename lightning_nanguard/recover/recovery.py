@@ -49,6 +49,7 @@ class Recovery:
         stopped: the guard gave up (or found non-finite weights at fit start); steps are skipped from now on.
         skip_batches_left: steps still to skip after a rollback (``recovery.skip_batches``).
         skipped_steps, rollbacks, lr_cuts, snapshots: counters for this fit.
+        lr_cut_step: the step of the latest LR cut (None: none yet).
     """
 
     def __init__(self, cfg: RecoveryConfig, clip: ClipConfig, statistics: dict[str, _Stateful]) -> None:
@@ -64,6 +65,7 @@ class Recovery:
         self.skipped_steps = 0
         self.rollbacks = 0
         self.lr_cuts = 0
+        self.lr_cut_step: Optional[int] = None
         self.snapshots = 0
         self.store: Optional[SnapshotStore] = None
         self.buffers: Optional[BufferUndo] = None
@@ -238,6 +240,7 @@ class Recovery:
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], new_scale / self.lr_scale)
             self.lr_scale = new_scale
             self.lr_cuts += 1
+            self.lr_cut_step = event.step
             event.add_action("reduce_lr")
             event.details["lr_before"] = before
             event.details["lr_after"] = current_lrs(trainer.optimizers)
@@ -277,7 +280,8 @@ class Recovery:
     def state_dict(self) -> dict[str, Any]:
         return {"lr_scale": self.lr_scale, "ladder": self.ladder.state_dict(),
                 "healthy_since_snapshot": self.healthy_since_snapshot, "skipped_steps": self.skipped_steps,
-                "rollbacks": self.rollbacks, "lr_cuts": self.lr_cuts, "snapshots": self.snapshots}
+                "rollbacks": self.rollbacks, "lr_cuts": self.lr_cuts, "snapshots": self.snapshots,
+                "lr_cut_step": self.lr_cut_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_scale = float(state.get("lr_scale", 1.0))
@@ -286,3 +290,4 @@ class Recovery:
         self.pristine = self.healthy_since_snapshot == 0
         for key in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots"):
             setattr(self, key, int(state.get(key, 0)))
+        self.lr_cut_step = state.get("lr_cut_step")
