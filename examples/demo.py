@@ -2,7 +2,9 @@
 
 Runs the same training twice, first without the guard (the loss grows about 10x per step and dies with
 loss=nan) and then with ``NaNGuard()`` defaults: the guard sees the loss running away within a few steps, names
-the learning rate as the cause, rolls back and cuts the LR before any value is non-finite (it is rescued). It
+the learning rate as the cause, rolls back and cuts the LR before any value is non-finite (it is rescued). A
+third run turns that early warning off (``check.divergence: off``), so the loss does go NaN under the guard:
+the guard skips the NaN steps, rolls back and cuts the LR, and the run is rescued from the NaN itself. It
 prints what the guard did and where its logs are.
 
     python examples/demo.py [--out demo_logs]
@@ -74,6 +76,14 @@ def train(lr: float, out: Path, name: str, guard: NaNGuard | None) -> LinearRegr
     return model
 
 
+def print_events(guard: NaNGuard) -> None:
+    print(f"\n   events: {len(guard.events)}")
+    for ev in guard.events:
+        print(f"   - step {ev.step:4d}  kind={ev.kind:10s} cause={str(ev.cause):18s} actions={', '.join(ev.actions)}")
+    for ev in guard.events[:1]:
+        print(f"     {ev.suggestion}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="demo_logs", help="folder for TensorBoard logs and events.jsonl")
@@ -95,11 +105,7 @@ def main() -> None:
     guarded = train(args.lr, out, "guarded", guard)
     loss = final_loss(guarded, data)
     sane = final_loss(train(0.05, out, "sane_lr", None), data)
-    print(f"\n   events: {len(guard.events)}")
-    for ev in guard.events:
-        print(f"   - step {ev.step:4d}  kind={ev.kind:10s} cause={str(ev.cause):18s} actions={', '.join(ev.actions)}")
-    for ev in guard.events[:1]:
-        print(f"     {ev.suggestion}")
+    print_events(guard)
     first_nan = guarded.first_nan_step
     acted = next((ev.step for ev in guard.events if ev.kind == "divergence"), None)
     print(f"   first non-finite loss: {'none' if first_nan is None else f'step {first_nan}'}"
@@ -107,11 +113,23 @@ def main() -> None:
     print(f"   learning-rate scale now: {guard.lr_scale:g}  (lr {args.lr} -> {args.lr * guard.lr_scale:g})")
     print(f"   final loss = {loss:.5f}   (a run at a sane lr=0.05 reaches {sane:.5f})")
     print(f"   weights finite: {all(torch.isfinite(p).all() for p in guarded.parameters())}")
-    events = sorted(out.glob("guarded/*/nanguard/events.jsonl"))
+
+    print("\n== 3. the same run with NaNGuard(check={'divergence': 'off'}): the loss goes NaN under the guard ==")
+    nan_guard = NaNGuard(check={"divergence": "off"})
+    nan_run = train(args.lr, out, "guarded_nan", nan_guard)
+    nan_loss = final_loss(nan_run, data)
+    print_events(nan_guard)
+    print(f"   first non-finite loss: step {nan_run.first_nan_step} (skipped: it never reached the weights)")
+    print(f"   learning-rate scale now: {nan_guard.lr_scale:g}  (lr {args.lr} -> {args.lr * nan_guard.lr_scale:g})")
+    print(f"   final loss = {nan_loss:.5f}   weights finite: "
+          f"{all(torch.isfinite(p).all() for p in nan_run.parameters())}")
+
+    events = sorted(out.glob("guarded*/*/nanguard/events.jsonl"))
     print(f"\n   TensorBoard logs: {out}/   (tensorboard --logdir {out})")
-    print(f"   events file:      {events[0] if events else 'none'}")
-    print(f"   summary:          nanguard report {out}/guarded")
-    rescued = math.isfinite(loss) and loss < 10 * sane
+    print("   events files:     " + ("\n                     ".join(str(e) for e in events) if events else "none"))
+    print(f"   summary:          nanguard report {out}")
+
+    rescued = all(math.isfinite(v) and v < 10 * sane for v in (loss, nan_loss)) and nan_run.first_nan_step is not None
     print("\nRESCUED" if rescued else "\nNOT RESCUED")
     raise SystemExit(0 if rescued else 1)
 
