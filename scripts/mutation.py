@@ -347,7 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         results: list[Result] = []
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = {pool.submit(run_mutant, m, files, work, timeout, pytest_args, args.keep, passes): m for m in chosen}
+            futures = {pool.submit(run_mutant, m, files, work, timeout, pytest_args, args.keep, passes): m
+                       for m in chosen}
             try:
                 for n, fut in enumerate(as_completed(futures), start=1):
                     r = fut.result()

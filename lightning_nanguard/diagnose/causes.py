@@ -215,12 +215,10 @@ def _history(ctx: IncidentContext) -> tuple[list[float], list[int]]:
 
 def _norm_at(ctx: IncidentContext, step: int) -> float:
     """The gradient norm of ``step`` (the divergence's streak, else the healthy history); NaN when not known."""
-    if ctx.divergence is not None:
-        for s, v in zip(ctx.divergence.get("steps", []), ctx.divergence.get("grad_norms", [])):
-            if s == step:
-                return math.nan if v is None else float(v)
-    values, steps = _history(ctx)
-    return values[steps.index(step)] if step in steps else math.nan
+    for values, steps in (_streak(ctx), _history(ctx)):
+        if step in steps:
+            return values[steps.index(step)]
+    return math.nan
 
 
 def _learning_rate(ctx: IncidentContext) -> Optional[str]:
@@ -262,15 +260,19 @@ def _grown(ctx: IncidentContext, reference: dict[str, float]) -> bool:
     return bool(named) and (not math.isfinite(now) or now >= dynamics.WEIGHT_GROWTH * before)
 
 
-def _norms(ctx: IncidentContext, since: Optional[int] = None) -> list[float]:
-    """The gradient norms up to the incident: the divergence's streak, or the healthy history and the incident's
-    own norm if finite; ``since``: only those of later steps (a growth measured before an LR cut says nothing
-    about the edge of stability at the LR after it)."""
-    if ctx.divergence is not None:
-        values = [math.nan if v is None else float(v) for v in ctx.divergence.get("grad_norms", [])]
-        steps = list(ctx.divergence.get("steps", [])) or [None] * len(values)
-    else:
+def _streak(ctx: IncidentContext) -> tuple[list[float], list[Optional[int]]]:
+    """The gradient norms up to the incident and their steps: the divergence's streak, or :func:`_history`."""
+    if ctx.divergence is None:
         values, steps = _history(ctx)
+        return values, list(steps)
+    values = [math.nan if v is None else float(v) for v in ctx.divergence.get("grad_norms", [])]
+    return values, list(ctx.divergence.get("steps", [])) or [None] * len(values)
+
+
+def _norms(ctx: IncidentContext, since: Optional[int] = None) -> list[float]:
+    """The gradient norms of :func:`_streak`; ``since``: only those of later steps (a growth measured before an
+    LR cut says nothing about the edge of stability at the LR after it)."""
+    values, steps = _streak(ctx)
     return [v for v, s in zip(values, steps) if since is None or s is None or s > since]
 
 

@@ -24,8 +24,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "WEIGHT_GROWTH", "LAYER_GROWTH", "ACTIVATION_GROWTH",
-           "SHORT_GROWTH",
+__all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "WEIGHT_GROWTH", "LAYER_GROWTH",
+           "ACTIVATION_GROWTH", "SHORT_GROWTH",
            "expected_scale", "fan_in", "InitialScales", "norms", "oversized", "relative_update", "layer_growth",
            "activation_growth", "short_growth", "growth_onset", "growth_rate", "edge_lr", "EDGE_MARGIN"]
 
