@@ -91,7 +91,7 @@ MUTANTS: list[Mutant] = [
     Mutant("detection", "det-statecheck-exempt-ignored", STATE,
            "named = [(n, t) for n, t in self.named(module) if",
            "named = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers()) if",
-           "the per-step parameter check ignores the exempt constant buffers (a -inf causal mask)"),
+           "the weight check before snapshots and validation ignores the exempt constant buffers (a -inf causal mask)"),
     # new with the restructure: the StepFlags vector, its reduce over ranks, the event kind, the scaler
     Mutant("detection", "det-flags-field-order", FLAGS,
            "    activation_bad: float  # a module output was non-finite (check.activations)\n"
