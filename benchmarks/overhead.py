@@ -76,19 +76,7 @@ HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step
 
 def timed_hooks(guard: Any) -> dict[str, list[float]]:
     """Wrap the guard's step hooks (on the instance) to record the CPU time of every call, in ms."""
-    spent: dict[str, list[float]] = {h: [] for h in HOOKS}
-    for name in HOOKS:
-        hook = getattr(guard, name)
-
-        def wrapper(*args: Any, _hook: Any = hook, _times: list = spent[name], **kwargs: Any) -> Any:
-            start = time.process_time()
-            try:
-                return _hook(*args, **kwargs)
-            finally:
-                _times.append(1e3 * (time.process_time() - start))
-
-        setattr(guard, name, wrapper)
-    return spent
+    return {name: timed_call(guard, name) for name in HOOKS}
 
 
 CLIP = "Lightning's _clip_gradients"
