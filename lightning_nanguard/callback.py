@@ -21,7 +21,7 @@ from .recover.checkpoint import nonfinite_entries, rebuild
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
 from .report.events import NaNEvent
-from .report.progress import say
+from .console import say
 from .report.recorder import Recorder
 from .step import StepFlow
 from .usage_errors import usage_errors

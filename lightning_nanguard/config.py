@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
+from .errors import ConfigError
 from .usage_errors import usage_errors
 
 __all__ = [
@@ -31,10 +32,6 @@ __all__ = [
     "load_yaml",
     "iter_keys",
 ]
-
-
-class ConfigError(ValueError):
-    """A NaNGuard configuration value is unknown, of the wrong type or out of range."""
 
 
 def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,

@@ -1,8 +1,12 @@
-"""The error NaNGuard raises when it gives up."""
+"""The errors NaNGuard raises: a bad configuration, and giving up."""
 
 from __future__ import annotations
 
-__all__ = ["NaNGuardError"]
+__all__ = ["ConfigError", "NaNGuardError"]
+
+
+class ConfigError(ValueError):
+    """A NaNGuard configuration value is unknown, of the wrong type or out of range."""
 
 
 class NaNGuardError(RuntimeError):

@@ -17,7 +17,7 @@ from .config import NaNGuardConfig
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.evidence import StepEvidence
 from .detect.find import find_batch_nonfinite
-from .detect.flags import StepFlags
+from .detect.vector import StepFlags
 from .detect.spikes import LossWatch
 from .detect.sync import StepSync, share_incident
 from .diagnose.causes import IncidentContext
@@ -30,7 +30,7 @@ from .recover.clipping import Clipper
 from .recover.ladder import Plan
 from .recover.recovery import Recovery
 from .report.events import NaNEvent
-from .report.progress import say
+from .console import say
 from .report.recorder import Recorder
 
 if TYPE_CHECKING:

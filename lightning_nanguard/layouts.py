@@ -15,6 +15,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
+from .console import warn
+
 __all__ = ["COMPRESSED", "is_strided", "stored_values", "raw_values", "checkable", "coo_parts", "nbytes",
            "copy_to_cpu", "deepcopy_memo", "load_module_state", "unchecked", "warn_once"]
 
@@ -32,8 +34,6 @@ def warn_once(key: tuple[str, ...], message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    from .report.progress import warn
-
     warn(message)
 
 

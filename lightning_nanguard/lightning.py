@@ -14,8 +14,8 @@ from __future__ import annotations
 import lightning.pytorch as _lp
 
 from .callback import NaNGuard as _NaNGuard
-from .config import ConfigError, NaNGuardConfig
-from .errors import NaNGuardError
+from .config import NaNGuardConfig
+from .errors import ConfigError, NaNGuardError
 from .report.events import NaNEvent
 
 __all__ = ["NaNGuard", "NaNGuardConfig", "NaNEvent", "ConfigError", "NaNGuardError"]

@@ -18,7 +18,8 @@ from .config import NaNGuardConfig
 from .detect.amp import OverflowWatch, clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
-from .detect.flags import LOSS, NORM, Outcome, StepFlags, classify, skip_flag
+from .detect.vector import SCHEMA, StepFlags
+from .detect.verdict import Outcome, classify, skip_flag
 from .detect.spikes import LossWatch
 from .detect.sync import StepSync, choose_sync
 from .diagnose.diagnoser import Diagnoser
@@ -26,7 +27,7 @@ from .incidents import LateStep, Responder
 from .recover.checkpoint import optimizer_state_nonfinite
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
-from .report.progress import say
+from .console import say
 from .report.recorder import Recorder
 
 if TYPE_CHECKING:
@@ -156,12 +157,12 @@ class StepFlow:
         copy of the flags to the host; the step is judged when they are read (:meth:`_judge_late`)."""
         vec = self.evidence.vector(norm, device, scaler, self.sync)  # reduced over ranks: the same everywhere
         if norm is not None and self.sync.sharded:
-            norm = vec[NORM].to(norm.dtype)  # the completed norm
+            norm = SCHEMA.get(vec, "grad_norm").to(norm.dtype)  # the completed norm
         # under a GradScaler, non-finite gradients are its own (routine) overflows: its found_inf skips them
         skip = skip_flag(vec, self.config.check.gradients and scaler is None)
         # a loss spike acts on its own step: the spike test of the statistics read so far, on the device
         action = self.config.check.spike_action
-        spike = self.losses.spike_flag(vec[LOSS]) if self.evidence.loss_checked and action in (
+        spike = self.losses.spike_flag(SCHEMA.get(vec, "loss")) if self.evidence.loss_checked and action in (
             "skip_step", "clip") else None
         if spike is not None and action == "skip_step":  # (a step with bad evidence is skipped anyway)
             skip = torch.maximum(skip, spike.float())

@@ -15,6 +15,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
+from .errors import ConfigError
+
 __all__ = ["usage_errors"]
 
 
@@ -47,8 +49,6 @@ def _command_line_parser() -> Optional[Any]:
 def usage_errors() -> Iterator[None]:
     """Re-raise a ConfigError as the usage error of the jsonargparse command line being instantiated;
     without one, the ConfigError propagates."""
-    from .config import ConfigError  # config.py uses this module
-
     try:
         yield
     except ConfigError as err:

@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.detect import find, flags
+from lightning_nanguard.detect import find
+from lightning_nanguard.detect import kernels as flags
 from lightning_nanguard.detect.state import StateCheck
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models

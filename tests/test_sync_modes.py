@@ -21,7 +21,7 @@ from pytorch_lightning.plugins import MixedPrecision
 
 import lightning_nanguard
 from lightning_nanguard import NaNGuard, NaNGuardError
-from lightning_nanguard.detect.flags import LOSS
+from lightning_nanguard.detect.vector import SCHEMA
 from . import models
 
 NAN = float("nan")
@@ -311,10 +311,10 @@ def test_the_flags_are_read_once_per_step_and_lagged_one_step_late(fit, monkeypa
     assert [name for _, name, _ in during] == ["tolist"] * (steps if sync == "eager" else steps - 1)
     late = 0 if sync == "eager" else 1  # the loss read during step N is step N - late's
     for step, _, value in during:
-        assert value[LOSS] == pytest.approx(losses[step - late], rel=1e-6), step
+        assert value[SCHEMA.index["loss"]] == pytest.approx(losses[step - late], rel=1e-6), step
     assert [step for step, _, _ in during] == list(range(late, steps))
     if sync == "lagged":  # the last step's flags are read at train end, after its batch
-        assert [(s, v[LOSS]) for s, n, v in reads.reads if s == -2 and n == "tolist"] == [
+        assert [(s, v[SCHEMA.index["loss"]]) for s, n, v in reads.reads if s == -2 and n == "tolist"] == [
             (-2, pytest.approx(losses[steps - 1], rel=1e-6))]
 
 
@@ -325,7 +325,7 @@ def test_a_due_snapshot_reads_its_step_at_once(fit, monkeypatch):
     losses: dict[int, float] = {}
     g = guard("lagged", recovery={"snapshot_every": 4})
     fit(Net(), models.regression_data(n=512), [reads.probe(losses), g], batch_size=16, steps=10)
-    flag_reads = [(s, v[LOSS]) for s, n, v in reads.reads if n == "tolist"]
+    flag_reads = [(s, v[SCHEMA.index["loss"]]) for s, n, v in reads.reads if n == "tolist"]
     at_end_of = [s for s, _ in flag_reads if s == -2]
     assert len(at_end_of) == 3  # steps 3 and 7 (snapshots due) and the last, at train end
     assert g.counters["snapshots"] == 3  # fit start, after steps 3 and 7

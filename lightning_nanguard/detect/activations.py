@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..layouts import is_strided, stored_values
 from ..tree import iter_tensors
-from .flags import any_nonfinite_flag
+from .kernels import any_nonfinite_flag
 
 __all__ = ["ActivationCheck", "outputs_nonfinite_flag"]
 
@@ -24,7 +24,7 @@ __all__ = ["ActivationCheck", "outputs_nonfinite_flag"]
 def outputs_nonfinite_flag(outputs: list[Tensor]) -> Optional[Tensor]:
     """0-dim bool device tensor: does any output hold NaN/Inf? No host sync.
 
-    On CUDA one fused inf-norm kernel (:func:`~.flags.any_nonfinite_flag`). On CPU, where that kernel is
+    On CUDA one fused inf-norm kernel (:func:`~.kernels.any_nonfinite_flag`). On CPU, where that kernel is
     slow, one sum per tensor accumulated in float64: a sum is non-finite iff a value is, and cannot overflow
     for float32/float16/bfloat16 values.
     """

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .flags import StepFlags
+from .vector import StepFlags
 
 __all__ = ["grad_scaler", "scale_tensor", "unscale_value", "scale_flag", "ensure_unscaled", "reads_found_inf",
            "skip_on_device", "clear_device_skip", "OverflowWatch"]

@@ -4,13 +4,12 @@ The hooks add to it as the step runs: the batch of each micro-batch (``check.inp
 into a device flag), the loss of each micro-batch before backward, the module outputs
 (``check.activations``), and, after the previous optimizer step, one flag over every parameter and buffer
 (``check.parameters``). :meth:`StepEvidence.read` stacks them with the total gradient norm into the
-:class:`~.flags.StepFlags` vector, agrees on it across ranks, and reads it: the one host-device sync of
+evidence vector (:mod:`.vector`), agrees on it across ranks, and reads it: the one host-device sync of
 the step.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -21,7 +20,8 @@ from ..layouts import checkable
 from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
-from .flags import StepFlags, dense_nonfinite_flag
+from .kernels import dense_nonfinite_flag
+from .vector import SCHEMA, StepFlags
 from .state import StateCheck
 from .sync import StepSync
 
@@ -51,7 +51,7 @@ class StepEvidence:
         self._state_bad: Optional[Tensor] = None  # parameters/buffers after the previous optimizer step
         self._state_module: Optional[nn.Module] = None  # its weights changed since they were last checked
         self._read = False  # manual optimization: the losses since the last read belong to the next step
-        self._consts: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._consts: dict[torch.device, dict[str, Tensor]] = {}
         self.host = HostCopy()
 
     @property
@@ -126,16 +126,15 @@ class StepEvidence:
         self._state_bad = self._state_module = None
 
     def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> Tensor:
-        """The step's :class:`StepFlags` vector on the device, stacked with ``norm`` and agreed across ranks
+        """The step's evidence vector (:data:`~.vector.SCHEMA`) on the device, stacked with ``norm`` and agreed across ranks
         (one all-reduce under DDP); nothing is read."""
         consts = self._consts.get(device)
         if consts is None:  # stacked, never written: shared by every step
-            consts = self._consts[device] = (torch.zeros((), device=device), torch.full((), math.nan, device=device))
-        zero, nan = consts
+            consts = self._consts[device] = SCHEMA.constants(device)
 
-        def part(t: Optional[Tensor]) -> Tensor:
+        def part(t: Optional[Tensor]) -> Optional[Tensor]:
             if t is None:
-                return zero
+                return None
             if t.dtype is not torch.float32:
                 t = t.float()
             return t if t.device == device else t.to(device)
@@ -144,15 +143,15 @@ class StepEvidence:
         parts = {"grad_norm": part(norm), "loss": part(self._loss_sum), "loss_bad": part(loss_bad),
                  "input_bad": part(self._input_bad), "param_bad": part(self._state_bad),
                  "activation_bad": part(self.activations.take()),
-                 "grad_scale": scale_flag(scaler, device) if scaler is not None else nan}
+                 "grad_scale": scale_flag(scaler, device) if scaler is not None else None}
         if self._state_bad is not None:  # checked with this step's flags
             self._state_bad = self._state_module = None
         self._read = True
-        return sync.reduce(torch.stack([parts[name] for name in StepFlags._fields]))
+        return sync.reduce(SCHEMA.build(parts, consts))
 
     def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> StepFlags:
         """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
-        return StepFlags.from_values(self.vector(norm, device, scaler, sync).tolist())
+        return SCHEMA.read(self.vector(norm, device, scaler, sync).tolist())
 
     def stage(self, vec: Tensor) -> None:
         """Start copying ``vec`` to the host without waiting (``check.sync: lagged``); :meth:`take` reads it."""
@@ -160,7 +159,7 @@ class StepEvidence:
 
     def take(self) -> StepFlags:
         """The staged vector's values (by now copied: its step's work finished while the next one was queued)."""
-        return StepFlags.from_values(self.host.take())
+        return SCHEMA.read(self.host.take())
 
     def step_end(self) -> None:
         self.activations.step_end()

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..layouts import checkable, is_strided
 from .find import find_nonfinite_tensors
-from .flags import CPU_CHUNK, dense_nonfinite_flag
+from .kernels import CPU_CHUNK, dense_nonfinite_flag
 
 __all__ = ["StateCheck"]
 

@@ -3,7 +3,7 @@
 Under DDP the gradients are already all-reduced when the guard looks at them, so a decision taken from
 the gradient norm is the same on every rank. Rank-local evidence (the loss, the inputs, the parameters
 read after the previous step) is not: one rank skipping a step that another takes desynchronises the
-replicas. :class:`StepSync` reduces the guard's :class:`~.flags.StepFlags` vector across ranks with a
+replicas. :class:`StepSync` reduces the guard's evidence vector (:mod:`.vector`) across ranks with a
 single ``all_reduce`` (no barrier, unlike ``strategy.reduce_boolean_decision`` which adds one); every rank
 then reads the same flags, the mean loss, and takes the same decision.
 
@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .amp import grad_scaler, reads_found_inf
-from .flags import FLAGS, LOSS, NORM, SCALE, total_norm
+from .kernels import total_norm
+from .vector import SCHEMA
 
 __all__ = ["StepSync", "shards_gradients", "local_tensor", "local_norm_power", "share_incident", "choose_sync"]
 
@@ -80,21 +81,23 @@ class StepSync:
         return total_norm(list(grads), self.norm_type)
 
     def reduce(self, vec: Tensor) -> Tensor:
-        """Agree on a :class:`~.flags.StepFlags` vector across ranks with one all-reduce (SUM); no host
+        """Agree on a step's evidence vector (:mod:`.vector`) across ranks with one all-reduce (SUM); no host
         sync, no barrier. The grad scale is identical on every rank and is not reduced."""
         if not self.distributed:
             return vec
         self._local = vec.detach().clone()
         out = vec.clone()
-        if self.sharded and not math.isinf(self.norm_type):  # the norm's powers, the loss and the flags
-            dist.all_reduce(out[:SCALE], group=self.group)  # (a view: reduced in place)
-            out[NORM] = out[NORM].clamp_min(0).pow(1.0 / self.norm_type)
+        norm, summed = SCHEMA.norm, SCHEMA.summed
+        if self.sharded and not math.isinf(self.norm_type):  # the norm's powers and the summed fields
+            assert norm + 1 == summed.start
+            dist.all_reduce(out[norm:summed.stop], group=self.group)  # (a view: reduced in place)
+            out[norm] = out[norm].clamp_min(0).pow(1.0 / self.norm_type)
         else:  # unsharded: the gradient norm is already identical on every rank
             if self.sharded:  # inf-norm of shards: a MAX, the one case needing a second collective
-                norm = out[NORM:LOSS]
-                dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
-            dist.all_reduce(out[LOSS:SCALE], group=self.group)
-        out[LOSS] = out[LOSS] / self.world_size  # summed loss -> mean loss over ranks; flags stay rank counts
+                dist.all_reduce(out[norm:norm + 1], op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(out[summed], group=self.group)
+        for i in SCHEMA.means:  # summed -> the mean over ranks; flags stay rank counts
+            out[i] = out[i] / self.world_size
         return out
 
     def global_norm(self, norm: Optional[Tensor], value: float) -> Optional[Tensor]:
@@ -109,7 +112,7 @@ class StepSync:
         local = self._local if local is None else local
         if local is None:
             return []
-        return [bool(v) for v in local[FLAGS].tolist()]
+        return SCHEMA.local_flags(local)
 
     @property
     def last_local(self) -> Optional[Tensor]:

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from ..detect.flags import any_nonfinite_flag
+from ..detect.kernels import any_nonfinite_flag
 from ..layouts import deepcopy_memo
 from ..recover.metrics import MetricUndo
 from ..tree import map_tensors

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from torch import Tensor
 
 from ..detect.find import find_nonfinite_tensors
-from ..detect.flags import any_nonfinite_flag, dense_nonfinite_flag
+from ..detect.kernels import any_nonfinite_flag, dense_nonfinite_flag
 from ..detect.sync import local_tensor
 from ..layouts import checkable
 from ..tree import iter_tensors

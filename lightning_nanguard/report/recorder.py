@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional
 
 from ..config import LoggingConfig
 from .events import NaNEvent
-from .progress import ProgressStatus, say
+from ..console import say
+from .progress import ProgressStatus
 from .sinks import JsonlSink, LoggerSink, ReportFiles
 
 __all__ = ["Recorder"]

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_nanguard
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect import sync as nd
+from lightning_nanguard.detect.vector import SCHEMA
 
 STEPS = 24
 SYNC = sys.argv[2] if len(sys.argv) > 2 else "auto"
@@ -107,10 +108,11 @@ class Probe(pl.Callback):
         mine = full[rank::2]
         for p in (2.0, float("inf")):
             sync = nd.StepSync(world_size=2, sharded=True, norm_type=p)
-            vec = torch.stack([sync.grad_norm(mine), torch.tensor(float(rank + 1)), torch.tensor(float(rank == 1)),
-                               torch.tensor(0.0), torch.tensor(0.0), torch.tensor(0.0), torch.tensor(float("nan"))])
-            out = sync.reduce(vec).tolist()
-            self.sharded[str(p)] = {"reduced": out, "expected_norm": float(torch.nn.utils.get_total_norm(full, p))}
+            parts = {"grad_norm": sync.grad_norm(mine), "loss": torch.tensor(float(rank + 1)),
+                     "loss_bad": torch.tensor(float(rank == 1))}
+            out = sync.reduce(SCHEMA.build(parts, SCHEMA.constants(torch.device("cpu")))).tolist()
+            reduced = [out[SCHEMA.index[name]] for name in ("grad_norm", "loss", "loss_bad")]
+            self.sharded[str(p)] = {"reduced": reduced, "expected_norm": float(torch.nn.utils.get_total_norm(full, p))}
 
 
 def main(out: Path) -> None:

@@ -1,22 +1,21 @@
-"""Device-side checks and the one vector of evidence the guard reads per optimizer step.
+"""Fused device-side checks: non-finite flags and the total gradient norm.
 
 Functions named ``*_flag`` return a 0-dim bool tensor on the device and never synchronise; the guard folds
-them, with the total gradient norm and the loss, into one :class:`StepFlags` vector that it reads once
-per optimizer step (after one small all-reduce under DDP, see :mod:`.sync`).
+them, with the total gradient norm and the loss, into the step's evidence vector (:mod:`.vector`), which it
+reads once per optimizer step.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..layouts import is_strided, stored_values
 
-__all__ = ["nonfinite_flag", "any_nonfinite_flag", "total_norm", "StepFlags", "Outcome", "classify", "skip_flag"]
+__all__ = ["nonfinite_flag", "any_nonfinite_flag", "dense_nonfinite_flag", "total_norm", "CPU_CHUNK"]
 
 # CPU: tensors below this many elements are concatenated (bounded temporary copy: 4 MiB of float32)
 CPU_CHUNK = 1 << 20
@@ -107,84 +106,3 @@ def _total_norm(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
         norms = torch._foreach_norm(list(tensors), norm_type)
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)
     return torch.nn.utils.get_total_norm(tensors, norm_type=norm_type, error_if_nonfinite=False, foreach=None)
-
-
-class StepFlags(NamedTuple):
-    """One optimizer step's evidence, in the order of the device vector the guard reads once per step.
-
-    Built on the device as a vector in the order of ``StepFlags._fields`` and read back with
-    :meth:`from_values`. Under DDP
-    :class:`~lightning_nanguard.detect.sync.StepSync` reduces the vector field by field: the gradient norm
-    is already global (sharded: completed from the local powers), the loss becomes the mean over ranks, the
-    ``*_bad`` flags become counts of ranks, and the grad scale (identical everywhere) is left alone.
-    """
-
-    grad_norm: float  # total gradient norm (clip.norm_type); nan/inf when a gradient is non-finite
-    loss: float  # sum of the step's micro-batch losses, unscaled (16-mixed)
-    loss_bad: float  # a micro-batch loss was non-finite (check.loss)
-    input_bad: float  # a floating tensor of the batch was non-finite (check.inputs: always)
-    param_bad: float  # a parameter or buffer was non-finite after the previous step (check.parameters)
-    activation_bad: float  # a module output was non-finite (check.activations)
-    grad_scale: float  # the GradScaler's scale (16-mixed), nan without one
-
-    @classmethod
-    def from_values(cls, values: Sequence[float]) -> "StepFlags":
-        return cls(*values)
-
-    @property
-    def local_bad(self) -> bool:
-        """Evidence from the step's own data (not the gradients): loss, inputs, weights or activations."""
-        return bool(self.loss_bad or self.input_bad or self.param_bad or self.activation_bad)
-
-    @property
-    def grads_bad(self) -> bool:
-        return not math.isfinite(self.grad_norm)
-
-    def incident_kind(self) -> str:
-        """The event kind, by precedence of the evidence."""
-        if self.param_bad:
-            return "parameter"
-        if self.input_bad:
-            return "input"
-        if self.activation_bad:
-            return "activation"
-        return "loss" if self.loss_bad else "gradient"
-
-
-# positions in the vector, for the code that reduces it (sync) and appends to it (amp)
-NORM = StepFlags._fields.index("grad_norm")
-LOSS = StepFlags._fields.index("loss")
-FLAGS = slice(StepFlags._fields.index("loss_bad"), StepFlags._fields.index("activation_bad") + 1)
-SCALE = StepFlags._fields.index("grad_scale")
-
-
-class Outcome(enum.Enum):
-    """What one optimizer step turned out to be."""
-
-    HEALTHY = "healthy"  # everything finite: clip, learn statistics, maybe snapshot
-    ROUTINE_OVERFLOW = "routine_overflow"  # a GradScaler overflow the scaler handles by itself
-    INCIDENT = "incident"  # non-finite evidence: skip the step, diagnose, climb the ladder
-    SKIPPED = "skipped"  # not judged: the guard has stopped, or batches are skipped after a rollback
-    PENDING = "pending"  # check.sync lagged: judged when its flags reach the host, one step later
-
-
-def skip_flag(vec: Tensor, gradients: bool) -> Tensor:
-    """0-dim float on ``vec``'s device, 1 when the step of the :class:`StepFlags` vector ``vec`` must be skipped:
-    a local ``*_bad`` flag (a rank count under DDP), or, with ``gradients``, a non-finite gradient norm. No sync."""
-    bad = vec[FLAGS].ne(0).any()
-    if gradients:
-        bad = bad | ~torch.isfinite(vec[NORM])
-    return bad.float()
-
-
-def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool) -> Outcome:
-    """The step's outcome from its evidence. ``grads_bad``: a non-finite gradient norm that counts
-    (``check.gradients``); ``scaled``: a GradScaler is active; ``overflow_persists``: the scaler's overflows
-    went on for too long (``check.amp_overflow_patience`` / ``amp_min_scale``)."""
-    if flags.local_bad:
-        return Outcome.INCIDENT
-    if not grads_bad:
-        return Outcome.HEALTHY
-    if scaled and not overflow_persists:
-        return Outcome.ROUTINE_OVERFLOW
-    return Outcome.INCIDENT

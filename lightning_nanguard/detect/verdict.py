@@ -1,0 +1,44 @@
+"""What one optimizer step turned out to be, from its evidence: the host's verdict and the device's skip flag."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import Tensor
+
+from .vector import SCHEMA, StepFlags
+
+__all__ = ["Outcome", "classify", "skip_flag"]
+
+
+class Outcome(enum.Enum):
+    """What one optimizer step turned out to be."""
+
+    HEALTHY = "healthy"  # everything finite: clip, learn statistics, maybe snapshot
+    ROUTINE_OVERFLOW = "routine_overflow"  # a GradScaler overflow the scaler handles by itself
+    INCIDENT = "incident"  # non-finite evidence: skip the step, diagnose, climb the ladder
+    SKIPPED = "skipped"  # not judged: the guard has stopped, or batches are skipped after a rollback
+    PENDING = "pending"  # check.sync lagged: judged when its flags reach the host, one step later
+
+
+def skip_flag(vec: Tensor, gradients: bool) -> Tensor:
+    """0-dim float on ``vec``'s device, 1 when the step of the evidence vector ``vec`` must be skipped: a flag
+    field (a rank count under DDP), or, with ``gradients``, a non-finite gradient norm. No sync."""
+    bad = vec[SCHEMA.flags].ne(0).any()
+    if gradients:
+        bad = bad | ~torch.isfinite(vec[SCHEMA.norm])
+    return bad.float()
+
+
+def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool) -> Outcome:
+    """The step's outcome from its evidence. ``grads_bad``: a non-finite gradient norm that counts
+    (``check.gradients``); ``scaled``: a GradScaler is active; ``overflow_persists``: the scaler's overflows
+    went on for too long (``check.amp_overflow_patience`` / ``amp_min_scale``)."""
+    if flags.local_bad:
+        return Outcome.INCIDENT
+    if not grads_bad:
+        return Outcome.HEALTHY
+    if scaled and not overflow_persists:
+        return Outcome.ROUTINE_OVERFLOW
+    return Outcome.INCIDENT
