@@ -3,7 +3,7 @@
 from .callback import NaNGuard
 from .config import NaNGuardConfig
 from .errors import ConfigError, NaNGuardError
-from .report.events import NaNEvent
+from .events import NaNEvent
 
 __all__ = ["NaNGuard", "NaNGuardConfig", "NaNEvent", "ConfigError", "NaNGuardError"]
 __version__ = "0.1.0"

@@ -8,21 +8,24 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, ConfigError, LoggingConfig, NaNGuardConfig,
+from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
+from .console import say
+from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
 from .detect.spikes import LossWatch
 from .diagnose.diagnoser import Diagnoser
-from .errors import NaNGuardError
-from .incidents import Responder
+from .errors import ConfigError, NaNGuardError
+from .events import NaNEvent
 from .recover.checkpoint import nonfinite_entries, rebuild
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
-from .report.events import NaNEvent
-from .console import say
+from .recover.snapshots import SnapshotStore
+from .report.progress import ProgressStatus
 from .report.recorder import Recorder
+from .responder import Responder
 from .step import StepFlow
 from .usage_errors import usage_errors
 
@@ -34,7 +37,7 @@ except ImportError:  # pragma: no cover
 __all__ = ["NaNGuard", "NaNGuardError"]
 
 _Section = Union[Mapping[str, Any], None]
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 
 
 class NaNGuard(pl.Callback):
@@ -144,21 +147,23 @@ class NaNGuard(pl.Callback):
     def _build(self) -> None:
         """The parts of the guard, fresh for a new fit."""
         cfg = self.config
-        self._evidence = StepEvidence(cfg.check)
-        self._clipper = Clipper(cfg.clip)
+        self._counters = counters = Counters()
+        self._evidence = StepEvidence(cfg.check, keep_rng=cfg.anomaly.mode != "off")
+        self._clipper = Clipper(cfg.clip, counters)
         self._losses = LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)
         self._overflow = OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale)
         self._divergence = DivergenceWatch(cfg.check.divergence, cfg.check.divergence_growth,
                                            cfg.check.divergence_steps, cfg.check.divergence_factor)
-        self._recovery = Recovery(cfg.recovery, cfg.clip,
+        self._recovery = Recovery(cfg.recovery, cfg.clip, counters,
                                   statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector,
                                               "divergence": self._divergence})
-        self._diagnoser = Diagnoser(cfg.anomaly)
-        self._recorder = Recorder(cfg.logging, self.name)
-        self._responder = Responder(cfg, self._evidence, self._clipper, self._losses, self._overflow,
+        self._diagnoser = Diagnoser(cfg.anomaly, counters)
+        self._recorder = Recorder(cfg.logging, counters, self.name)
+        self._status = ProgressStatus(self.name)
+        self._responder = Responder(cfg, counters, self._evidence, self._clipper, self._losses, self._overflow,
                                     self._recovery, self._diagnoser, self._recorder)
-        self._flow = StepFlow(cfg, self._evidence, self._clipper, self._losses, self._overflow, self._divergence,
-                              self._recovery, self._diagnoser, self._recorder, self._responder)
+        self._flow = StepFlow(cfg, counters, self._evidence, self._clipper, self._losses, self._overflow,
+                              self._divergence, self._recovery, self._recorder, self._responder)
 
     # ------------------------------------------------------------------------------------------- views
 
@@ -181,10 +186,28 @@ class NaNGuard(pl.Callback):
 
     @property
     def counters(self) -> dict[str, int]:
-        rec, recovery = self._recorder, self._recovery
-        return {"incidents": rec.incidents, "skipped_steps": recovery.skipped_steps, "rollbacks": recovery.rollbacks,
-                "lr_cuts": recovery.lr_cuts, "clipped_steps": self._clipper.clipped_steps,
-                "replays": self._diagnoser.replays, "snapshots": recovery.snapshots, "spikes": rec.spikes}
+        return self._counters.as_dict()
+
+    @property
+    def snapshots(self) -> Optional[SnapshotStore]:
+        """The known-good snapshots of this fit (:class:`~.recover.snapshots.SnapshotStore`: ``ring``, ``newest``,
+        ``load(snapshot)``); None before fit start or with ``recovery.snapshot: off``."""
+        return self._recovery.store
+
+    @property
+    def exempt_buffers(self) -> frozenset[str]:
+        """Buffers that held NaN/Inf before training (a causal mask of -inf): taken as intentional, never
+        checked."""
+        return self._evidence.state.exempt
+
+    @property
+    def report_dir(self) -> Optional[Path]:
+        """``<log_dir>/nanguard`` (``events.jsonl`` and the incident reports); None before fit start."""
+        return self._recorder.out_dir
+
+    def report_path(self, event: NaNEvent) -> Path:
+        """The incident report file of ``event``."""
+        return self._recorder.report_path(event)
 
     # ------------------------------------------------------------------------------------ persistence
 
@@ -193,19 +216,23 @@ class NaNGuard(pl.Callback):
         return self._generate_state_key(name=self.name) if self.name else "NaNGuard"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION, "recorder": self._recorder.state_dict(),
-                "recovery": self._recovery.state_dict(), "clipper": self._clipper.state_dict(),
-                "losses": self._losses.state_dict(), "overflow": self._overflow.state_dict(),
-                "diagnoser": self._diagnoser.state_dict(), "divergence": self._divergence.state_dict()}
+        return {"version": _STATE_VERSION, "counters": self._counters.state_dict(),
+                "recorder": self._recorder.state_dict(), "recovery": self._recovery.state_dict(),
+                "clipper": self._clipper.state_dict(), "losses": self._losses.state_dict(),
+                "overflow": self._overflow.state_dict(), "divergence": self._divergence.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = state_dict if state_dict.get("version", 1) >= 2 else _upgrade_v1(state_dict)
+        state = state_dict
+        if state.get("version", 1) < 2:
+            state = _upgrade_v1(state)
+        if state.get("version", 2) < 3:
+            state = _upgrade_v2(state)
+        self._counters.load_state_dict(state.get("counters", {}))
         self._recorder.load_state_dict(state.get("recorder", {}))
         self._recovery.load_state_dict(state.get("recovery", {}))
         self._clipper.load_state_dict(state.get("clipper", {}))
         self._losses.load_state_dict(state.get("losses", {}))
         self._overflow.load_state_dict(state.get("overflow", {}))
-        self._diagnoser.load_state_dict(state.get("diagnoser", {}))
         self._divergence.load_state_dict(state.get("divergence", {}))
         self._resumed = True
 
@@ -217,7 +244,7 @@ class NaNGuard(pl.Callback):
         self._resumed = False
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._recorder.start(trainer)
+        self._recorder.start(trainer)  # its sinks: events.jsonl, the loggers, incident reports, the screen
         assert self._recorder.out_dir is not None
         self._recovery.start(trainer, pl_module, self._recorder.out_dir)
         self._flow.start(trainer, pl_module)
@@ -278,7 +305,6 @@ class NaNGuard(pl.Callback):
                              batch_idx: int) -> None:
         if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):
             self._recovery.step_start(trainer)
-        self._diagnoser.micro_batch()
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Tensor) -> None:
         self._evidence.loss(loss, grad_scaler(trainer))  # 16-mixed: the loss is scaled here
@@ -290,7 +316,7 @@ class NaNGuard(pl.Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._flow.end(trainer, pl_module) and self.config.logging.progress_bar:
-            self._recorder.status.update(trainer, pl_module, self._recorder.incidents, self._recovery.lr_scale)
+            self._status.update(trainer, pl_module, self._counters["incidents"], self._recovery.lr_scale)
 
     # ----------------------------------------------------------------------------------- checkpoints
 
@@ -319,10 +345,26 @@ class NaNGuard(pl.Callback):
                 "(recovery.snapshot is 'off'?).")
 
 
+def _upgrade_v2(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-2 state dict (counts kept by the parts that counted them; adaptive clipping armed in the ladder)
+    in the version-3 layout (one ``counters`` section; the clipper knows whether it is armed)."""
+    recorder, recovery = dict(state.get("recorder", {})), dict(state.get("recovery", {}))
+    clipper, ladder = dict(state.get("clipper", {})), dict(recovery.get("ladder", {}))
+    counters = {"incidents": recorder.pop("incidents", 0), "spikes": recorder.pop("spikes", 0),
+                "clipped_steps": clipper.pop("clipped_steps", 0),
+                "replays": dict(state.get("diagnoser", {})).get("replays", 0),
+                **{k: recovery.pop(k, 0) for k in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots")}}
+    if "adaptive_clip" in ladder:
+        clipper["armed"] = ladder.pop("adaptive_clip")
+    recovery["ladder"] = ladder
+    return {**state, "version": 3, "counters": counters, "recorder": recorder, "recovery": recovery,
+            "clipper": clipper}
+
+
 def _upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
     """A version-1 state dict (one flat dict of counters and statistics) in the version-2 layout."""
     counters = state.get("counters", {})
-    return {
+    return {"version": 2,
         "recorder": {"index": state.get("event_index", 0), "incidents": counters.get("incidents", 0),
                      "spikes": counters.get("spikes", 0)},
         "recovery": {"lr_scale": state.get("lr_scale", 1.0), "ladder": state.get("ladder", {}),

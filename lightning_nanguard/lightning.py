@@ -16,7 +16,7 @@ import lightning.pytorch as _lp
 from .callback import NaNGuard as _NaNGuard
 from .config import NaNGuardConfig
 from .errors import ConfigError, NaNGuardError
-from .report.events import NaNEvent
+from .events import NaNEvent
 
 __all__ = ["NaNGuard", "NaNGuardConfig", "NaNEvent", "ConfigError", "NaNGuardError"]
 

@@ -184,7 +184,7 @@ class SnapshotSpy(pl.Callback):
     def _capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard.counters["snapshots"] != self.seen:
             self.seen = self.guard.counters["snapshots"]
-            self.states[self.guard._recovery.store.newest.step] = training_state(trainer, pl_module)
+            self.states[self.guard.snapshots.newest.step] = training_state(trainer, pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._capture(trainer, pl_module)

@@ -176,7 +176,7 @@ def test_fault_during_a_rollbacks_recovery_window(tmp_path, clean):
     rollbacks = [(e.step, e.details["restored_step"]) for e in guard.events if "rollback" in e.actions]
     newest = first[0]  # a multiple of snapshot_every: the newest snapshot when the first burst starts
     assert rollbacks == [(first[-1], newest), (second[-1], newest - every), (bad_param + 1, newest - every)]
-    assert guard._recovery.ladder.failed_rollbacks == 0  # confirmed later by a new snapshot
+    assert guard.state_dict()["recovery"]["ladder"]["failed_rollbacks"] == 0  # confirmed later by a new snapshot
 
 
 class WithValidation(models.Classifier):

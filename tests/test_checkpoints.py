@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.recover.checkpoint import iter_checkpoint_tensors
+from lightning_nanguard.detect.spikes import SpikeDetector
+from lightning_nanguard.recover.clipping import ZClip
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models
 
@@ -207,7 +209,7 @@ class Probe(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         g = self.guard
-        self.at_start = (dict(g.counters), g.lr_scale, g._recorder.state_dict()["index"], trainer.global_step)
+        self.at_start = (dict(g.counters), g.lr_scale, g.state_dict()["recorder"]["index"], trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.first_step is None:  # the LR the first step of this fit really uses
@@ -225,7 +227,7 @@ def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path, fit):
         enable_checkpointing=True)
     assert [e.step for e in first.events] == models.detected_steps(faults)
     assert first.lr_scale == 0.5 and first.counters["rollbacks"] == 1
-    saved = (dict(first.counters), first.lr_scale, first._recorder.state_dict()["index"])
+    saved = (dict(first.counters), first.lr_scale, first.state_dict()["recorder"]["index"])
     path = tmp_path / "ckpt" / f"epoch={40 // (len(DATA) // 32)}-step=40.ckpt"
     assert path.exists(), sorted(os.listdir(tmp_path / "ckpt"))
     assert torch.load(path, weights_only=False)["callbacks"]["NaNGuard"]["recorder"]["index"] == 3
@@ -251,17 +253,22 @@ def test_resume_mid_run_keeps_counters_ladder_state_and_lr_scale(tmp_path, fit):
 
 
 def test_guard_state_dict_carries_the_statistics() -> None:
-    a = NaNGuard()
+    zclip, spikes = ZClip(), SpikeDetector()
     for v in range(1, 40):
-        a._clipper.zclip.update(float(v))
-        a._losses.detector.observe(float(v % 5))
+        zclip.update(float(v))
+        spikes.observe(float(v % 5))
+    a = NaNGuard()
+    state = a.state_dict()
+    state["clipper"]["zclip"], state["losses"]["spikes"] = zclip.state_dict(), spikes.state_dict()
     b = NaNGuard()
-    b.load_state_dict(a.state_dict())
-    assert b._clipper.zclip.state_dict() == a._clipper.zclip.state_dict()
-    assert b._losses.detector.state_dict() == a._losses.detector.state_dict()
+    b.load_state_dict(state)
+    assert b.state_dict()["clipper"]["zclip"] == zclip.state_dict()
+    assert b.state_dict()["losses"]["spikes"] == spikes.state_dict()
     c = NaNGuard()  # a version-1 state dict: one flat dict of counters and statistics
     c.load_state_dict({"counters": {"incidents": 3, "rollbacks": 1}, "lr_scale": 0.25, "event_index": 4,
                        "norm_ema": {"count": 30, "mean": 2.0, "var": 0.25}})
-    assert c._clipper.zclip.threshold() == pytest.approx(2.0 + 2.5 * 0.5)
+    loaded = ZClip()
+    loaded.load_state_dict(c.state_dict()["clipper"]["zclip"])
+    assert loaded.threshold() == pytest.approx(2.0 + 2.5 * 0.5)
     assert c.lr_scale == 0.25 and c.counters["incidents"] == 3 and c.counters["rollbacks"] == 1
-    assert c._recorder.state_dict()["index"] == 4
+    assert c.state_dict()["recorder"]["index"] == 4

@@ -227,9 +227,9 @@ def test_loss_and_gradient_checks_decide_what_catches_a_nan_loss(fit_checks: Any
     guard = fit_checks(NaNLossAt(3), check)
     assert _summary(guard)[0] == first
     if check.get("loss") is False:  # no loss values: no loss statistics, no spike detection
-        assert guard._losses.detector.stats.count == 0 and not guard._losses.history
+        assert guard.state_dict()["losses"]["spikes"]["count"] == 0 and not guard.state_dict()["losses"]["history"]
     else:
-        assert guard._losses.detector.stats.count == 7 and len(guard._losses.history) == 7
+        assert guard.state_dict()["losses"]["spikes"]["count"] == 7 and len(guard.state_dict()["losses"]["history"]) == 7
 
 
 @pytest.mark.parametrize("check, first", [
@@ -249,9 +249,9 @@ def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(fit
     if check.get("gradients") is False:  # the norm is computed only once adaptive clipping (armed by the
         first_step = guard.events[0].step  # first incident) needs it, on the healthy steps after it
         healthy_after = [s for s in range(first_step + 1, 8) if s not in {e.step for e in guard.events}]
-        assert len(guard._clipper.history) == guard._clipper.zclip.stats.count == len(healthy_after)
+        assert len(guard.state_dict()["clipper"]["history"]) == guard.state_dict()["clipper"]["zclip"]["count"] == len(healthy_after)
     else:
-        assert len(guard._clipper.history) == 7
+        assert len(guard.state_dict()["clipper"]["history"]) == 7
 
 
 @pytest.mark.parametrize("gradients", [True, False])

@@ -352,7 +352,7 @@ def test_overflow_explained_by_an_extreme_feature_stays_overflow_while_the_norm_
     fit(FeatureSquare(), TensorDataset(x, y), [guard], batch_size=16, max_epochs=1)
     ev = guard.events[0]
     assert (ev.step, ev.kind) == (bad_step, "loss")
-    history = list(guard._clipper.history)[:bad_step]
+    history = list(guard.state_dict()["clipper"]["history"])[:bad_step]
     assert dynamics.short_growth(history) is not None  # the history alone says exploding_gradient
     assert ev.details["extreme_features"][0]["features"] == [5]
     assert ev.cause == "overflow" and ev.details["abs_max_float64"] > torch.finfo(torch.float32).max

@@ -126,7 +126,7 @@ def test_rollback_restores_the_scaler(fit_mixed):
     assert probe.scales[:bad[0]] == [init] * bad[0]
     assert probe.scales[bad[0]:bad[-1]] == [init * BACKOFF ** (i + 1) for i in range(len(bad) - 1)]
     assert probe.scales[bad[-1]] == init
-    snapshot = guard._recovery.store.load(guard._recovery.store.newest)
+    snapshot = guard.snapshots.load(guard.snapshots.newest)
     assert snapshot["scaler"]["scale"] == init  # the snapshot holds the scaler's state
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect.spikes import RunningStats, SpikeDetector
-from lightning_nanguard.incidents import SPIKES_BEFORE_LR_CUT
+from lightning_nanguard.responder import SPIKES_BEFORE_LR_CUT
 from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models
@@ -220,8 +220,8 @@ def test_reduce_lr_spike_cuts_the_lr_without_climbing_the_ladder(fit: Any) -> No
     assert event.details["lr_before"] == [0.05] and event.details["lr_after"] == [pytest.approx(0.0125)]
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0125)
     assert guard.lr_scale == 0.25 and guard.counters["lr_cuts"] == 1
-    assert guard.counters["incidents"] == 0 and guard._recovery.ladder.consecutive == 0
-    assert not guard._recovery.ladder.adaptive_clip
+    assert guard.counters["incidents"] == 0 and guard.state_dict()["recovery"]["ladder"]["consecutive"] == 0
+    assert not guard.state_dict()["clipper"]["armed"]
 
 
 def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clipping(fit: Any) -> None:
@@ -242,7 +242,7 @@ def test_clip_spike_clips_the_step_to_the_typical_norm_and_arms_adaptive_clippin
     assert spikes and spikes[0].step == 30 and spikes[0].actions == ["clip"]
     assert seen == [pytest.approx(spikes[0].details["clip_to"], rel=1e-4)]
     assert spikes[0].details["clip_to"] < spikes[0].details["grad_norm"] / 100
-    assert guard._recovery.ladder.adaptive_clip and guard.counters["clipped_steps"] >= 1
+    assert guard.state_dict()["clipper"]["armed"] and guard.counters["clipped_steps"] >= 1
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
@@ -273,8 +273,8 @@ def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it
     class Probe(pl.Callback):  # after the guard: the gradient the optimizer will apply
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            used = guard._clipper.zclip.stats.state_dict()
-            steps.append((trainer.global_step, guard._clipper.last_norm, float(torch.nn.utils.get_total_norm(grads)),
+            used = guard.state_dict()["clipper"]["zclip"]
+            steps.append((trainer.global_step, guard.state_dict()["clipper"]["last_norm"], float(torch.nn.utils.get_total_norm(grads)),
                           used))
 
     # the divergence watch (issue 13) would act at step 3, long before clipping warms up: this pins clipping alone
@@ -370,7 +370,7 @@ def test_spike_z_is_the_detection_threshold(fit_scripted: Any) -> None:
     assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["warn"])]
     assert low.events[0].details["loss_zscore"] == pytest.approx(expected, rel=1e-6)
     high = fit_scripted(ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP}, subdir="high")
-    assert high.events == [] and high.counters["spikes"] == 0 and high._losses.detector.stats.count == WARMUP + 1
+    assert high.events == [] and high.counters["spikes"] == 0 and high.state_dict()["losses"]["spikes"]["count"] == WARMUP + 1
 
 
 def test_spike_warmup_is_the_number_of_losses_before_detection(fit_scripted: Any) -> None:
@@ -378,14 +378,14 @@ def test_spike_warmup_is_the_number_of_losses_before_detection(fit_scripted: Any
     ready = fit_scripted(ScriptedLoss(values), {"spike_warmup": WARMUP}, subdir="ready")
     assert [(e.kind, e.step) for e in ready.events] == [("spike", WARMUP)]
     warming = fit_scripted(ScriptedLoss(values), {"spike_warmup": WARMUP + 1}, subdir="warming")
-    assert warming.events == [] and warming._losses.detector.stats.count == WARMUP + 1  # the spike fed the warm-up
+    assert warming.events == [] and warming.state_dict()["losses"]["spikes"]["count"] == WARMUP + 1  # the spike fed the warm-up
 
 
 def test_spike_action_off_turns_detection_off(fit_scripted: Any) -> None:
     values = _scripted(WARMUP, spike_z=50.0)
     guard = fit_scripted(ScriptedLoss(values), {"spike_action": "off", "spike_warmup": WARMUP})
-    assert guard.events == [] and guard._losses.detector.stats.count == 0
-    assert guard._losses.history[-1] == pytest.approx(values[-1])  # the loss was read, just not judged
+    assert guard.events == [] and guard.state_dict()["losses"]["spikes"]["count"] == 0
+    assert guard.state_dict()["losses"]["history"][-1] == pytest.approx(values[-1])  # the loss was read, just not judged
 
 
 class _StateProbe(pl.Callback):
@@ -497,9 +497,9 @@ def test_adaptive_on_incident_arms_after_an_incident_and_off_never(fit_steps, ad
     assert [e.step for e in guard.events] == [2]
     clipped = [s for s, ((a,), (b,)) in enumerate(zip(before.rows, after.rows)) if b < a * (1 - 1e-6)]
     if adaptive == "off":
-        assert clipped == [] and not guard._recovery.ladder.adaptive_clip and guard.counters["clipped_steps"] == 0
+        assert clipped == [] and not guard.state_dict()["clipper"]["armed"] and guard.counters["clipped_steps"] == 0
     else:
-        assert "clip" in guard.events[0].actions and guard._recovery.ladder.adaptive_clip
+        assert "clip" in guard.events[0].actions and guard.state_dict()["clipper"]["armed"]
         assert spike in clipped and guard.counters["clipped_steps"] == len(clipped)
 
 
@@ -518,4 +518,4 @@ def test_norm_type_is_the_norm_that_is_clipped(fit_steps, norm_type):
             clipped += 1
             assert abs(two_post - max_norm) > 0.05 * max_norm, two_post
     assert guard.counters["clipped_steps"] == clipped > 0
-    assert guard._clipper.last_norm == pytest.approx(before.rows[-1][0], rel=1e-6)
+    assert guard.state_dict()["clipper"]["last_norm"] == pytest.approx(before.rows[-1][0], rel=1e-6)

@@ -17,6 +17,11 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.report.progress import INCIDENTS_KEY, LR_SCALE_KEY
+from lightning_nanguard.config import LoggingConfig
+from lightning_nanguard.counters import Counters
+from lightning_nanguard.report.recorder import Recorder
+from lightning_nanguard.report.render import ReportText
+from lightning_nanguard.report.sinks import JsonlSink
 from .models import Regression, loader, regression_data
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")
@@ -262,8 +267,11 @@ def test_an_event_outside_the_vocabulary_is_refused_when_recorded(tmp_path, guar
     guard, t = guarded_fit()
     events_file = tmp_path / "nanguard" / "events.jsonl"
     written = events_file.read_text()
-    event = guard._recorder.new_event(t, "loss", 0)
+    recorder = Recorder(LoggingConfig(), Counters())  # the guard's own kind of recorder, on the same file
+    recorder.start(t, sinks=[JsonlSink(events_file)])
+    event = recorder.new_event("loss", 0, 0, 0, 0)
     setattr(event, field, value)
     with pytest.raises(ValueError, match="unknown"):
-        guard._recorder.record(t, event, "", {"incidents": 4.0})
-    assert len(guard.events) == len(BAD_BATCHES) and events_file.read_text() == written
+        recorder.record(event, ReportText(), {"incidents": 4.0})
+    assert recorder.events == [] and events_file.read_text() == written
+    assert len(guard.events) == len(BAD_BATCHES)

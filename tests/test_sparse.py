@@ -71,7 +71,7 @@ def test_healthy_run_with_sparse_buffer_is_transparent_and_snapshotted(tmp_path:
     assert guard.events == []
     for (name, p), q in zip(plain.named_parameters(), guarded.parameters()):
         assert torch.equal(p, q), name
-    store = guard._recovery.store
+    store = guard.snapshots
     assert guard.counters["snapshots"] == 1 + 16 // 2  # fit start, then every 2 of the 16 healthy steps
     snap = store.load(store.newest)["module"]["adj"]
     assert same_sparse(snap, adj) and snap.layout == LAYOUTS[layout]
@@ -115,7 +115,7 @@ class AdjacencyAfterRollback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         if self.guard.counters["rollbacks"] and self.seen is None:
-            store = self.guard._recovery.store
+            store = self.guard.snapshots
             self.seen = (self.before, pl_module.adj.clone(), store.load(store.newest)["module"]["adj"])
 
 
@@ -276,7 +276,7 @@ def test_sparse_gradients_are_normed_and_clipped(tmp_path: Any, monkeypatch: Any
     guarded = SparseEmbedding()
     trainer(tmp_path / "guarded", [spy, guard]).fit(guarded, embedding_loader())
     assert guard.events == [] and all(torch.equal(p, q) for p, q in zip(plain.parameters(), guarded.parameters()))
-    assert list(guard._clipper.history) == pytest.approx(spy.norms, rel=1e-6)
+    assert list(guard.state_dict()["clipper"]["history"]) == pytest.approx(spy.norms, rel=1e-6)
 
     pl.seed_everything(0)
     guard = NaNGuard(clip={"max_norm": 1e-3, "agc_clip_factor": 0.01})

@@ -339,7 +339,7 @@ def test_a_checkpoint_carries_the_verdict_of_the_step_before_it(fit, tmp_path):
     g = guard("lagged")
     fit(Net(bad=(5,)), models.regression_data(n=512), [g, ckpt], batch_size=16, steps=6, enable_checkpointing=True)
     state = torch.load(tmp_path / "ckpt" / "epoch=0-step=6.ckpt", weights_only=False)["callbacks"]["NaNGuard"]
-    assert state["recorder"]["incidents"] == 1 and state["recovery"]["skipped_steps"] == 1
+    assert state["counters"]["incidents"] == 1 and state["counters"]["skipped_steps"] == 1
 
 
 def test_the_last_step_is_judged_at_train_end(fit):

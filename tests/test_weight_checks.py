@@ -40,7 +40,7 @@ def test_unread_nan_rows_are_found_before_a_snapshot_keeps_them(fit, check, firs
     assert (ev.step, ev.kind, ev.cause, ev.culprit) == (first, "parameter", "optimizer", "emb.weight")
     assert set(ev.details["nonfinite_parameters"][0]["rows"]) == set(range(10, 20))
     assert "rollback" in ev.actions and ev.details["restored_step"] == 0
-    store = guard._recovery.store
+    store = guard.snapshots
     assert all(torch.isfinite(t).all() for snap in store.ring for t in snap.tensors if t.is_floating_point())
     assert models.all_finite(model)  # the end of fit found the rows of the last steps and restored them
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..config import CheckConfig
 from ..layouts import checkable
+from ..record import Window, rng_state
 from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
@@ -32,7 +33,8 @@ class StepEvidence:
     """Device flags of the current optimizer step and the batches they came from.
 
     Attributes:
-        window: ``(batch, batch_idx)`` of each micro-batch of the step (what an incident replays).
+        window: the micro-batches of the step and the RNG state before each (:class:`~..record.Window`: what an
+            incident replays); the RNG states only with ``keep_rng`` (replays on).
         activations: the module-output check (``check.activations``).
         state: the parameter/buffer check (``check.parameters``).
         grads_were_finite: the gradients of the last judged step were finite (a non-finite parameter after
@@ -40,9 +42,10 @@ class StepEvidence:
             the guard once it has judged a step.
     """
 
-    def __init__(self, check: CheckConfig) -> None:
+    def __init__(self, check: CheckConfig, keep_rng: bool = True) -> None:
         self.check = check
-        self.window: list[tuple[Any, int]] = []
+        self.keep_rng = keep_rng
+        self.window = Window()
         self.activations = ActivationCheck(check.activations)
         self.state = StateCheck()
         self.grads_were_finite = True
@@ -56,7 +59,7 @@ class StepEvidence:
 
     @property
     def batch_idx(self) -> int:
-        return self.window[-1][1] if self.window else -1
+        return self.window.batch_idx
 
     @property
     def loss_checked(self) -> bool:
@@ -64,11 +67,11 @@ class StepEvidence:
 
     def micro_batch(self, batch: Any, batch_idx: int, step: int) -> bool:
         """A micro-batch starts; returns True when it is the first of an optimizer step."""
-        first = not self.window
+        first = not len(self.window)
         if first:
             self._loss_sum = self._input_bad = None
             self.activations.step_start(step)
-        self.window.append((batch, batch_idx))
+        self.window.add(batch, batch_idx, rng_state() if self.keep_rng else None)
         if self.check.inputs == "always":
             flag = dense_nonfinite_flag(checkable(iter_tensors(batch)))  # sparse tensors: their stored values
             if flag is not None:

@@ -8,29 +8,34 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..config import AnomalyConfig
-from ..report.events import NaNEvent
-from .causes import IncidentContext, diagnose, diagnose_anomaly_error
+from ..counters import Counters
+from ..events import NaNEvent
+from ..record import Window
 from .dynamics import InitialScales
-from .replay import parse_anomaly_error, rng_state
+from .replay import parse_anomaly_error
+from .rules import IncidentContext, diagnose, diagnose_anomaly_error
 
 __all__ = ["Diagnoser"]
 
 
 class Diagnoser:
-    """Diagnoses incidents (:func:`~.causes.diagnose`), replaying at most ``anomaly.max_replays`` per fit.
+    """Diagnoses incidents (:func:`~.rules.diagnose`), replaying at most ``anomaly.max_replays`` per fit.
 
     With ``anomaly.mode: always`` it also turns torch's anomaly mode on for the fit (:meth:`start`) and
     restores the mode it found (:meth:`stop`). While an incident is replayed, the fit-long anomaly mode is
     off (the replay runs its own anomaly pass).
 
+    Replays are counted (``counters["replays"]``); the budget is per fit.
+
     Attributes:
-        replays: incident replays so far in this fit.
+        initial: every parameter's scale at fit start (read only on an incident).
+        replays_rng: keep the RNG state of each micro-batch for a replay (off with ``anomaly.mode: off``).
     """
 
-    def __init__(self, cfg: AnomalyConfig) -> None:
+    def __init__(self, cfg: AnomalyConfig, counters: Counters) -> None:
         self.cfg = cfg
-        self.replays = 0
-        self._rng: list[Any] = []  # RNG state at each micro-batch of the current step, for the replay
+        self.counters = counters
+        self.replays_rng = cfg.mode != "off"
         self._anomaly_before: Optional[tuple[bool, bool]] = None
         self.initial = InitialScales()
 
@@ -48,19 +53,12 @@ class Diagnoser:
             torch.autograd.set_detect_anomaly(*self._anomaly_before)
             self._anomaly_before = None
 
-    # --------------------------------------------------------------------------------------- the window
-
-    def micro_batch(self) -> None:
-        """A micro-batch starts: keep the RNG state its replay will need."""
-        if self.cfg.mode != "off":
-            self._rng.append(rng_state())
-
-    def step_end(self) -> None:
-        self._rng.clear()
-
-    def context(self, trainer: Any, pl_module: Any, event: NaNEvent, **evidence: Any) -> IncidentContext:
-        """An :class:`IncidentContext` for ``event``, with this step's RNG states and the diagnosis settings."""
-        return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, rng_states=list(self._rng),
+    def context(self, trainer: Any, pl_module: Any, event: NaNEvent, window: Optional[Window] = None,
+                **evidence: Any) -> IncidentContext:
+        """An :class:`IncidentContext` for ``event``: the step's ``window`` (its micro-batches and their RNG
+        states) and the diagnosis settings."""
+        batches, rng = (list(window.batches), list(window.rng)) if window is not None else ([], [])
+        return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, batches=batches, rng_states=rng,
                                frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
                                **evidence)
 
@@ -70,12 +68,12 @@ class Diagnoser:
         """Fill the event's diagnosis; replay the window when the budget allows (and the module steps its
         optimizers automatically: replaying a manual-optimization training_step would train). Returns the
         incident report's extra text."""
-        ctx.replay = (self.cfg.mode != "off" and self.replays < self.cfg.max_replays
+        ctx.replay = (self.cfg.mode != "off" and self.counters["replays"] < self.cfg.max_replays
                       and getattr(ctx.pl_module, "automatic_optimization", True))
         ctx.previous = next((e for e in reversed(events) if "replay" in e.details), None)
         with self._paused():
             extra = diagnose(ctx)
-        self.replays += int(ctx.replayed)
+        self.counters.add("replays", int(ctx.replayed))
         return extra
 
     def anomaly_error(self, error: BaseException) -> Optional[dict]:
@@ -88,7 +86,7 @@ class Diagnoser:
         """Diagnose the error of :meth:`anomaly_error` (replaying the window unless ``anomaly.mode: off``)."""
         ctx.replay = self.cfg.mode != "off" and getattr(ctx.pl_module, "automatic_optimization", True)
         extra = diagnose_anomaly_error(ctx, found)
-        self.replays += int(ctx.replayed)
+        self.counters.add("replays", int(ctx.replayed))
         return extra
 
     @contextmanager
@@ -99,9 +97,3 @@ class Diagnoser:
             yield
         finally:
             torch.autograd.set_detect_anomaly(*before)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"replays": self.replays}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.replays = int(state.get("replays", 0))

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..detect.kernels import any_nonfinite_flag
 from ..layouts import deepcopy_memo
+from ..record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
 from ..tree import map_tensors
 from .recorders import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
@@ -60,22 +61,6 @@ class ReplayResult:
     errors: list[str] = field(default_factory=list)
     frames_text: str = ""
     forward_rows: list[dict] = field(default_factory=list)  # module calls up to the first non-finite output
-
-
-def rng_state() -> dict[str, Any]:
-    """The CPU and (initialised) CUDA RNG states, to replay a micro-batch with the same dropout masks."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Optional[dict[str, Any]]) -> None:
-    if not state:
-        return
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:

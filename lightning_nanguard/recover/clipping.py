@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..config import ClipConfig
+from ..counters import Counters
 from ..detect.spikes import RunningStats, norm_growth
 from ..layouts import is_strided, warn_once
 
@@ -137,36 +138,62 @@ class Clipper:
 
     Attributes:
         zclip: the adaptive clip's running statistics (part of every snapshot).
+        armed: adaptive (z-score) clipping is on: from the start (``clip.adaptive: always``), or since
+            :meth:`arm` (the first incident, or a loss spike with ``check.spike_action: clip``).
         history: the last 200 healthy gradient norms (for the diagnosis).
         history_end: the step of the newest of them (None: not known, e.g. none yet).
         last_norm: the gradient norm of the latest step, healthy or not.
-        clipped_steps: steps whose gradients a norm limit scaled down.
+
+    Steps whose gradients a norm limit scaled down are counted (``counters["clipped_steps"]``).
     """
 
-    def __init__(self, cfg: ClipConfig) -> None:
+    def __init__(self, cfg: ClipConfig, counters: Counters) -> None:
         self.cfg = cfg
+        self.counters = counters
         self.zclip = ZClip(cfg.z_threshold, cfg.ema_alpha, cfg.warmup_steps)
+        self.armed = cfg.adaptive == "always"
         self.history: deque[float] = deque(maxlen=200)
         self.history_end: Optional[int] = None
         self.last_norm = math.nan
-        self.clipped_steps = 0
 
-    def threshold(self, adaptive: bool, extra: Optional[float] = None) -> Optional[float]:
-        """The smallest of ``clip.max_norm``, ``extra`` and, if ``adaptive``, the z-score limit."""
+    @property
+    def active(self) -> bool:
+        """Does a healthy step need its gradient norm to be clipped? (a fixed or an armed adaptive limit)"""
+        return self.cfg.max_norm is not None or self.armed
+
+    def arm(self) -> bool:
+        """Adaptive clipping from now on; True when it was off until now."""
+        was, self.armed = self.armed, True
+        return not was
+
+    def saw(self, norm_value: float) -> None:
+        """The gradient norm of the step just read, healthy or not."""
+        self.last_norm = norm_value
+
+    def reset_streak(self) -> None:
+        """The persistent clipping was acted on (:meth:`clipping_persists`): count afresh."""
+        self.zclip.streak = 0
+
+    def zscore(self, norm_value: float) -> Optional[float]:
+        """The z-score of a norm against the adaptive clip's statistics (None while warming up)."""
+        return self.zclip.zscore(norm_value)
+
+    def threshold(self, extra: Optional[float] = None) -> Optional[float]:
+        """The smallest of ``clip.max_norm``, ``extra`` and, when :attr:`armed`, the z-score limit."""
         limits = [x for x in (self.cfg.max_norm, extra) if x is not None]
-        limit = self.zclip.threshold() if adaptive else None
+        limit = self.zclip.threshold() if self.armed else None
         if limit is not None:
             limits.append(limit)
         return min(limits) if limits else None
 
-    def clip(self, params: list[Tensor], norm: Optional[Tensor], norm_value: float, adaptive: bool,
+    def clip(self, params: list[Tensor], norm: Optional[Tensor], norm_value: float,
              extra: Optional[float] = None, step: Optional[int] = None) -> None:
         """Clip a healthy step (norm limits, then AGC) and learn from its norm (the norm of ``step``)."""
-        limit = self.threshold(adaptive, extra)
+        limit = self.threshold(extra)
         if norm is not None and limit is not None and norm_value > limit:
             # takes the parameters (it scales p.grad); given bare grad tensors it silently does nothing
             torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
-            self.clipped_steps += 1
+            self.counters.add("clipped_steps")
         if self.cfg.agc_clip_factor is not None:
             adaptive_grad_clip_(params, self.cfg.agc_clip_factor)
         if norm is not None:
@@ -177,7 +204,7 @@ class Clipper:
         self.history.append(norm_value)
         self.history_end = step
 
-    def clip_on_device(self, params: list[Tensor], norm: Optional[Tensor], adaptive: bool,
+    def clip_on_device(self, params: list[Tensor], norm: Optional[Tensor],
                        spike: Optional[Tensor] = None, spike_to: Optional[float] = None
                        ) -> tuple[Optional[float], Optional[float]]:
         """Clip without reading this step's norm (``check.sync: lagged``); returns the limits applied: without,
@@ -189,8 +216,8 @@ class Clipper:
         scaled exactly as :meth:`clip` scales them, elsewhere by exactly 1 (bitwise unchanged). The step's
         norm is learned by :meth:`observe` once it is read.
         """
-        limit = self.threshold(adaptive)
-        spike_limit = self.threshold(adaptive, spike_to) if spike is not None and spike_to is not None else None
+        limit = self.threshold()
+        spike_limit = self.threshold(spike_to) if spike is not None and spike_to is not None else None
         if norm is not None:
             for lim, when in ((limit, None if spike_limit is None else ~spike), (spike_limit, spike)):
                 if lim is not None:
@@ -203,13 +230,13 @@ class Clipper:
         """Learn a lagged step's norm (of ``step``), once read; ``limit``: what :meth:`clip_on_device` applied
         to it."""
         if limit is not None and norm_value > limit:
-            self.clipped_steps += 1
+            self.counters.add("clipped_steps")
         self._learn(norm_value, step)
 
-    def clipping_persists(self, adaptive: bool) -> bool:
+    def clipping_persists(self) -> bool:
         """The adaptive clip had to act on ``CLIPS_BEFORE_LR_CUT`` steps in a row: the norm grows faster than
         its statistics can follow, a divergence that clipping slows but does not stop."""
-        return adaptive and self.zclip.streak >= CLIPS_BEFORE_LR_CUT
+        return self.armed and self.zclip.streak >= CLIPS_BEFORE_LR_CUT
 
     def diverging(self) -> bool:
         """Is the gradient norm growing geometrically, or far above its statistics? (Snapshots wait: finite
@@ -219,11 +246,12 @@ class Clipper:
         return far_above or norm_growth(list(self.history)[-25:]) is not None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"zclip": self.zclip.state_dict(), "history": list(self.history), "history_end": self.history_end,
-                "clipped_steps": self.clipped_steps}
+        return {"zclip": self.zclip.state_dict(), "armed": self.armed, "history": list(self.history),
+                "history_end": self.history_end, "last_norm": self.last_norm}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.zclip.load_state_dict(state.get("zclip", {}))
+        self.armed = bool(state.get("armed", self.armed))
         self.history.extend(state.get("history", []))
         self.history_end = state.get("history_end")
-        self.clipped_steps = int(state.get("clipped_steps", 0))
+        self.last_norm = float(state.get("last_norm", math.nan))

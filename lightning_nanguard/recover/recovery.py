@@ -1,24 +1,31 @@
-"""The state of recovery during a fit: the ladder, known-good snapshots, the learning-rate scale, the buffer
-and metric undo, and the operations that change them (skip, LR cut, snapshot, rollback)."""
+"""The state of recovery during a fit, and the only object that changes it: the ladder's plans, known-good
+snapshots, the learning-rate scale, the buffer and metric undo, and the operations (skip, LR cut, snapshot,
+rollback, give up).
+
+Callers ask :meth:`Recovery.plan` what to do about an event (the ladder answers; nobody reaches through to it)
+and :meth:`Recovery.apply` carries the plan out and returns what it did (:class:`Applied`), which the caller
+writes into the event.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from ..config import ClipConfig, RecoveryConfig
-from ..detect.amp import grad_scaler
-from ..layouts import load_module_state
-from ..report.events import NaNEvent
-from .actions import BufferUndo, current_lrs, scale_lr, skip_step
+from ..counters import Counters
+from ..events import NaNEvent
 from .ladder import Plan, RecoveryLadder
+from .lr import current_lrs, scale_lr
 from .metrics import MetricUndo
-from .snapshots import SnapshotStore
+from .snapshots import Snapshot, SnapshotStore, make_store
+from .undo import BufferUndo, skip_step
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Recovery", "restorable_scaler_state"]
+__all__ = ["Recovery", "Applied"]
 
 
 class _Stateful(Protocol):
@@ -27,34 +34,42 @@ class _Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def restorable_scaler_state(snapshot: dict[str, Any], current_scale: float, overflows: int) -> dict[str, Any]:
-    """The scaler state a rollback restores: the snapshot's, except while the scaler is overflowing.
+@dataclass
+class Applied:
+    """What :meth:`Recovery.apply` did: the actions, in order, and their evidence for the event's details."""
 
-    A rollback during a streak of overflows must not raise the scale back to the snapshot's value (that
-    scale is what overflows): the scale is capped at the current one. After any other incident (a NaN
-    loss, bad inputs) the snapshot's scale is restored as it was.
-    """
-    state = dict(snapshot)
-    if overflows > 0 and "scale" in state:
-        state["scale"] = min(float(state["scale"]), float(current_scale))
-    return state
+    actions: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _safe_factor(event: NaNEvent) -> Optional[float]:
+    """The LR factor at which the diagnosis' relative update would be safe (a ``sized`` LR cut)."""
+    found = event.details.get("relative_update")
+    return found["safe_lr"] / found["lr"] if found and found["lr"] > 0 else None
 
 
 class Recovery:
     """Everything the guard can undo or change about training, and the ladder that decides when.
 
+    Skipped steps, rollbacks, LR cuts and snapshots are counted (``counters``).
+
     Attributes:
-        ladder: the recovery policy (:class:`~.ladder.RecoveryLadder`).
         lr_scale: the cumulative learning-rate scale applied so far (1.0: untouched).
         stopped: the guard gave up (or found non-finite weights at fit start); steps are skipped from now on.
         skip_batches_left: steps still to skip after a rollback (``recovery.skip_batches``).
-        skipped_steps, rollbacks, lr_cuts, snapshots: counters for this fit.
+        healthy_since_snapshot: healthy optimizer steps since the newest snapshot was taken or restored.
         lr_cut_step: the step of the latest LR cut (None: none yet).
+        pristine: no optimizer step was applied since the newest snapshot was taken or restored: the parameters
+            are the snapshot's (a lagged rollback then keeps the current step, whose gradients were taken on them).
+        kept_step: the last rollback kept the current step (see :meth:`rollback`'s ``keep_step``).
+        store: the snapshot store (None with ``recovery.snapshot: off``, or before fit start).
     """
 
-    def __init__(self, cfg: RecoveryConfig, clip: ClipConfig, statistics: dict[str, _Stateful]) -> None:
+    def __init__(self, cfg: RecoveryConfig, clip: ClipConfig, counters: Counters,
+                 statistics: dict[str, _Stateful]) -> None:
         self.cfg = cfg
-        self.ladder = RecoveryLadder(cfg, clip)
+        self.counters = counters
+        self._ladder = RecoveryLadder(cfg, clip)
         # running statistics that belong to the known-good state: kept with each snapshot and restored with
         # it, so a rollback is not followed by statistics polluted by the divergence that caused it
         self.statistics = statistics
@@ -62,18 +77,12 @@ class Recovery:
         self.stopped = False
         self.skip_batches_left = 0
         self.healthy_since_snapshot = 0
-        self.skipped_steps = 0
-        self.rollbacks = 0
-        self.lr_cuts = 0
         self.lr_cut_step: Optional[int] = None
-        self.snapshots = 0
         self.store: Optional[SnapshotStore] = None
         self.buffers: Optional[BufferUndo] = None
         self.metrics: Optional[MetricUndo] = None
-        # no optimizer step was applied since the newest snapshot was taken or restored: the parameters are
-        # the snapshot's (a lagged rollback then keeps the current step, whose gradients were taken on them)
         self.pristine = True
-        self.kept_step = False  # the last rollback kept the current step (see rollback's keep_step)
+        self.kept_step = False
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -88,18 +97,73 @@ class Recovery:
             directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"
             if cfg.snapshot == "disk" and trainer.world_size > 1:
                 directory = directory / f"rank{trainer.global_rank}"
-            self.store = SnapshotStore(cfg.keep_snapshots, cfg.snapshot, directory)
+            self.store = make_store(cfg.snapshot, cfg.keep_snapshots, directory)
 
     @property
     def can_roll_back(self) -> bool:
         return bool(self.store)
+
+    @property
+    def unfinished(self) -> bool:
+        """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
+        snapshot after healthy training (and the guard has not given up)."""
+        return not self.stopped and (self._ladder.consecutive > 0 or self._ladder.failed_rollbacks > 0)
+
+    @property
+    def incidents_in_a_row(self) -> int:
+        """Incidents since the last healthy step or rollback."""
+        return self._ladder.consecutive
+
+    @property
+    def unconfirmed_rollbacks(self) -> int:
+        """Rollbacks not yet confirmed by a snapshot after healthy training."""
+        return self._ladder.failed_rollbacks
+
+    # ------------------------------------------------------------------------------------------- the plan
+
+    def plan(self, step: int, event: NaNEvent, *, clip_armed: bool = False,
+             rollback_before: Optional[int] = None) -> Plan:
+        """The ladder's plan for ``event`` at ``step`` (its kind and diagnosed cause; a ``sized`` LR cut goes to
+        the diagnosis' safe LR); ``rollback_before``: roll back to a snapshot taken at or before that step."""
+        plan = self._ladder.incident(step, event.kind, can_roll_back=self.can_roll_back, cause=event.cause,
+                                     safe_factor=_safe_factor(event), clip_armed=clip_armed)
+        if rollback_before is not None:
+            plan.rollback_before = rollback_before
+        return plan
+
+    def step_was_applied(self, plan: Plan) -> None:
+        """The plan's step was applied (judged late, by an optimizer that cannot skip on the device): only a
+        rollback undoes it (:meth:`.RecoveryLadder.step_was_applied`)."""
+        self._ladder.step_was_applied(plan, self.can_roll_back)
+
+    def judged_healthy(self) -> None:
+        """A step was judged healthy: a streak of incidents is over."""
+        self._ladder.healthy()
 
     # -------------------------------------------------------------------------------------------- actions
 
     def skip(self, params: list[Any]) -> None:
         """Skip this optimizer step (parameters and optimizer state untouched)."""
         skip_step(params)
-        self.skipped_steps += 1
+        self.counters.add("skipped_steps")
+
+    def count_skip(self) -> None:
+        """A step skipped by the optimizer itself, on the device (its device flag)."""
+        self.counters.add("skipped_steps")
+
+    def stop(self) -> None:
+        """Give up: every remaining step is skipped."""
+        self.stopped = True
+
+    @property
+    def skipping_batches(self) -> bool:
+        """Steps are skipped after a rollback (``recovery.skip_batches``)."""
+        return self.skip_batches_left > 0
+
+    def batch_skipped(self) -> None:
+        """One of :attr:`skipping_batches`' steps ended: its buffer writes are undone."""
+        self.skip_batches_left -= 1
+        self.undo_buffers()
 
     def undo_buffers(self) -> None:
         """Undo what this step's forward passes wrote into buffers (BatchNorm running statistics)."""
@@ -141,65 +205,48 @@ class Recovery:
         if self.metrics is not None:
             self.metrics.arm(getattr(trainer, "_results", None))  # Lightning's results of the running loop
 
+    # ------------------------------------------------------------------------------------------ snapshots
+
     def snapshot_due(self, ahead: int = 0) -> bool:
         """Every ``snapshot_every`` healthy steps (``confirm_after`` while a rollback awaits confirmation);
         ``ahead``: counting that many steps not judged yet as healthy."""
         every = self.cfg.snapshot_every
-        if self.ladder.failed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
+        if self._ladder.failed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
             every = min(every, self.cfg.confirm_after)
         return self.store is not None and self.healthy_since_snapshot + ahead >= every
 
     def take_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Keep the current state as known-good: module, optimizers, schedulers, grad scaler, statistics."""
+        """Keep the current state as known-good: the fit's (module, optimizers, schedulers, grad scaler) and
+        the guard's (the LR scale and the running statistics)."""
         if self.store is None:
             return
-        scaler = grad_scaler(trainer)
-        state = {
-            "module": pl_module.state_dict(),
-            "optimizers": [o.state_dict() for o in trainer.optimizers],
-            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-            "scaler": scaler.state_dict() if scaler is not None else None,
-        }
         meta: dict[str, Any] = {"lr_scale": self.lr_scale}
         meta.update({name: obj.state_dict() for name, obj in self.statistics.items()})
-        self.store.take(trainer.global_step, state, meta)
+        self.store.capture(trainer, pl_module, trainer.global_step, meta)
         self.healthy_since_snapshot = 0
         self.pristine = True
-        self.snapshots += 1
-        self.ladder.snapshot_taken()
-
-    def newest_before(self, step: int) -> Optional[Any]:
-        """The newest snapshot taken at or before ``step`` (a state from before a divergence began), or None."""
-        if self.store is None:
-            return None
-        return next((snap for snap in reversed(self.store.ring) if snap.step <= step), None)
+        self.counters.add("snapshots")
+        self._ladder.snapshot_taken()
 
     def weights_at(self, step: int) -> Optional[tuple[int, dict[str, Any]]]:
-        """``(snapshot step, module state dict)`` of :meth:`newest_before` (incident time only: it loads a copy)."""
-        snap = self.newest_before(step)
+        """``(snapshot step, module state dict)`` of the newest snapshot taken at or before ``step`` (a state from
+        before a divergence began), or None (incident time only: it loads a copy)."""
+        snap = self.store.newest_before(step) if self.store is not None else None
         if snap is None or self.store is None:
             return None
         return snap.step, self.store.load(snap)["module"]
 
     def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int,
-                 keep_step: bool = False) -> None:
+                 keep_step: bool = False) -> Snapshot:
         """Restore the newest snapshot, then re-apply the LR cuts made since it was taken. ``keep_step``: a
         lagged rollback before the current step's update, whose gradients were taken on the snapshot's
         parameters (:attr:`pristine`): keep them and the buffers its forward wrote, so the step goes ahead."""
         assert self.store is not None and self.store.newest is not None
         snap = self.store.newest
-        state = self.store.load(snap)
         written = self.buffers.written() if keep_step and self.buffers is not None else {}
-        load_module_state(pl_module, state["module"])
+        self.store.restore(snap, trainer, pl_module, scaler_overflows)
         if written:
             self.buffers.put_back(written)  # type: ignore[union-attr]
-        for opt, opt_state in zip(trainer.optimizers, state["optimizers"]):
-            opt.load_state_dict(opt_state)
-        for sched_cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-            sched_cfg.scheduler.load_state_dict(sched_state)
-        scaler = grad_scaler(trainer)
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(restorable_scaler_state(state["scaler"], scaler.get_scale(), scaler_overflows))
         for name, obj in self.statistics.items():
             if name in snap.meta:
                 obj.load_state_dict(snap.meta[name])
@@ -212,13 +259,8 @@ class Recovery:
             skip_step(pl_module.parameters())
         self.healthy_since_snapshot = 0
         self.pristine = True
-        self.rollbacks += 1
-
-    @property
-    def unfinished(self) -> bool:
-        """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
-        snapshot after healthy training (and the guard has not given up)."""
-        return not self.stopped and (self.ladder.consecutive > 0 or self.ladder.failed_rollbacks > 0)
+        self.counters.add("rollbacks")
+        return snap
 
     def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                        scaler_overflows: int = 0) -> Optional[int]:
@@ -226,36 +268,41 @@ class Recovery:
         without one."""
         if not self.store or self.store.newest is None:
             return None
-        self.rollback(trainer, pl_module, scaler_overflows)
-        self.ladder.consecutive = 0
-        return self.store.newest.step
+        snap = self.rollback(trainer, pl_module, scaler_overflows)
+        self._ladder.restored()
+        return snap.step
 
-    def cut_lr(self, trainer: "pl.Trainer", event: NaNEvent, factor: Optional[float] = None) -> None:
+    # ---------------------------------------------------------------------------------------- carry it out
+
+    def cut_lr(self, trainer: "pl.Trainer", step: int, factor: Optional[float] = None) -> Applied:
         """Multiply every learning rate by ``factor`` (default ``lr_factor``), down to ``min_lr_scale`` of the
-        original."""
+        original; ``step``: the event's."""
+        done = Applied()
         factor = self.cfg.lr_factor if factor is None else factor
         new_scale = max(self.lr_scale * factor, self.cfg.min_lr_scale)
         before = current_lrs(trainer.optimizers)
         if new_scale < self.lr_scale:
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], new_scale / self.lr_scale)
             self.lr_scale = new_scale
-            self.lr_cuts += 1
-            self.lr_cut_step = event.step
-            event.add_action("reduce_lr")
-            event.details["lr_before"] = before
-            event.details["lr_after"] = current_lrs(trainer.optimizers)
-        event.details["lr_scale"] = self.lr_scale
+            self.counters.add("lr_cuts")
+            self.lr_cut_step = step
+            done.actions.append("reduce_lr")
+            done.details.update(lr_before=before, lr_after=current_lrs(trainer.optimizers))
+        done.details["lr_scale"] = self.lr_scale
+        return done
 
-    def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, plan: Plan,
-              scaler_overflows: int = 0, keep_step: bool = False) -> None:
-        """Carry out a plan's rollback, batch skipping and LR cut (a give-up restores the newest snapshot).
-        ``keep_step``: see :meth:`rollback` (not for a give-up, nor when going further back)."""
+    def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: Plan, step: int,
+              scaler_overflows: int = 0, keep_step: bool = False) -> Applied:
+        """Carry out a plan's rollback, batch skipping and LR cut (a give-up stops and restores the newest
+        snapshot) for an event at ``step``; returns what was done. ``keep_step``: see :meth:`rollback` (not for a
+        give-up, nor when going further back)."""
+        done = Applied()
         if plan.give_up:
-            self.stopped = True
+            self.stop()
             if self.store:
-                self.rollback(trainer, pl_module, scaler_overflows)
-                event.details["restored_step"] = self.store.newest.step if self.store.newest else None
-            return
+                snap = self.rollback(trainer, pl_module, scaler_overflows)
+                done.details["restored_step"] = snap.step
+            return done
         if plan.rollback and self.store:
             if plan.go_further_back:
                 self.store.drop_newest()
@@ -264,30 +311,29 @@ class Recovery:
                     and self.store.newest.step > plan.rollback_before:
                 self.store.drop_newest()  # taken after the divergence began: not known-good
             further = plan.go_further_back or len(self.store) < dropped
-            self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
-            event.add_action("rollback")
-            event.details["restored_step"] = self.store.newest.step if self.store.newest else None
+            snap = self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
+            done.actions.append("rollback")
+            done.details["restored_step"] = snap.step
             if plan.skip_batches:
                 self.skip_batches_left = plan.skip_batches
-                event.add_action("skip_batches")
-                event.details["skip_batches"] = plan.skip_batches
+                done.actions.append("skip_batches")
+                done.details["skip_batches"] = plan.skip_batches
         if plan.reduce_lr:
-            self.cut_lr(trainer, event, plan.lr_factor)
-        event.details["reasons"] = plan.reasons
+            cut = self.cut_lr(trainer, step, plan.lr_factor)
+            done.actions += cut.actions
+            done.details.update(cut.details)
+        done.details["reasons"] = plan.reasons
+        return done
 
     # ---------------------------------------------------------------------------------------- persistence
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lr_scale": self.lr_scale, "ladder": self.ladder.state_dict(),
-                "healthy_since_snapshot": self.healthy_since_snapshot, "skipped_steps": self.skipped_steps,
-                "rollbacks": self.rollbacks, "lr_cuts": self.lr_cuts, "snapshots": self.snapshots,
-                "lr_cut_step": self.lr_cut_step}
+        return {"lr_scale": self.lr_scale, "ladder": self._ladder.state_dict(),
+                "healthy_since_snapshot": self.healthy_since_snapshot, "lr_cut_step": self.lr_cut_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.ladder.load_state_dict(state.get("ladder", {}))
+        self._ladder.load_state_dict(state.get("ladder", {}))
         self.healthy_since_snapshot = int(state.get("healthy_since_snapshot", 0))
         self.pristine = self.healthy_since_snapshot == 0
-        for key in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots"):
-            setattr(self, key, int(state.get(key, 0)))
         self.lr_cut_step = state.get("lr_cut_step")

@@ -3,94 +3,91 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..config import LoggingConfig
-from .events import NaNEvent
-from ..console import say
-from .progress import ProgressStatus
-from .sinks import JsonlSink, LoggerSink, ReportFiles
+from ..counters import Counters
+from ..events import KINDS, NaNEvent
+from .render import ReportText
+from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink
 
 __all__ = ["Recorder"]
 
 
 class Recorder:
-    """The events of a fit and where they go (``logging.*``): ``events.jsonl``, the Trainer's loggers,
-    incident reports, the progress bar and one line on screen per event (rank 0 writes, every rank keeps).
+    """The events of a fit and where they go: a list of :class:`~.sinks.Sink` (``logging.*``: ``events.jsonl``,
+    the Trainer's loggers, incident reports, the screen; rank 0 writes, every rank keeps the events). An event of
+    a kind that counts as an incident is counted in ``counters["incidents"]``, any other in ``counters["spikes"]``.
 
     Attributes:
         events: every event of this fit, in order (``guard.events``).
-        incidents: events that count as incidents (everything but ``spike`` events).
-        spikes: ``spike`` events (finite, abnormal).
+        sinks: where they are written (set at fit start).
         out_dir: ``<log_dir>/nanguard``, set at fit start.
     """
 
-    def __init__(self, cfg: LoggingConfig, name: Optional[str] = None) -> None:
+    def __init__(self, cfg: LoggingConfig, counters: Counters, name: Optional[str] = None) -> None:
         self.cfg = cfg
+        self.counters = counters
         self.name = name  # a second guard in the same Trainer: its own folder, tags and progress-bar keys
         self.events: list[NaNEvent] = []
-        self.incidents = 0
-        self.spikes = 0
+        self.sinks: list[Sink] = []
         self.out_dir: Optional[Path] = None
-        self.status = ProgressStatus(name)
         self._index = 0  # the last event's number; numbering continues across a resumed fit
-        self._jsonl: Optional[JsonlSink] = None
-        self._loggers = LoggerSink([])
-        self._reports: Optional[ReportFiles] = None
+        self._scalar_sinks: list[Sink] = []
 
-    def start(self, trainer: Any) -> None:
-        """Fit start: the sinks, on global rank 0 only."""
+    def start(self, trainer: Any, sinks: Optional[Sequence[Sink]] = None) -> None:
+        """Fit start: the sinks (``sinks``, or those ``logging.*`` asks for, on global rank 0 only)."""
         self.out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "nanguard"
         if self.name:
             self.out_dir = self.out_dir / self.name
-        zero = trainer.global_rank == 0
-        self._jsonl = JsonlSink(self.out_dir / "events.jsonl") if self.cfg.events_file and zero else None
-        self._loggers = LoggerSink(trainer.loggers if self.cfg.loggers and zero else [],
-                                   prefix=f"nanguard/{self.name}/" if self.name else "nanguard/")
-        self._reports = ReportFiles(self.out_dir) if self.cfg.reports and zero else None
+        self.sinks = list(sinks) if sinks is not None else self.default_sinks(trainer)
+        self._scalar_sinks = [s for s in self.sinks if s.wants_scalars]
 
-    def new_event(self, trainer: Any, kind: str, batch_idx: int) -> NaNEvent:
-        """The next numbered event at the current step; a ``spike`` counts in :attr:`spikes`, any other kind
-        in :attr:`incidents`."""
+    def default_sinks(self, trainer: Any) -> list[Sink]:
+        assert self.out_dir is not None
+        cfg, sinks = self.cfg, []  # type: ignore[var-annotated]
+        if trainer.global_rank != 0:
+            return sinks
+        if cfg.events_file:
+            sinks.append(JsonlSink(self.out_dir / "events.jsonl"))
+        if cfg.reports:
+            sinks.append(ReportSink(self.out_dir))
+        if cfg.loggers and trainer.loggers:
+            sinks.append(LoggerSink(trainer.loggers, prefix=f"nanguard/{self.name}/" if self.name else "nanguard/"))
+        if cfg.verbose:
+            sinks.append(ScreenSink(trainer))
+        return sinks
+
+    def new_event(self, kind: str, step: int, epoch: int, batch_idx: int, rank: int) -> NaNEvent:
+        """The next numbered event."""
         self._index += 1
-        if kind == "spike":
-            self.spikes += 1
-        else:
-            self.incidents += 1
-        return NaNEvent(step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=batch_idx, kind=kind,
-                        rank=trainer.global_rank, index=self._index)
+        self.counters.add("incidents" if KINDS[kind].incident else "spikes")
+        return NaNEvent(step=step, epoch=epoch, batch_idx=batch_idx, kind=kind, rank=rank, index=self._index)
 
     def report_path(self, event: NaNEvent) -> Path:
-        return ReportFiles(self.out_dir if self.out_dir is not None else Path("nanguard")).path(event)
+        return ReportSink(self.out_dir if self.out_dir is not None else Path("nanguard")).path(event)
 
-    def record(self, trainer: Any, event: NaNEvent, report: str, scalars: dict[str, float]) -> None:
-        """Keep ``event`` and write it to every sink; ``report`` is the incident report's text, ``scalars``
-        the guard's scalars after the event."""
+    def record(self, event: NaNEvent, text: ReportText, scalars: dict[str, float]) -> None:
+        """Keep ``event`` and write it to every sink; ``text`` goes into its incident report, ``scalars`` are
+        the guard's scalars after it."""
         event.validate()
         self.events.append(event)
-        if self._jsonl is not None:
-            self._jsonl.write(event)
-        if self._reports is not None:
-            self._reports.write(event, report)
-        if self._loggers:
-            self._loggers.scalars(scalars, event.step)
-            self._loggers.text(event)
-            self._loggers.flush()
-        if self.cfg.verbose:
-            say(trainer, event.summary())
+        for sink in self.sinks:
+            sink.event(event, text, scalars)
 
     def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]]) -> None:
         """The guard's scalars of a step without an event, every ``log_every_n_steps`` steps."""
-        if self._loggers and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
-            self._loggers.scalars(scalars(), trainer.global_step)
+        if self._scalar_sinks and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            values = scalars()
+            for sink in self._scalar_sinks:
+                sink.scalars(values, trainer.global_step)
 
     def flush(self) -> None:
-        self._loggers.flush()
+        for sink in self.sinks:
+            sink.flush()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"index": self._index, "incidents": self.incidents, "spikes": self.spikes}
+        return {"index": self._index}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._index = int(state.get("index", 0))
-        self.incidents = int(state.get("incidents", 0))
-        self.spikes = int(state.get("spikes", 0))

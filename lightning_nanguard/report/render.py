@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..report.events import NaNEvent
+from ..events import NaNEvent
 
-__all__ = ["render_report"]
+__all__ = ["ReportText", "render_report"]
 
 
-def render_report(ev: NaNEvent, norm_history: Sequence[float] = (), loss_history: Sequence[float] = (),
-                  frames_text: str = "") -> str:
+@dataclass
+class ReportText:
+    """What an incident report adds to its event: the recent healthy history and, after a replay, the module
+    frames before the first non-finite value."""
+
+    norm_history: Sequence[float] = field(default_factory=list)
+    loss_history: Sequence[float] = field(default_factory=list)
+    frames: str = ""
+
+
+def render_report(ev: NaNEvent, text: ReportText) -> str:
     """The human-readable incident report (``incident-NNNN-stepS.txt``): fields, evidence, recent history
     and, after a replay, the module frames before the first non-finite value."""
     lines = [
@@ -27,12 +37,12 @@ def render_report(ev: NaNEvent, norm_history: Sequence[float] = (), loss_history
     ]
     for key, value in ev.details.items():
         lines.append(f"  {key}: {value}")
-    if norm_history:
-        tail = ", ".join(f"{v:.4g}" for v in norm_history[-10:])
+    if text.norm_history:
+        tail = ", ".join(f"{v:.4g}" for v in text.norm_history[-10:])
         lines.append(f"  last healthy gradient norms: {tail}")
-    if loss_history:
-        tail = ", ".join(f"{v:.4g}" for v in loss_history[-10:])
+    if text.loss_history:
+        tail = ", ".join(f"{v:.4g}" for v in text.loss_history[-10:])
         lines.append(f"  last healthy losses: {tail}")
-    if frames_text:
-        lines += ["", "frames before the first non-finite value:", frames_text]
+    if text.frames:
+        lines += ["", "frames before the first non-finite value:", text.frames]
     return "\n".join(lines) + "\n"

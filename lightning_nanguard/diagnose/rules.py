@@ -3,7 +3,7 @@
 :func:`diagnose` is called on an incident (or a divergence event), before any state changes, with an
 :class:`IncidentContext`. It fills ``cause``, ``culprit``, ``op``, ``details`` and ``suggestion`` of the event
 and returns extra text for the incident report (e.g. the module frames of a replay), which
-:func:`~.report.render_report` appends once the event's actions are final.
+:func:`~lightning_nanguard.report.render.render_report` appends once the event's actions are final.
 
 The rules, in order (each puts its evidence in ``details`` under the key named in brackets):
 
@@ -51,13 +51,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..causes import suggest
 from ..detect.find import nonfinite_rows
 from ..detect.spikes import history_zscore, norm_growth
-from ..report.events import NaNEvent
+from ..events import NaNEvent
 from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
 from . import dynamics, replay
-from .suggestions import suggest
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error"]
 
@@ -141,7 +141,7 @@ def diagnose(ctx: IncidentContext) -> str:
         if ctx.only_gradients and ev.kind == "gradient" and cause in (None, "unknown"):
             cause = "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
     ev.cause = cause
-    ev.suggestion = suggest(ev, cause, ctx.input_findings)
+    ev.suggestion = suggest(ev, cause or "unknown")
     return frames_text
 
 
@@ -156,7 +156,7 @@ def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
     ev.op = ev.op or found.get("op")
     if ev.cause in (None, "unknown"):
         ev.cause = "backward_op"
-        ev.suggestion = suggest(ev, "backward_op", ctx.input_findings)
+        ev.suggestion = suggest(ev, "backward_op")
     return extra
 
 
@@ -401,3 +401,14 @@ def _with_rows(pl_module: Any, findings: list[dict]) -> list[dict]:
     named = dict(pl_module.named_parameters())
     named.update(dict(pl_module.named_buffers()))
     return nonfinite_rows(named, findings)
+
+
+def spike_cause(grad_norm_zscore: Optional[float], z_threshold: float) -> str:
+    """A finite loss spike: exploding gradients when the step's gradient norm was also above the adaptive
+    clip's threshold, else unknown (a bad batch, a phase the LR is too high for)."""
+    return "exploding_gradient" if grad_norm_zscore is not None and grad_norm_zscore > z_threshold else "unknown"
+
+
+def persistent_clipping_cause() -> str:
+    """The adaptive clip acting on many steps in a row: the gradient norm grows faster than its statistics."""
+    return "exploding_gradient"

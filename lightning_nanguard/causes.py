@@ -1,0 +1,194 @@
+"""The causes an incident can be diagnosed with: one table of what each means, what to tell the user, and what
+the recovery ladder does about it.
+
+Each :class:`Cause` entry is all the package knows about a cause outside the rule that diagnoses it
+(:mod:`lightning_nanguard.diagnose.rules`): adding a cause is one entry here plus its rule there. The ladder
+(:mod:`lightning_nanguard.recover.ladder`) reads the policy fields and never spells a cause's name.
+
+LR policies (``lr_cut``):
+
+- ``"never"``: a smaller learning rate cannot fix it (bad data, bad weights, a dtype's range, an op's domain);
+- ``"at_once"``: the dynamics diverge: cut at the first incident of a streak, by ``recovery.lr_factor``;
+- ``"sized"``: the LR itself is too high: cut at once by ``recovery.divergence_lr_factor``, or further to the
+  diagnosis' safe LR (``details.relative_update.safe_lr``);
+- ``"escalation"``: not known to be the LR: cut only when the ladder escalates (a rollback forced because
+  skipping did not help, ``recovery.reduce_lr_on_rollback``; ``recovery.reduce_lr_after`` incidents).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+__all__ = ["Cause", "CAUSES", "NAMES", "cause", "suggest"]
+
+# a suggestion drawn from an event's evidence (its details, culprit and op); None falls back to the advice
+Suggest = Callable[[Any, str], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One cause: its meaning, the user's advice and the ladder's policy."""
+
+    name: str
+    meaning: str  # one line, for the report and the docs
+    advice: str  # what the user should do (the suggestion when the evidence adds nothing)
+    lr_cut: str  # "never" | "at_once" | "sized" | "escalation" (module docstring)
+    lr_reason: str = ""  # why a cut at once is made (the event's details.reasons)
+    arms_clip: bool = True  # the first incident arms adaptive clipping (clip.adaptive: on_incident)
+    in_incident_window: bool = True  # counts towards recovery.reduce_lr_after
+    gives_up: bool = False  # nothing can help: give up at once, without a rollback
+    suggest: Optional[Suggest] = None  # the evidence-specific suggestion
+
+
+# ------------------------------------------------------------------------------- evidence-specific advice
+
+
+def _where(ev: Any) -> tuple[str, str]:
+    return (f" in {ev.culprit}" if ev.culprit else ""), (f" ({ev.op})" if ev.op else "")
+
+
+def _number(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "?"
+
+
+def _input(ev: Any, advice: str) -> Optional[str]:
+    found = ev.details.get("inputs") or []
+    if not found:
+        return None
+    f = found[0]
+    columns = f" features {f['features'][:10]}" if f.get("features") else ""
+    return f"{f['field']} holds NaN/Inf at samples {f.get('samples', [])[:10]}{columns}. " + advice
+
+
+def _feature_hint(d: dict) -> str:
+    feats = d.get("extreme_features")
+    if not feats:
+        return "normalise or scale the inputs, or compute it in float64"
+    f = feats[0]
+    return (f"normalise feature(s) {f['features']} of {f['field']} (abs-max {_number(max(f['abs_max']))} vs median "
+            f"{_number(f['median_abs_max'])}), or compute it in float64")
+
+
+def _overflow(ev: Any, advice: str) -> Optional[str]:
+    d = ev.details
+    if "abs_max_float64" not in d:  # no replay evidence (e.g. GradScaler overflows)
+        return None
+    where, op = _where(ev)
+    return (f"Overflow{where}{op}: values reach {_number(d.get('abs_max_float64', math.nan))}, beyond "
+            f"{d.get('dtype', 'the dtype')}'s max {_number(d.get('dtype_max', math.nan))}; {_feature_hint(d)}.")
+
+
+def _precision(ev: Any, advice: str) -> Optional[str]:
+    where, op = _where(ev)
+    return (f"Precision loss{where}{op}: finite in float64, not in {ev.details.get('dtype', 'the working dtype')}; "
+            f"{_feature_hint(ev.details)}.")
+
+
+def _backward_op(ev: Any, advice: str) -> Optional[str]:
+    d = ev.details
+    where, _ = _where(ev)
+    src = (d.get("backward_op") or d.get("anomaly") or {}).get("traceback")
+    at = f" (forward: {src})" if src else ""
+    return f"The backward of {ev.op or 'an op'}{where} is infinite or undefined at these inputs{at}. " + advice
+
+
+def _initialization(ev: Any, advice: str) -> Optional[str]:
+    f = ev.details.get("initialization")
+    if not f:
+        return f"Non-finite values in {ev.culprit}. " + advice if ev.culprit else None
+    return (f"{f['parameter']} was initialised {_number(f['ratio'])}x too large: RMS {_number(f['scale'])} against the "
+            f"usual {_number(f['expected_scale'])} (1/sqrt(fan_in), fan_in={f['fan_in']}); no learning rate helps. "
+            "Re-initialise it with nn.init.xavier_uniform_ / kaiming_normal_, or check what loads or scales it.")
+
+
+def _learning_rate(ev: Any, advice: str) -> Optional[str]:
+    f = ev.details.get("relative_update")
+    if not f:
+        return None
+    edge = (f"; the gradient norm grew {_number(f['grad_norm_growth'])}x per step, which puts the edge of stability "
+            f"near {_number(f['edge_lr'])}") if f.get("edge_lr") is not None else ""
+    return (f"The learning rate ({_number(f['lr'])}) is too high: one step moves the weights by "
+            f"{_number(f['relative_update'])}x their own size{edge}. Lower it to about {_number(f['safe_lr'])} or "
+            "below, or add warm-up.")
+
+
+def _exploding(ev: Any, advice: str) -> Optional[str]:
+    d = ev.details
+    if not (d.get("layer_growth") or d.get("activation_growth")):
+        return None
+    what = "gradients grow layer by layer towards the input" if d.get("layer_growth") else \
+        "activations grow layer by layer"
+    return (f"Gradients are exploding through depth ({what}): add normalisation layers or residual scaling, use "
+            "Kaiming/Xavier initialisation, lower the learning rate or clip the gradient norm (clip.max_norm).")
+
+
+def _culprit(ev: Any, advice: str) -> Optional[str]:
+    return f"Non-finite values in {ev.culprit}. " + advice if ev.culprit else None
+
+
+def _unknown(ev: Any, advice: str) -> Optional[str]:
+    if not ev.culprit:
+        return None
+    where, op = _where(ev)
+    if (ev.details.get("float64") or {}).get("module_finite") is False:
+        src = (ev.details.get("forward_op") or {}).get("source")
+        at = f" at {src}" if src else ""
+        return (f"The first non-finite value appeared{where}{op}{at} and stays non-finite in float64: the op's input "
+                "is outside its domain (log or sqrt of a negative, 0/0, inf-inf); clamp or mask its inputs, add an "
+                "epsilon, or check the weights feeding it for divergence.")
+    return f"The first non-finite value appeared{where}{op}. " + advice
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+CAUSES: dict[str, Cause] = {c.name: c for c in (
+    Cause("input", "non-finite values in the batch", lr_cut="never", arms_clip=False, in_incident_window=False,
+          advice="Bad input data: fix or drop these samples (check the data pipeline, normalisation and division by "
+                 "zero in feature engineering), or filter non-finite batches in the dataset.", suggest=_input),
+    Cause("overflow", "a value beyond the range of its dtype (finite in float64)", lr_cut="never",
+          advice="Values exceed the dtype's range: normalise or scale the features, reorder the computation so large "
+                 "sums are not formed, or compute this op in float64 / float32 instead of half.", suggest=_overflow),
+    Cause("precision", "precision lost in the working dtype (finite in float64)", lr_cut="never",
+          advice="Precision loss in the working dtype: compute this op in float64 (or float32 under AMP), add an "
+                 "epsilon, or rescale the inputs.", suggest=_precision),
+    Cause("backward_op", "an op whose derivative is infinite or undefined at its inputs", lr_cut="never",
+          advice="An op has an infinite or undefined derivative at these inputs (sqrt/norm at 0, log at 0, pow with "
+                 "fractional exponent at 0): add an epsilon (e.g. sqrt(x + 1e-12)) or mask the rows.",
+          suggest=_backward_op),
+    Cause("exploding_gradient", "gradients growing through depth or from step to step", lr_cut="at_once",
+          lr_reason="exploding gradients",
+          advice="Gradients are exploding: lower the learning rate, add warm-up, or clip the gradient norm "
+                 "(clip.max_norm).", suggest=_exploding),
+    Cause("learning_rate", "one step moves the weights by their own size or more", lr_cut="sized",
+          lr_reason="the learning rate is too high",
+          advice="The learning rate is too high: lower it (at least an order of magnitude below the one that blew "
+                 "up), or add warm-up.", suggest=_learning_rate),
+    Cause("optimizer", "the optimizer made finite weights non-finite from finite gradients", lr_cut="escalation",
+          advice="The optimizer update made parameters non-finite from finite gradients: set Adam's eps to 1e-8 (not "
+                 "0), lower the learning rate, or check weight decay and momentum settings.", suggest=_culprit),
+    Cause("initialization", "weights non-finite or far off their usual scale before the first step",
+          lr_cut="never", gives_up=True,
+          advice="Parameters were non-finite or badly scaled before training: re-initialise with Xavier/He "
+                 "(nn.init.xavier_uniform_ / kaiming_normal_) and check loaded checkpoints.",
+          suggest=_initialization),
+    Cause("unknown", "no rule explains it", lr_cut="escalation",
+          advice="Lower the learning rate, enable clipping, and rerun with NaNGuard(anomaly={'mode': 'always'}, "
+                 "check={'activations': 'always'}) to localise the first non-finite value.", suggest=_unknown),
+)}
+
+NAMES = tuple(CAUSES)
+_NONE = CAUSES["unknown"]  # the policy of an incident without a diagnosis
+
+
+def cause(name: Optional[str]) -> Cause:
+    """The entry of ``name``; an incident without a diagnosis (None) follows ``unknown``'s policy."""
+    return _NONE if name is None else CAUSES[name]
+
+
+def suggest(event: Any, name: str) -> str:
+    """One or two sentences for the user about ``event`` diagnosed as ``name``, drawn from its evidence."""
+    entry = CAUSES[name]
+    found = entry.suggest(event, entry.advice) if entry.suggest is not None else None
+    return found if found is not None else entry.advice

@@ -1,0 +1,136 @@
+"""Incident records: :class:`NaNEvent`, and the tables of its ``kind`` and ``actions`` vocabularies (causes:
+:mod:`lightning_nanguard.causes`).
+
+Each :class:`Kind` says how the recovery ladder treats an event of that kind (:mod:`.recover.ladder` reads
+the fields and never spells a kind's name); each action has a one-line meaning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from .causes import NAMES as CAUSES
+from .tree import children, keyed
+
+__all__ = ["NaNEvent", "Kind", "KINDS", "ACTIONS", "CAUSES", "to_jsonable"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What was non-finite or abnormal, and how the ladder treats it."""
+
+    name: str
+    meaning: str
+    incident: bool = True  # counts as an incident (else a finite anomaly: counters["spikes"])
+    weights: bool = False  # the weights themselves are bad: roll back at once, to the newest snapshot
+    runaway: bool = False  # finite but running away: roll back to before its onset and cut the LR, whatever the cause
+    advice: str = ""  # the suggestion of an event of this kind that no cause explains
+    headline: str = ""  # how the one-line summary names it (default: "non-finite <name>")
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("loss", "a micro-batch loss"),
+    Kind("gradient", "the total gradient norm"),
+    Kind("activation", "a module output (check.activations)"),
+    Kind("input", "a floating tensor of the batch"),
+    Kind("parameter", "a parameter (or an optimizer state read with it)", weights=True),
+    Kind("buffer", "a buffer (e.g. BatchNorm statistics)", weights=True),
+    Kind("spike", "a finite loss far above its running statistics, or clipping that persists", incident=False,
+         advice="The loss jumped far above its recent level: a bad batch, a learning rate that is too high for this "
+                "phase (add warm-up or lower it), or missing clipping (clip.adaptive: always, clip.max_norm). Repeated "
+                "spikes usually precede a divergence to NaN.", headline="spike (finite, abnormal)"),
+    Kind("divergence", "a finite loss or gradient norm running away", runaway=True,
+         headline="divergence (finite, running away)"),
+)}
+
+ACTIONS: dict[str, str] = {
+    "skip_step": "the optimizer step was skipped (weights, moments and step counts untouched)",
+    "clip": "gradient clipping was armed or applied",
+    "reduce_lr": "every learning rate was cut, in a way LR schedulers keep",
+    "rollback": "the training state was restored from a known-good snapshot",
+    "skip_batches": "the steps of the next batches are skipped (recovery.skip_batches)",
+    "stop": "the guard gave up and stopped the Trainer",
+    "raise": "the guard gave up and raised NaNGuardError (or torch's anomaly error propagates)",
+    "warn": "recorded only",
+}
+
+
+@dataclass
+class NaNEvent:
+    """One incident: what was abnormal, where, why, and what the guard did about it."""
+
+    step: int
+    epoch: int
+    batch_idx: int
+    kind: str
+    rank: int = 0
+    actions: list[str] = field(default_factory=list)
+    cause: Optional[str] = None
+    culprit: Optional[str] = None
+    op: Optional[str] = None
+    details: dict[str, Any] = field(default_factory=dict)
+    suggestion: str = ""
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown event kind {self.kind!r}; allowed: {tuple(KINDS)}")
+
+    def add_action(self, action: str) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"unknown action {action!r}; allowed: {tuple(ACTIONS)}")
+        self.actions.append(action)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` for a kind, action or cause outside the documented vocabularies."""
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown event kind {self.kind!r}; allowed: {tuple(KINDS)}")
+        if self.cause is not None and self.cause not in CAUSES:
+            raise ValueError(f"unknown cause {self.cause!r}; allowed: {CAUSES}")
+        bad = [a for a in self.actions if a not in ACTIONS]
+        if bad:
+            raise ValueError(f"unknown action {bad[0]!r}; allowed: {tuple(ACTIONS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_jsonable(asdict(self))
+
+    def summary(self) -> str:
+        """One line for logs and error messages."""
+        where = f" in {self.culprit}" if self.culprit else ""
+        op = f" ({self.op})" if self.op else ""
+        cause = f", cause={self.cause}" if self.cause else ""
+        what = KINDS[self.kind].headline or f"non-finite {self.kind}"
+        return (f"[nanguard] step {self.step} (epoch {self.epoch}, batch {self.batch_idx}): "
+                f"{what}{where}{op}{cause} -> {', '.join(self.actions) or 'none'}")
+
+    def markdown(self) -> str:
+        rows = [("kind", self.kind), ("actions", ", ".join(self.actions)), ("cause", self.cause),
+                ("culprit", self.culprit), ("op", self.op), ("suggestion", self.suggestion)]
+        lines = ["| field | value |", "|---|---|"]
+        lines += [f"| {k} | {'' if v is None else str(v).replace('|', '/')} |" for k, v in rows]
+        return "\n".join(lines)
+
+
+def _jsonable_leaf(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else repr(obj)  # "nan" / "inf": strict JSON has no literal for them
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "tolist"):  # torch tensors, numpy arrays and scalars
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, (set, frozenset)):
+        return to_jsonable(sorted(obj, key=str))
+    return str(obj)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """``obj`` as JSON types: mappings and dataclasses become dicts with string keys, other containers lists;
+    tensors, numpy values and sets become lists, non-finite floats the strings ``"nan"``/``"inf"``."""
+    kids = children(obj)
+    if kids is None:
+        return _jsonable_leaf(obj)
+    if keyed(obj):
+        return {str(k): to_jsonable(v) for k, v in kids}
+    return [to_jsonable(v) for _, v in kids]

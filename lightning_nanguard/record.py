@@ -1,0 +1,119 @@
+"""One record per judged optimizer step, the same whether its flags are read at once or one step late.
+
+:class:`StepRecord` holds everything the guard's judgement of a step needs, taken when the step runs: its
+number, epoch and batch, its :class:`Window` (the micro-batches and the RNG state before each, for the
+incident replay), the learning rates it ran at, whether its loss was checked, the optimizer, and
+:class:`UpdateStage`: what can still be done about its update. Its evidence (``flags``) is filled in when
+the vector is read. Everything after the read takes the record.
+
+:class:`UpdateStage` is a small state machine, as GradScaler's ``OptState``: a step judged at once
+(``check.sync: eager``) is ``PENDING``: the host skips its update (gradients set to None) and clips it. A step
+judged one step late (``lagged``) ran already: ``ON_DEVICE`` when its optimizer honours the device skip flag
+(the update of a step flagged bad was skipped on the device, its clipping was done there), ``APPLIED`` when it
+cannot (a bad step was applied; only a rollback undoes it).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .detect.vector import StepFlags
+
+__all__ = ["StepRecord", "UpdateStage", "Window", "rng_state", "set_rng_state"]
+
+
+def rng_state() -> dict[str, Any]:
+    """The CPU and (initialised) CUDA RNG states, to replay a micro-batch with the same dropout masks."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Optional[dict[str, Any]]) -> None:
+    if not state:
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Window:
+    """The micro-batches of one optimizer step and the RNG state before each (what an incident replays)."""
+
+    __slots__ = ("batches", "rng")
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[Any, int]] = []  # (batch, batch_idx)
+        self.rng: list[Optional[dict[str, Any]]] = []  # None when replays are off
+
+    def add(self, batch: Any, batch_idx: int, rng: Optional[dict[str, Any]] = None) -> None:
+        self.batches.append((batch, batch_idx))
+        self.rng.append(rng)
+
+    def clear(self) -> None:
+        self.batches.clear()
+        self.rng.clear()
+
+    def copy(self) -> "Window":
+        twin = Window()
+        twin.batches, twin.rng = list(self.batches), list(self.rng)
+        return twin
+
+    @property
+    def batch_idx(self) -> int:
+        """The batch index of the last micro-batch (-1: none)."""
+        return self.batches[-1][1] if self.batches else -1
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class UpdateStage(enum.Enum):
+    """What can still be done about a judged step's update (module docstring)."""
+
+    PENDING = "pending"  # judged at once: the host skips and clips it
+    ON_DEVICE = "on_device"  # judged late: skipped on the device where its flag said so, clipped there
+    APPLIED = "applied"  # judged late, by an optimizer that cannot skip on the device: applied
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step as the guard judges it (module docstring)."""
+
+    step: int
+    epoch: int
+    window: Window
+    lrs: list[float]  # the learning rates of the optimizer's param groups it ran at
+    loss_checked: bool
+    optimizer: Any
+    update: UpdateStage
+    scaled: bool  # a GradScaler was active
+    has_norm: bool  # its gradient norm was computed
+    params: list[Tensor] = field(default_factory=list)  # PENDING: the parameters the host skips and clips
+    norm: Optional[Tensor] = None  # PENDING: the norm tensor to clip with
+    skip: Optional[Tensor] = None  # the device flag that skipped it (judged late; 0-dim float)
+    limit: Optional[float] = None  # the clipping limit applied on the device (judged late)
+    spike_limit: Optional[float] = None  # the limit applied instead to a loss spike (check.spike_action: clip)
+    local: Optional[Tensor] = None  # this rank's evidence vector before the all-reduce (DDP)
+    flags: Optional["StepFlags"] = None  # its evidence, once read
+
+    @property
+    def batch_idx(self) -> int:
+        return self.window.batch_idx
+
+    @property
+    def evidence(self) -> "StepFlags":
+        assert self.flags is not None, "the step's flags were not read yet"
+        return self.flags
+
+    @property
+    def loss(self) -> Optional[float]:
+        """The step's loss as read (None when its loss was not checked)."""
+        return self.evidence.loss if self.loss_checked else None
