@@ -3,8 +3,9 @@ and metric undo, and the operations that change them (skip, LR cut, snapshot, ro
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 from ..config import ClipConfig, RecoveryConfig
 from ..detect.amp import grad_scaler
@@ -217,8 +218,23 @@ class Recovery:
     @property
     def unfinished(self) -> bool:
         """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
-        snapshot after healthy training (and the guard has not given up)."""
+        snapshot after healthy training (and the guard has not given up). Only then can the weights at the end
+        of fit be suspect (:meth:`~lightning_nanguard.incidents.Responder.unfinished_recovery` decides)."""
         return not self.stopped and (self.ladder.consecutive > 0 or self.ladder.failed_rollbacks > 0)
+
+    @contextmanager
+    def newest_weights(self, pl_module: "pl.LightningModule") -> Iterator[Optional[int]]:
+        """Inside the block the module holds the newest snapshot's weights and buffers (the block gets its step;
+        None, and nothing changed, without one); its own are put back after it. Optimizers are not touched."""
+        if not self.store or self.store.newest is None:
+            yield None
+            return
+        own = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        load_module_state(pl_module, self.store.load(self.store.newest)["module"])
+        try:
+            yield self.store.newest.step
+        finally:
+            load_module_state(pl_module, own)
 
     def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                        scaler_overflows: int = 0) -> Optional[int]:
