@@ -243,8 +243,8 @@ class NaNGuard(pl.Callback):
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
-        elif self.config.recovery.restore_at_end:  # finite is not recovered: never end on a divergence under way
-            self._responder.unfinished_recovery(trainer, pl_module)
+        elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
+            self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
         self._stop_hooks()
         self._recorder.flush()
 
