@@ -80,8 +80,8 @@ class NaNGuard(pl.Callback):
     ``check.loss`` or ``check.gradients`` is off, every step's update is checked as well.
 
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
-    the guard. If fit ends while recovery is unfinished, the newest snapshot is restored
-    (``recovery.restore_at_end``).
+    the guard. If fit ends on suspect weights (inside a streak of incidents that they reproduce, or while the
+    loss runs away after an unconfirmed rollback), the newest snapshot is restored (``recovery.restore_at_end``).
 
     Example::
 
