@@ -83,8 +83,8 @@ class NaNGuard(pl.Callback):
     ``check.loss`` or ``check.gradients`` is off, every step's update is checked as well.
 
     While training is healthy nothing changes: the trained weights are bitwise identical to a run without
-    the guard. If fit ends while recovery is unfinished, the newest snapshot is restored
-    (``recovery.restore_at_end``).
+    the guard. If fit ends on suspect weights (inside a streak of incidents that they reproduce, or while the
+    loss runs away after an unconfirmed rollback), the newest snapshot is restored (``recovery.restore_at_end``).
 
     Example::
 
@@ -270,8 +270,8 @@ class NaNGuard(pl.Callback):
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
         if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
-        elif self.config.recovery.restore_at_end:  # finite is not recovered: never end on a divergence under way
-            self._responder.unfinished_recovery(trainer, pl_module)
+        elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
+            self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
         self._stop_hooks()
         self._recorder.flush()
 

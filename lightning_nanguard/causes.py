@@ -39,6 +39,7 @@ class Cause:
     arms_clip: bool = True  # the first incident arms adaptive clipping (clip.adaptive: on_incident)
     in_incident_window: bool = True  # counts towards recovery.reduce_lr_after
     gives_up: bool = False  # nothing can help: give up at once, without a rollback
+    weights_suspect: bool = True  # a fit ending inside its streak may end on broken weights (restore_at_end)
     suggest: Optional[Suggest] = None  # the evidence-specific suggestion
 
 
@@ -145,6 +146,7 @@ def _unknown(ev: Any, advice: str) -> Optional[str]:
 
 CAUSES: dict[str, Cause] = {c.name: c for c in (
     Cause("input", "non-finite values in the batch", lr_cut="never", arms_clip=False, in_incident_window=False,
+          weights_suspect=False,
           advice="Bad input data: fix or drop these samples (check the data pipeline, normalisation and division by "
                  "zero in feature engineering), or filter non-finite batches in the dataset.", suggest=_input),
     Cause("overflow", "a value beyond the range of its dtype (finite in float64)", lr_cut="never",

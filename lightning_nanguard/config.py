@@ -199,8 +199,8 @@ class RecoveryConfig(_Section):
     on_give_up: Literal["stop", "raise"] = _opt(
         "stop", "after restoring the last good weights: stop the Trainer, or raise NaNGuardError")
     restore_at_end: bool = _opt(
-        True, "when fit ends while recovery is unfinished (the last steps were skipped incidents, or a rollback "
-              "is not yet confirmed), restore the newest known-good snapshot")
+        True, "restore the newest known-good snapshot when fit ends on suspect weights: inside a streak of incidents "
+              "that those weights reproduce, or while the loss runs away after an unconfirmed rollback")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor
 
+from .causes import cause as cause_entry
 from .config import NaNGuardConfig
 from .console import say
 from .counters import Counters
@@ -23,10 +24,11 @@ from .detect.find import find_batch_nonfinite
 from .detect.spikes import LossWatch
 from .detect.sync import StepSync, share_incident
 from .diagnose.diagnoser import Diagnoser
+from .diagnose.replay import reproduces
 from .diagnose.rules import IncidentContext, persistent_clipping_cause, spike_cause
 from .errors import NaNGuardError
 from .events import KINDS, NaNEvent
-from .record import StepRecord, UpdateStage
+from .record import StepRecord, UpdateStage, Window
 from .recover.clipping import Clipper
 from .recover.ladder import Plan
 from .recover.recovery import Recovery
@@ -84,6 +86,8 @@ class Responder:
         self.recorder = recorder
         self.sync = StepSync()
         self.pending: list[Pending] = []
+        # the newest incident and its window: a fit that ends inside its streak reruns it at the end
+        self.last_incident: Optional[tuple[NaNEvent, Window]] = None
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -156,6 +160,7 @@ class Responder:
         window = record.window
         ctx = self._context(trainer, pl_module, event, window=window, grad_norm=flags.grad_norm,
                             grads_were_finite=self.evidence.grads_were_finite, only_gradients=not flags.local_bad)
+        self.last_incident = (event, window)
         if record.scaled:
             ctx.scaler_overflows, ctx.grad_scale = self.overflow.overflows, self.overflow.scale
         if record.update is UpdateStage.PENDING:
@@ -335,47 +340,107 @@ class Responder:
         plan = self.recovery.plan(trainer.global_step, event, clip_armed=self.clipper.armed)
         self._conclude(trainer, pl_module, Pending(event, plan, ctx, extra))
 
-    def unfinished_recovery(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Fit ends while recovery is unfinished (``recovery.restore_at_end``): the weights left can be finite
-        and broken, so the newest known-good snapshot is restored and recorded. Unfinished: the last steps were
-        skipped incidents (a divergence the skips had not stopped yet), or a rollback forced by them is not yet
-        confirmed by a snapshot after healthy training. Not: skipped bad inputs alone (the weights never saw
-        them), nor the healthy steps after rolling back a one-off bad parameter (the snapshot was fine)."""
+    def unfinished_recovery(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                            diverging: bool = False) -> None:
+        """Fit ends while recovery is unfinished (``recovery.restore_at_end``; the weights are finite): restore the
+        newest known-good snapshot only if the final weights are suspect (:meth:`_suspect`), and record what was
+        restored, from which step, and why.
+
+        ``diverging``: the divergence watch sees the loss running away at the end (:meth:`.DivergenceWatch.growing`).
+        A skipped step leaves the weights as they were, and the healthy steps after a rollback are good steps:
+        neither makes the weights suspect; and weights that are the newest snapshot's already (no step applied
+        since it was taken or restored) leave nothing to restore."""
         recovery = self.recovery
-        if not recovery.unfinished:
+        last, self.last_incident = self.last_incident, None
+        if not recovery.unfinished or recovery.pristine:
             return
-        in_a_row = recovery.incidents_in_a_row
-        incidents = [e for e in self.recorder.events if KINDS[e.kind].incident]
-        skipped = incidents[-in_a_row:] if in_a_row else []
-        rolled_back = next((e for e in reversed(incidents) if "rollback" in e.actions), None)
-        unconfirmed = recovery.unconfirmed_rollbacks > 0 and (
-            rolled_back is None or not KINDS[rolled_back.kind].weights)
-        if not unconfirmed and all(e.kind == "input" for e in skipped):
+        found = self._suspect(trainer, pl_module, last, diverging)
+        if found is None:
             return
-        if not skipped and recovery.healthy_since_snapshot == 0:
-            return  # the last step rolled back: the weights are the newest snapshot's already
-        last = incidents[-1] if incidents else None
-        event = self._event(trainer, last.kind if last is not None else "parameter")
-        if last is not None:
-            event.cause, event.culprit, event.op = last.cause, last.culprit, last.op
-        event.details.update(detected_at="train_end", skipped_steps_in_a_row=in_a_row,
-                             unconfirmed_rollbacks=recovery.unconfirmed_rollbacks,
-                             last_incident_step=last.step if last is not None else None)
+        kind, source, reason, evidence = found
+        event = self._event(trainer, kind)
+        event.cause, event.culprit, event.op = source.cause, source.culprit, source.op
+        event.details.update(detected_at="train_end", reason=reason, source_step=source.step,
+                             skipped_steps_in_a_row=recovery.incidents_in_a_row,
+                             unconfirmed_rollbacks=recovery.unconfirmed_rollbacks, **evidence)
         restored = recovery.restore_newest(trainer, pl_module, self.overflow.overflows)
+        what = ("Training ended inside a streak of incidents, on finite weights that are suspect"
+                if not KINDS[kind].runaway else "Training ended while the loss was running away")
         if restored is None:
             event.add_action("warn")
-            event.suggestion = ("Training ended while the guard was still recovering and there is no snapshot to "
-                                "restore (recovery.snapshot: off): the final weights may be diverged. Lower the "
-                                "learning rate, or train longer.")
+            event.suggestion = (f"{what} ({reason}). There is no snapshot to compare them with or to restore "
+                                "(recovery.snapshot: off): the final weights are kept and may be broken. See the "
+                                f"event of step {source.step} for the cause.")
         else:
             event.add_action("rollback")
             event.details["restored_step"] = restored
-            event.suggestion = (f"Training ended while the guard was still recovering: the weights were restored to "
-                                f"the last known-good state (step {restored}). Lower the learning rate, or train "
-                                "longer so that recovery can complete (recovery.restore_at_end: false keeps the "
-                                "final weights).")
+            event.suggestion = (f"{what} ({reason}): the weights were restored to the last known-good state, the "
+                                f"snapshot of step {restored}. See the event of step {source.step} for the cause "
+                                "(recovery.restore_at_end: false keeps the final weights).")
         self.evidence.state.refresh()
         self._record(trainer, event, self._context(trainer, pl_module, event), "")
+
+    def _suspect(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                 last: Optional[tuple[NaNEvent, Window]],
+                 diverging: bool) -> Optional[tuple[str, NaNEvent, str, dict[str, Any]]]:
+        """Are the final (finite) weights suspect? ``(kind, the event behind it, reason, details)``, or None.
+
+        - ``parameter``, finite but broken: the fit ended inside a streak of incidents that the weights themselves
+          reproduce. The last incident's micro-batches, rerun on the final weights (:func:`.replay.reproduces`),
+          are non-finite again, and on the newest snapshot's weights they are not (non-finite there too: the
+          batch or the code is at fault, and the snapshot would not help). Inputs never make the weights
+          suspect, nor does a fault that the rerun does not reproduce (a one-off). Where the batch cannot be
+          rerun (``anomaly.mode: off``, manual optimization) the streak counts as suspect: the safe side.
+        - ``divergence``, unresolved: a rollback (``check.divergence: act``, or any forced rollback) is not yet
+          confirmed by a snapshot and the loss is running away at the end. With ``check.divergence: warn`` the
+          guard never rolls back, at the end of fit neither.
+        """
+        recovery, events = self.recovery, self.recorder.events
+        incidents = [e for e in events if KINDS[e.kind].incident]
+        if recovery.incidents_in_a_row > 0 and incidents:
+            found = self._streak_suspect(trainer, pl_module, incidents[-1], last)
+            if found is not None:
+                return found
+        if recovery.unconfirmed_rollbacks > 0 and diverging:
+            rolled_back = next((e for e in reversed(events) if "rollback" in e.actions), None)
+            if rolled_back is not None:
+                return ("divergence", rolled_back, f"the loss grew again after the rollback of step "
+                                                   f"{rolled_back.step}, before a snapshot confirmed it", {})
+            source = next((e for e in reversed(events) if KINDS[e.kind].runaway), None)
+            if source is not None:  # no snapshot: the rollback it called for never happened
+                return "divergence", source, f"the divergence of step {source.step} was never rolled back", {}
+        return None
+
+    def _streak_suspect(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", newest: NaNEvent,
+                        last: Optional[tuple[NaNEvent, Window]]) -> Optional[tuple[str, NaNEvent, str, dict]]:
+        """:meth:`_suspect` for a fit that ended inside a streak of incidents, the newest ``newest``."""
+        if not cause_entry(newest.cause).weights_suspect:
+            return None  # e.g. a bad batch: the weights never saw it
+        automatic = getattr(pl_module, "automatic_optimization", True)
+        if last is None or last[0] is not newest or self.config.anomaly.mode == "off" or not automatic:
+            why = ("anomaly.mode: off" if self.config.anomaly.mode == "off" else
+                   "manual optimization" if not automatic else "its batch is not kept")
+            return "parameter", newest, f"the batch of step {newest.step} cannot be rerun ({why}): taken as suspect", {}
+        window = last[1]
+        norm_type = self.config.clip.norm_type
+        final = reproduces(trainer, pl_module, window.batches, window.rng, norm_type)
+        snapshot: Optional[bool] = None
+        step: Optional[int] = None
+        if final is not False:
+            with self.recovery.newest_weights(pl_module) as step:
+                snapshot = None if step is None else reproduces(trainer, pl_module, window.batches, window.rng,
+                                                                norm_type)
+        suspect = final is not False and snapshot is not True
+        if trainer.world_size > 1:  # each rank reruns its own batch: restore on every rank if one says so
+            suspect = trainer.strategy.reduce_boolean_decision(suspect, all=False)
+        if not suspect:
+            return None
+        on = {True: "non-finite", False: "finite", None: "not rerun (an error)"}
+        reason = f"the batch of step {newest.step} is {on[final]} on the final weights"
+        if step is not None:
+            reason += f" and {on[snapshot]} on the snapshot's of step {step}"
+        return "parameter", newest, reason, {
+            "rerun_at_end": {"final_weights": final, "snapshot_weights": snapshot, "snapshot_step": step}}
 
     def initialization_incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                 findings: list[dict]) -> None:

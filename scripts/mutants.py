@@ -522,13 +522,25 @@ MUTANTS: list[Mutant] = [
     Mutant("snapshots", "snap-end-restore-key-ignored", CALLBACK,
            "elif self.config.recovery.restore_at_end:", "elif True:",
            "recovery.restore_at_end: false still restores the newest snapshot at fit end"),
+    # (issue 20: the end of fit restores only suspect weights)
     Mutant("snapshots", "snap-end-skipped-incidents-not-restored", INCIDENTS,
-           'if not unconfirmed and all(e.kind == "input" for e in skipped):', "if not unconfirmed:",
-           "a fit ending on skipped incidents (a divergence the skips had not stopped) keeps the broken weights"),
+           "suspect = final is not False and snapshot is not True", "suspect = False",
+           "a fit ending inside a streak of incidents that the final weights reproduce keeps the broken weights"),
+    Mutant("snapshots", "snap-end-batch-fault-restored", INCIDENTS,
+           "suspect = final is not False and snapshot is not True", "suspect = final is not False",
+           "a fit ending on NaN steps that are the batch's fault (NaN on the snapshot's weights too) throws away "
+           "the healthy steps since the snapshot"),
+    Mutant("snapshots", "snap-end-rerun-norm-ignored", REPLAY,
+           "if grads and not bool(torch.isfinite(total_norm(grads, norm_type))):", "if False:",
+           "finite gradients whose total norm overflows do not count as reproduced at the end: a fit ending on "
+           "such incidents keeps the broken weights"),
     Mutant("snapshots", "snap-end-param-rollback-restored", INCIDENTS,
-           "unconfirmed = ladder.failed_rollbacks > 0 and (rolled_back is None or rolled_back.kind not in (",
-           "unconfirmed = ladder.failed_rollbacks > 0 and (True or rolled_back.kind not in (",
-           "the healthy steps after rolling back a one-off bad parameter are thrown away at fit end"),
+           "if ladder.failed_rollbacks > 0 and diverging:", "if ladder.failed_rollbacks > 0:",
+           "the healthy steps after a rollback (of a one-off bad parameter, of a NaN streak) are thrown away at fit "
+           "end while the rollback is unconfirmed"),
+    Mutant("snapshots", "snap-end-divergence-not-restored", INCIDENTS,
+           "if ladder.failed_rollbacks > 0 and diverging:", "if False:",
+           "a fit ending while the loss runs away again after an unconfirmed rollback keeps the diverging weights"),
 
     # ------------------------------------------------------------------------------------------------ sync
     # (issue 14: check.sync lagged: device-side skip through found_inf, flags read one step late)

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from ..detect.kernels import any_nonfinite_flag
+from ..detect.kernels import any_nonfinite_flag, total_norm
 from ..layouts import deepcopy_memo
 from ..record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
@@ -38,7 +38,7 @@ from ..tree import map_tensors
 from .recorders import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
                         is_compiled, public_name)
 
-__all__ = ["ReplayResult", "replay_window", "preserved_state", "parse_anomaly_error", "rng_state", "set_rng_state"]
+__all__ = ["ReplayResult", "replay_window", "reproduces", "preserved_state", "parse_anomaly_error"]
 
 _ANOMALY_RE = re.compile(r"Function '(\w+)' returned (nan|inf) values in its (\d+)(?:st|nd|rd|th) output")
 
@@ -189,6 +189,32 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
                         result.errors.append(f"float64: {type(err).__name__}: {err}")
             break
     return result
+
+
+def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
+               norm_type: float = 2.0) -> Optional[bool]:
+    """Does the window give a non-finite loss, gradient or total gradient norm (``norm_type``: an overflowing
+    norm of finite gradients is an incident too) on the module's weights as they are now? The light rerun
+    behind the end-of-fit check: no hooks, no float64 pass, and, like :func:`replay_window`, it changes
+    nothing (RNG, buffers, metrics, modes and ``.grad`` are left as they were). None when it could not run."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    named = [("", p) for p in module.parameters() if p.requires_grad]
+    with eager():
+        for i, (batch, batch_idx) in enumerate(batches):
+            rng = rng_states[i] if i < len(rng_states) else None
+            with preserved_state(module):
+                try:
+                    loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
+                    if loss is None:
+                        continue
+                    if not bool(torch.isfinite(loss.detach()).all()):
+                        return True
+                    grads = [g for g in _grads(loss, named) if g is not None]
+                    if grads and not bool(torch.isfinite(total_norm(grads, norm_type))):
+                        return True
+                except Exception:  # the check must never break training
+                    return None
+    return False
 
 
 def _ctx(plugin: Any) -> Any:

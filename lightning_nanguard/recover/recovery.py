@@ -9,13 +9,15 @@ writes into the event.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
 from ..config import ClipConfig, RecoveryConfig
 from ..counters import Counters
 from ..events import NaNEvent
+from ..layouts import load_module_state
 from .ladder import Plan, RecoveryLadder
 from .lr import current_lrs, scale_lr
 from .metrics import MetricUndo
@@ -106,7 +108,8 @@ class Recovery:
     @property
     def unfinished(self) -> bool:
         """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
-        snapshot after healthy training (and the guard has not given up)."""
+        snapshot after healthy training (and the guard has not given up). Only then can the weights at the end
+        of fit be suspect (:meth:`~lightning_nanguard.responder.Responder.unfinished_recovery` decides)."""
         return not self.stopped and (self._ladder.consecutive > 0 or self._ladder.failed_rollbacks > 0)
 
     @property
@@ -261,6 +264,20 @@ class Recovery:
         self.pristine = True
         self.counters.add("rollbacks")
         return snap
+
+    @contextmanager
+    def newest_weights(self, pl_module: "pl.LightningModule") -> Iterator[Optional[int]]:
+        """Inside the block the module holds the newest snapshot's weights and buffers (the block gets its step;
+        None, and nothing changed, without one); its own are put back after it. Optimizers are not touched."""
+        if not self.store or self.store.newest is None:
+            yield None
+            return
+        own = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        load_module_state(pl_module, self.store.load(self.store.newest)["module"])
+        try:
+            yield self.store.newest.step
+        finally:
+            load_module_state(pl_module, own)
 
     def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                        scaler_overflows: int = 0) -> Optional[int]:
