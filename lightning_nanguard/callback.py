@@ -198,7 +198,7 @@ class NaNGuard(pl.Callback):
     def exempt_buffers(self) -> frozenset[str]:
         """Buffers that held NaN/Inf before training (a causal mask of -inf): taken as intentional, never
         checked."""
-        return self._evidence.state.exempt
+        return self._evidence.weights.exempt
 
     @property
     def report_dir(self) -> Optional[Path]:
@@ -255,11 +255,11 @@ class NaNGuard(pl.Callback):
         self._diagnoser.start()  # here, inside the Trainer's own set_detect_anomaly context
         self._diagnoser.record_initial(pl_module)  # parameter scales at fit start, read only on an incident
         if self.config.check.parameters:
-            exempt = self._evidence.state.exempt_nonfinite_buffers(pl_module)
+            exempt = self._evidence.weights.exempt_nonfinite_buffers(pl_module)
             if exempt:
                 say(trainer, "[nanguard] buffers non-finite before training, taken as intentional and not "
                              f"checked: {', '.join(exempt)}")
-            findings = self._evidence.state.find(pl_module)
+            findings = self._evidence.weights.find(pl_module)
             if findings:
                 self._responder.initialization_incident(trainer, pl_module, findings)
                 return
@@ -268,7 +268,7 @@ class NaNGuard(pl.Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._flow.flush(trainer, pl_module)  # the last lagged step's flags
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
-        if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):
+        if self.config.check.parameters and not self._recovery.stopped and self._evidence.weights.find(pl_module):
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
         elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
             self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
@@ -326,7 +326,7 @@ class NaNGuard(pl.Callback):
             rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         if not self.config.check.parameters:
             return
-        exempt = self._evidence.state.exempt
+        exempt = self._evidence.weights.exempt
         bad = nonfinite_entries(checkpoint, exempt=exempt)  # weights and optimizer states
         # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision
         sync = self._flow.sync

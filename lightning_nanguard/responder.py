@@ -199,7 +199,7 @@ class Responder:
             return []
         if record.update is UpdateStage.APPLIED and not flagged:
             return []
-        findings = self.evidence.state.find(pl_module)
+        findings = self.evidence.weights.find(pl_module)
         if record.update is not UpdateStage.PENDING and not flagged:
             params = {n for n, _ in pl_module.named_parameters()}
             findings = [f for f in findings if f["name"] in params]
@@ -301,7 +301,7 @@ class Responder:
                   keep_step: bool = False) -> None:
         """Carry out the plan, record the event, and stop or raise if the plan gives up."""
         self._apply(trainer, pl_module, p.event, p.plan, keep_step)
-        self.evidence.state.refresh()  # a rollback replaced the tensors, and the flag computed on them
+        self.evidence.weights.refresh()  # a rollback replaced the tensors, and the flag computed on them
         self.evidence.forget_state()
         if p.plan.give_up:
             p.event.add_action(self.config.recovery.on_give_up)
@@ -329,7 +329,7 @@ class Responder:
     def parameter_incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str) -> None:
         """Non-finite weights found outside the step decision (before a snapshot or a checkpoint, at
         validation or at the end of fit): roll back (or give up) right away."""
-        findings = self.evidence.state.find(pl_module)
+        findings = self.evidence.weights.find(pl_module)
         buffers = _buffer_names(pl_module)
         kind = "buffer" if findings and all(f["name"] in buffers for f in findings) else "parameter"
         event = self._event(trainer, kind)
@@ -377,7 +377,7 @@ class Responder:
             event.suggestion = (f"{what} ({reason}): the weights were restored to the last known-good state, the "
                                 f"snapshot of step {restored}. See the event of step {source.step} for the cause "
                                 "(recovery.restore_at_end: false keeps the final weights).")
-        self.evidence.state.refresh()
+        self.evidence.weights.refresh()
         self._record(trainer, event, self._context(trainer, pl_module, event), "")
 
     def _suspect(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",

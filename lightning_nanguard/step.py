@@ -290,4 +290,4 @@ class StepFlow:
                 self.responder.parameter_incident(trainer, pl_module, where="snapshot")
                 return
         self.recovery.take_snapshot(trainer, pl_module)
-        self.evidence.state.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then
+        self.evidence.weights.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then

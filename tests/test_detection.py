@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect import find
 from lightning_nanguard.detect import kernels as flags
-from lightning_nanguard.detect.state import StateCheck
+from lightning_nanguard.detect.weights import WeightCheck
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models
 from .models import Regression, all_finite, regression_data
@@ -72,7 +72,7 @@ def test_total_norm_is_bitwise_get_total_norm() -> None:
 
 def test_state_check_sees_in_place_writes_new_storage_and_huge_finite_values() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1), nn.Linear(1100, 1000))
-    check = StateCheck()
+    check = WeightCheck()
     assert not bool(check.flag(model))
     weight = model[0].weight
     with torch.no_grad():

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.detect.state import StateCheck
+from lightning_nanguard.detect.weights import WeightCheck
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models
 
@@ -49,13 +49,13 @@ def test_a_healthy_step_does_not_pass_over_the_weights(fit, monkeypatch):
     """The passes over the weights of a healthy run: one per due snapshot by default, one per step with the gradient
     check off (the snapshots then read the step's flag)."""
     calls: list[int] = []
-    flag = StateCheck.flag
+    flag = WeightCheck.flag
 
-    def counted(self: StateCheck, module: Any) -> Any:
+    def counted(self: WeightCheck, module: Any) -> Any:
         calls.append(1)
         return flag(self, module)
 
-    monkeypatch.setattr(StateCheck, "flag", counted)
+    monkeypatch.setattr(WeightCheck, "flag", counted)
     for check, expected in (({}, lambda snapshots: snapshots - 1), ({"gradients": False}, lambda _: 20)):
         calls.clear()
         guard = NaNGuard(check=check, recovery={"snapshot_every": 5}, logging=QUIET)

@@ -23,7 +23,7 @@ from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
 from .kernels import dense_nonfinite_flag
 from .vector import SCHEMA, StepFlags
-from .state import StateCheck
+from .weights import WeightCheck
 from .sync import StepSync
 
 __all__ = ["StepEvidence", "HostCopy"]
@@ -36,7 +36,7 @@ class StepEvidence:
         window: the micro-batches of the step and the RNG state before each (:class:`~..record.Window`: what an
             incident replays); the RNG states only with ``keep_rng`` (replays on).
         activations: the module-output check (``check.activations``).
-        state: the parameter/buffer check (``check.parameters``).
+        weights: the parameter/buffer check (``check.parameters``).
         grads_were_finite: the gradients of the last judged step were finite (a non-finite parameter after
             finite gradients points at the optimizer); None when ``check.gradients`` is off (not known); set by
             the guard once it has judged a step.
@@ -47,7 +47,7 @@ class StepEvidence:
         self.keep_rng = keep_rng
         self.window = Window()
         self.activations = ActivationCheck(check.activations)
-        self.state = StateCheck()
+        self.weights = WeightCheck()
         self.grads_were_finite = True
         self._loss_sum: Optional[Tensor] = None
         self._input_bad: Optional[Tensor] = None
@@ -110,13 +110,13 @@ class StepEvidence:
         if self.check.parameters:
             self._state_module = module
             if self.state_every_step:
-                self._state_bad = self.state.flag(module)
+                self._state_bad = self.weights.flag(module)
 
     def state_bad(self, consume: bool) -> Optional[bool]:
         """Read the flag of the weights changed since the last check now (one sync; snapshot and validation time
         only); None when they did not change. ``consume``: not checked again until the next step changes them."""
         if self._state_bad is None and self._state_module is not None:
-            self._state_bad = self.state.flag(self._state_module)
+            self._state_bad = self.weights.flag(self._state_module)
         if self._state_bad is None:
             return None
         bad = bool(self._state_bad)

@@ -35,7 +35,7 @@ from ..layouts import deepcopy_memo
 from ..record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
 from ..tree import map_tensors
-from .recorders import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
+from .probes import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
                         is_compiled, public_name)
 
 __all__ = ["ReplayResult", "replay_window", "reproduces", "preserved_state", "parse_anomaly_error"]

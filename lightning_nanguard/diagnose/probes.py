@@ -1,4 +1,4 @@
-"""Evidence recorders used by the incident replay (:mod:`.replay`); nothing here runs
+"""Probes used by the incident replay (:mod:`.replay`); nothing here runs
 while training is healthy.
 
 - :class:`FrameRecorder`: forward pre/post and full backward hooks on every module. Per module call it keeps

@@ -11,10 +11,10 @@ from ..layouts import checkable, is_strided
 from .find import find_nonfinite_tensors
 from .kernels import CPU_CHUNK, dense_nonfinite_flag
 
-__all__ = ["StateCheck"]
+__all__ = ["WeightCheck"]
 
 
-class StateCheck:
+class WeightCheck:
     """``any_nonfinite_flag`` over a module's parameters and buffers, for every optimizer step, cheaply.
 
     Walking ``parameters()`` and ``buffers()`` and preparing the tensors costs a Python call or a dispatch
