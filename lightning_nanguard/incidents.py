@@ -425,7 +425,7 @@ class Responder:
 def _safe_factor(event: NaNEvent) -> Optional[float]:
     """The LR factor at which the diagnosis' relative update would be safe (cause ``learning_rate``)."""
     found = event.details.get("relative_update")
-    return found["safe_lr"] / found["lr"] if found and found["lr"] > 0 else None
+    return found["safe_lr"] / found["lr"] if found and found.get("safe_lr") is not None and found["lr"] > 0 else None
 
 
 def _buffer_names(pl_module: "pl.LightningModule") -> set[str]:

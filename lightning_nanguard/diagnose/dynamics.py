@@ -170,7 +170,12 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
     without one, the current ones. The largest over the optimizers' param groups, with ``safe_lr``: the LR
     at which it would be :data:`SAFE_RELATIVE_UPDATE`, or for SGD whose gradient norm grew ``growth``-fold per
     step (:func:`growth_rate`) :data:`EDGE_MARGIN` times below :func:`edge_lr` if that is lower; None when
-    nothing can be computed."""
+    nothing can be computed.
+
+    Degenerate values give no estimate rather than an error: ``safe_lr`` (and the edge) is None where the
+    relative update is 0 (an LR of 0: a warm-up from 0, a schedule that ends at 0) or infinite (an infinite LR,
+    or weights whose norm overflowed); a param group with a NaN or negative LR, or without elements, is
+    left out."""
     names = {id(p): n for n, p in module.named_parameters()}
     best: Optional[dict[str, Any]] = None
     for opt in optimizers:
@@ -179,11 +184,15 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
             if not params or not isinstance(group.get("lr"), (int, float, Tensor)):
                 continue
             lr = float(group["lr"])
+            if math.isnan(lr) or lr < 0:
+                continue  # no step size to compare (a NaN LR; a negative one ascends the gradient)
             known = [reference[names[id(p)]] for p in params if reference is not None and names.get(id(p)) in reference]
             current = norms(p for p in params if reference is None or names.get(id(p)) not in reference)
             w = math.sqrt(sum(v * v for v in known + current))
             n = sum(p.numel() for p in params)
             w = max(w, math.sqrt(n) * 1e-3)  # zero-initialised parameters: compare to a small but non-zero scale
+            if not w > 0:
+                continue  # NaN weights, or no elements at all
             if _sgd_like(group):
                 if not math.isfinite(grad_norm) or grad_norm <= 0:  # unknown (e.g. check.gradients off)
                     continue
@@ -194,14 +203,17 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
                 step = lr * math.sqrt(n)
                 kind = "adaptive"
             rel = step / w
+            if math.isnan(rel):
+                continue  # an infinite LR against weights whose norm overflowed
             if best is None or rel > best["relative_update"]:
+                # an LR of 0 moves nothing and an infinite one everything: no LR to scale a safe one from
+                safe = lr * SAFE_RELATIVE_UPDATE[kind] / rel if 0.0 < rel < math.inf else None
                 best = {"relative_update": rel, "lr": lr, "optimizer": kind, "weight_norm": w,
                         "update_norm": step, "grad_norm": grad_norm if kind == "sgd" else None,
-                        "reference_step": reference_step, "safe_lr": lr * SAFE_RELATIVE_UPDATE[kind] / rel}
-                if kind == "sgd" and growth is not None:
+                        "reference_step": reference_step, "safe_lr": safe}
+                if kind == "sgd" and growth is not None and safe is not None:
                     edge = edge_lr(lr, growth, float(group.get("momentum") or 0.0))
-                    best.update(grad_norm_growth=growth, edge_lr=edge,
-                                safe_lr=min(best["safe_lr"], edge / EDGE_MARGIN))
+                    best.update(grad_norm_growth=growth, edge_lr=edge, safe_lr=min(safe, edge / EDGE_MARGIN))
     return best
 
 

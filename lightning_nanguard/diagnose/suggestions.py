@@ -35,6 +35,14 @@ SPIKE_SUGGESTION = ("The loss jumped far above its recent level: a bad batch, a 
                     "clip.max_norm). Repeated spikes usually precede a divergence to NaN.")
 
 
+def _number(value: object) -> Optional[str]:
+    """``value`` written with 3 significant digits when it is a finite number; None when it is unknown (None, NaN,
+    infinite), so that the sentence leaves it out instead of printing 'None' or 'nan'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:.3g}"
+    return None
+
+
 def suggest(ev: NaNEvent, cause: str, input_findings: Optional[list[dict]] = None) -> str:
     """One or two sentences for the user, drawn from the evidence in ``ev.details``."""
     d = ev.details
@@ -67,11 +75,13 @@ def suggest(ev: NaNEvent, cause: str, input_findings: Optional[list[dict]] = Non
                 "Re-initialise it with nn.init.xavier_uniform_ / kaiming_normal_, or check what loads or scales it.")
     if cause == "learning_rate" and d.get("relative_update"):
         f = d["relative_update"]
-        edge = (f"; the gradient norm grew {f['grad_norm_growth']:.3g}x per step, which puts the edge of stability "
-                f"near {f['edge_lr']:.3g}") if f.get("edge_lr") is not None else ""
-        return (f"The learning rate ({f['lr']:.3g}) is too high: one step moves the weights by "
-                f"{f['relative_update']:.3g}x their own size{edge}. Lower it to about {f['safe_lr']:.3g} or below, "
-                "or add warm-up.")
+        lr, rel, safe = _number(f.get("lr")), _number(f.get("relative_update")), _number(f.get("safe_lr"))
+        growth, edge_lr = _number(f.get("grad_norm_growth")), _number(f.get("edge_lr"))
+        edge = (f"; the gradient norm grew {growth}x per step, which puts the edge of stability near {edge_lr}"
+                if growth and edge_lr else "")
+        what = f": one step moves the weights by {rel}x their own size{edge}" if rel else ""
+        lower = f"Lower it to about {safe} or below" if safe else "Lower it by at least an order of magnitude"
+        return f"The learning rate{f' ({lr})' if lr else ''} is too high{what}. {lower}, or add warm-up."
     if cause == "exploding_gradient" and (d.get("layer_growth") or d.get("activation_growth")):
         what = "gradients grow layer by layer towards the input" if d.get("layer_growth") else \
             "activations grow layer by layer"

@@ -1,0 +1,213 @@
+"""Issue 20, item 1b: the guard never crashes a run, whatever the values it divides by, takes the log of, squares
+or normalises by (an LR, a norm, a weight scale, a loss, a count): a zero, a negative, an infinite or a NaN value
+gives a finite estimate or none.
+
+Each case is a real fit that crashed (or misbehaved) before: an LR of 0 (SGD probed at lr=0, a warm-up from 0, a
+cosine schedule ending at 0) with a divergence or a NaN loss; all-zero gradients; zero-initialised weights; a
+zero or a constant loss; a non-finite or negative LR; float64 weights too large to square in Python; a parameter
+and a batch field with no elements. Every behaviour test runs with ``check.sync`` eager and lagged (fused
+optimizers, which skip bad steps on the device, so lagged is the real lagged path on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Callable, Optional, Union
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.report.cli import main as nanguard_cli
+from . import models
+
+NAN = float("nan")
+SYNCS = ["eager", "lagged"]
+
+
+def long_data():
+    """64 batches of 16: one epoch holds every step of the longer fits (batch_idx == step)."""
+    return models.regression_data(n=1024)
+
+
+def guard(sync: str, **sections: Any) -> NaNGuard:
+    check = dict(sections.pop("check", {}), sync=sync)
+    return NaNGuard(check=check, logging=dict({"verbose": False}, **sections.pop("logging", {})), **sections)
+
+
+def assert_clean(guard: NaNGuard, sync: str) -> None:
+    """The fit ran in ``sync`` mode; every event serialises to strict JSON and its suggestion is a sentence with
+    no 'nan', 'inf' or 'None' standing in for a number the guard does not know."""
+    assert guard.lagged == (sync == "lagged")
+    for e in guard.events:
+        json.dumps(e.to_dict(), allow_nan=False)
+        assert isinstance(e.suggestion, str) and e.suggestion, e
+        assert not re.search(r"\b(nan|inf|None)\b", e.suggestion), e.suggestion
+
+
+def initial_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+class Probe(models.Regression):
+    """Regression with a fused SGD (or AdamW) and an optional step-interval schedule, whose loss can be made
+    degenerate:
+
+    - ``loss``: ``"mse"``; ``"zero_grad"``: the MSE's value with all-zero gradients (a detached term plus
+      ``0 * sum(params)``); ``"zero"``: the value 0 with the MSE's gradients; ``"const"``: the value 1.5 with the
+      MSE's gradients; ``"nan_term"``: the MSE plus a detached NaN term (a NaN loss with finite gradients);
+    - ``switch_at``: from this batch on the loss is the plain MSE;
+    - ``grow_from``: from this batch on the loss is multiplied by 10 per step (a divergence that owes nothing to
+      the optimizer); ``nan_at``: batches whose loss is multiplied by NaN;
+    - ``schedule``: a ``LambdaLR`` factor, or ``"cosine0"``: cosine annealing to exactly 0 at step ``t_max``;
+    - ``zero_init``: every parameter starts at 0.
+    """
+
+    def __init__(self, lr: float = 0.0, optimizer: str = "sgd", loss: str = "mse", switch_at: Optional[int] = None,
+                 grow_from: Optional[int] = None, nan_at: tuple[int, ...] = (), nan_term_at: tuple[int, ...] = (),
+                 schedule: Union[None, str, Callable[[int], float]] = None, t_max: int = 10,
+                 zero_init: bool = False) -> None:
+        super().__init__(lr=lr, optimizer=optimizer)
+        self.loss_kind, self.switch_at, self.grow_from = loss, switch_at, grow_from
+        self.nan_at, self.nan_term_at, self.schedule, self.t_max = set(nan_at), set(nan_term_at), schedule, t_max
+        if zero_init:
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.zero_()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        mse = super().training_step(batch, batch_idx)
+        kind = "mse" if self.switch_at is not None and batch_idx >= self.switch_at else self.loss_kind
+        if kind == "zero_grad":
+            loss = mse.detach() + 0.0 * sum(p.sum() for p in self.parameters())
+        elif kind == "zero":
+            loss = mse - mse.detach()
+        elif kind == "const":
+            loss = 1.5 + (mse - mse.detach())
+        else:
+            loss = mse
+        if self.grow_from is not None and batch_idx >= self.grow_from:
+            loss = loss * 10.0 ** (batch_idx - self.grow_from + 1)
+        if batch_idx in self.nan_term_at:
+            loss = loss + mse.detach() * NAN
+        return loss * NAN if batch_idx in self.nan_at else loss
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+        else:
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+        if self.schedule is None:
+            return opt
+        if self.schedule == "cosine0":
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.t_max, eta_min=0.0)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, self.schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# ---------------------------------------------------------------------------------------- an LR of zero
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("mode", ["warn", "act"])
+def test_a_divergence_at_lr_zero_is_diagnosed_without_a_safe_lr(fit_steps, tmp_path, sync, mode):
+    """SGD at lr=0 with a loss that grows 10x per step (crashed with ZeroDivisionError in the safe-LR estimate):
+    the divergence is recorded, its relative update is 0 and no safe LR is given; nothing can move the weights."""
+    model, g = Probe(lr=0.0, grow_from=4), guard(sync, check={"divergence": mode})
+    before = initial_weights(model)
+    fit_steps(model, [g], 10)
+    assert_clean(g, sync)
+    first = g.events[0]
+    assert first.kind == "divergence" and first.cause != "learning_rate"
+    rel = first.details["relative_update"]
+    assert rel["lr"] == 0.0 and rel["relative_update"] == 0.0 and rel["safe_lr"] is None and "edge_lr" not in rel
+    assert "Lower it to about" not in first.suggestion
+    assert unchanged(model, before)
+    if mode == "warn":
+        assert all(e.actions == ["warn"] for e in g.events) and g.lr_scale == 1.0
+    else:
+        assert "rollback" in first.actions and g.counters["rollbacks"] >= 1 and g.lr_scale < 1.0
+        # and the report command reads the events file of such a run
+        assert nanguard_cli(["report", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_nan_loss_in_a_run_at_lr_zero_is_skipped(fit_steps, sync, optimizer):
+    model = Probe(lr=0.0, optimizer=optimizer, nan_at=(6,))
+    before = initial_weights(model)
+    g = guard(sync)
+    fit_steps(model, [g], 10)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind) == (6, "loss") and e.cause != "learning_rate" and "reduce_lr" not in e.actions
+    assert g.counters["skipped_steps"] == 1
+    rel = e.details["relative_update"]
+    assert rel["relative_update"] == 0.0 and rel["safe_lr"] is None
+    assert unchanged(model, before)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_a_nan_loss_at_the_first_step_of_a_warm_up_from_zero(fit_steps, sync):
+    """AdamW with a LambdaLR warm-up from 0: the NaN comes at step 0, where the LR is 0; the run goes on and trains."""
+    model = Probe(lr=0.01, optimizer="adamw", schedule=lambda k: min(k / 4, 1.0), nan_at=(0,))
+    before = initial_weights(model)
+    g = guard(sync)
+    trainer = fit_steps(model, [g], 8)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind, e.details["lr"]) == (0, "loss", [0.0]) and e.cause != "learning_rate"
+    assert trainer.global_step == 8 and models.all_finite(model) and not unchanged(model, before)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_a_nan_loss_where_a_cosine_schedule_reaches_zero(fit_steps, sync):
+    """CosineAnnealingLR(eta_min=0) is at exactly 0 at step T_max=10, where the loss is NaN."""
+    model = Probe(lr=0.05, schedule="cosine0", t_max=10, nan_at=(10,))
+    g = guard(sync)
+    trainer = fit_steps(model, [g], 13)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind, e.details["lr"]) == (10, "loss", [0.0]) and e.cause != "learning_rate"
+    assert trainer.global_step == 13 and models.all_finite(model)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_zero_initialised_weights_at_lr_zero(fit_steps, sync):
+    """Zero weights and a zero LR: the relative update is 0 against the floor of the weight scale; no safe LR."""
+    model = Probe(lr=0.0, zero_init=True, nan_at=(6,))
+    g = guard(sync)
+    fit_steps(model, [g], 10)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind) == (6, "loss") and e.details["relative_update"]["safe_lr"] is None
+    assert all(bool((p == 0).all()) for p in model.parameters())
+
+
+# -------------------------------------------------------------------------- non-finite and negative LRs
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("lr", [math.inf, NAN, -1.0], ids=["inf", "nan", "negative"])
+def test_a_non_finite_or_negative_lr_gives_no_safe_lr_and_a_clean_suggestion(fit_steps, sync, lr):
+    """From step 6 a LambdaLR sets the LR to inf, NaN or a negative value, and step 6's loss is NaN: the guard
+    gives no safe-LR estimate (no 'nan' in the suggestion) and still ends the run with finite weights."""
+    model = Probe(lr=0.01, schedule=lambda k: lr if k >= 6 else 1.0, nan_at=(6,))
+    g = guard(sync)
+    fit_steps(model, [g], 10)
+    assert_clean(g, sync)
+    first = g.events[0]
+    assert (first.step, first.kind) == (6, "loss")
+    rel = first.details.get("relative_update")
+    assert rel is None or rel["safe_lr"] is None
+    assert models.all_finite(model)
