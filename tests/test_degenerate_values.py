@@ -211,3 +211,35 @@ def test_a_non_finite_or_negative_lr_gives_no_safe_lr_and_a_clean_suggestion(fit
     rel = first.details.get("relative_update")
     assert rel is None or rel["safe_lr"] is None
     assert models.all_finite(model)
+
+
+# ------------------------------------------------------------------------------- huge weights, empty tensors
+
+
+class HugeGain(models.Regression):
+    """float64 regression whose output is scaled by a gain parameter kept at 1e200 (divided back out): its norm
+    squared overflows a Python float. NaN loss at batch 6."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.01)
+        self.gain = nn.Parameter(torch.tensor([1e200], dtype=torch.float64))
+        self.double()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.linear(x) * (self.gain / 1e200), y)
+        return loss * NAN if batch_idx == 6 else loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_float64_weights_whose_norm_squared_overflows(fit_steps, sync):
+    """The diagnosis compared weight norms through ``norm ** 2`` (OverflowError past 1e154 in Python)."""
+    data = TensorDataset(*(t.double() for t in models.regression_data(n=256).tensors))
+    model, g = HugeGain(), guard(sync, recovery={"snapshot_every": 2})
+    fit_steps(model, [g], 10, data=data)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind, g.counters["skipped_steps"]) == (6, "loss", 1) and models.all_finite(model)

@@ -253,10 +253,11 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
 
 def _grown(ctx: IncidentContext, reference: dict[str, float]) -> bool:
     """The trainable weights' norm is now :data:`~.dynamics.WEIGHT_GROWTH` times (or more) their norm in
-    ``reference`` (parameter name -> norm), or no longer finite."""
+    ``reference`` (parameter name -> norm), or no longer finite. (``math.hypot``: a float64 weight's norm past
+    1e154 squares past a Python float, an OverflowError for ``**``.)"""
     named = [(n, p) for n, p in ctx.pl_module.named_parameters() if p.requires_grad and n in reference]
-    before = math.sqrt(sum(reference[n] ** 2 for n, _ in named))
-    now = math.sqrt(sum(v * v for v in dynamics.norms(p for _, p in named)))
+    before = math.hypot(*(reference[n] for n, _ in named))
+    now = math.hypot(*dynamics.norms(p for _, p in named))
     return bool(named) and (not math.isfinite(now) or now >= dynamics.WEIGHT_GROWTH * before)
 
 
