@@ -243,3 +243,68 @@ def test_float64_weights_whose_norm_squared_overflows(fit_steps, sync):
     assert_clean(g, sync)
     (e,) = g.events
     assert (e.step, e.kind, g.counters["skipped_steps"]) == (6, "loss", 1) and models.all_finite(model)
+
+
+class EmptyParameter(Probe):
+    """Probe plus a parameter with no elements (a configurable table sized 0, e.g. no extra tokens)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.extra = nn.Parameter(torch.zeros(0, 8))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + self.extra.sum()
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+def test_a_parameter_with_no_elements(fit_steps, sync, norm_type):
+    """The fit-start weight scales took the inf-norm of every parameter (an error on an empty one, in every run);
+    so did the inf-norm gradient norm (``clip.norm_type: inf``). A healthy run equals the unguarded one; a NaN
+    loss is one event."""
+    make = lambda nan_at=(): EmptyParameter(lr=0.05, nan_at=nan_at)  # noqa: E731
+    pl.seed_everything(0, verbose=False)
+    plain = make()
+    fit_steps(plain, [], 8, subdir="plain")
+    for nan_at in ((), (5,)):
+        pl.seed_everything(0, verbose=False)
+        model, g = make(nan_at), guard(sync, clip={"norm_type": norm_type})
+        fit_steps(model, [g], 8, subdir=f"{sync}{nan_at}")
+        assert_clean(g, sync)
+        if nan_at:
+            (e,) = g.events
+            assert (e.step, e.kind) == (5, "loss") and models.all_finite(model)
+        else:
+            assert g.events == [] and models.same_weights(model, plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused non-finite check over CUDA tensors")
+def test_a_parameter_with_no_elements_on_cuda(fit_steps):
+    model, g = EmptyParameter(lr=0.05, nan_at=(5,)), NaNGuard(logging={"verbose": False})
+    fit_steps(model, [g], 8, accelerator="cuda")
+    (e,) = g.events
+    assert (e.step, e.kind) == (5, "loss") and models.all_finite(model)
+
+
+class SquareWithBoxes(models.SquareNet):
+    """SquareNet whose batches carry an empty float field (e.g. detection boxes of shape [batch, 0, 4])."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, boxes = batch
+        return super().training_step((x, y), batch_idx) + 0.0 * boxes.sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3, fused=True)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_an_overflow_in_a_batch_with_an_empty_field(fit, sync):
+    """The overflow's extreme-feature search took the column abs-max of every batch tensor (an error on one with
+    no elements): the overflow is named, with its feature."""
+    x, y = models.overflow_data(bad_batch=2).tensors
+    model, g = SquareWithBoxes(), guard(sync)
+    fit(model, TensorDataset(x, y, torch.zeros(len(x), 0, 4)), [g], batch_size=8, steps=6)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.cause) == (2, "overflow")
+    assert [(f["field"], f["features"]) for f in e.details["extreme_features"]] == [("batch[0]", [2])]

@@ -365,8 +365,8 @@ def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -
     out = []
     for batch in batches:
         for path, t in iter_tensors(batch):
-            if not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2:
-                continue
+            if not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
+                continue  # (an empty field, e.g. boxes [batch, 0, 4], has no column abs-max)
             col = _column_abs_max(t)
             if col is None:
                 continue

@@ -90,8 +90,10 @@ class InitialScales:
     def record(self, module: nn.Module) -> None:
         named = list(module.named_parameters())
         self._shapes = {n: tuple(p.shape) for n, p in named}
+        # (an empty parameter, e.g. a table sized 0, has no inf-norm: torch raises; its norms are 0)
         self._pending = [torch.stack([torch.linalg.vector_norm(p.detach()).float(),
-                                      torch.linalg.vector_norm(p.detach(), math.inf).float()]) for _, p in named]
+                                      torch.linalg.vector_norm(p.detach(), math.inf).float()]) if p.numel()
+                         else torch.zeros(2, device=p.device) for _, p in named]
         self._values = None
 
     def read(self) -> dict[str, float]:
