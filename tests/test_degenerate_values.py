@@ -213,6 +213,81 @@ def test_a_non_finite_or_negative_lr_gives_no_safe_lr_and_a_clean_suggestion(fit
     assert models.all_finite(model)
 
 
+# ------------------------------------------------------------------------------ all-zero gradients
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_all_zero_gradients_then_a_nan_loss(fit_steps, sync):
+    """Nothing to estimate from a zero gradient norm: no relative update, no crash, the weights never move."""
+    model = Probe(lr=0.1, loss="zero_grad", nan_at=(8,))
+    before = initial_weights(model)
+    g = guard(sync)
+    fit_steps(model, [g], 12)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind) == (8, "loss") and "relative_update" not in e.details
+    assert unchanged(model, before)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_a_divergence_with_all_zero_gradients(fit_steps, sync):
+    model = Probe(lr=0.1, loss="zero_grad", grow_from=4)
+    g = guard(sync)
+    fit_steps(model, [g], 10)
+    assert_clean(g, sync)
+    first = g.events[0]
+    assert first.kind == "divergence" and first.cause not in ("learning_rate", "exploding_gradient")
+    assert models.all_finite(model)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_a_gradient_norm_against_a_history_of_zero_norms_is_no_z_score(fit_steps, sync):
+    """Six steps of all-zero gradients, then a NaN loss (a detached NaN term) with finite gradients: against a
+    history without spread the norm has no z-score (it was 1e12 standard deviations, "exploding_gradient", and
+    the LR was cut)."""
+    model = Probe(lr=0.01, loss="zero_grad", switch_at=6, nan_term_at=(6,))
+    g = guard(sync)
+    fit_steps(model, [g], 10)
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind) == (6, "loss") and math.isfinite(e.details["grad_norm"]) and e.details["grad_norm"] > 0
+    assert "grad_norm_zscore" not in e.details and e.cause != "exploding_gradient"
+    assert "reduce_lr" not in e.actions and g.lr_scale == 1.0
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_the_adaptive_clip_learns_no_zero_threshold_from_zero_gradients(fit_steps, sync):
+    """``clip.adaptive: always`` over 30 steps of all-zero gradients: a threshold of 0 clipped every later
+    gradient to nothing, and ten such steps rolled the healthy run back and cut its LR. Zero norms say nothing
+    about the scale of the gradients: the clip warms up on the real ones, and the run equals the unguarded one."""
+    make = lambda: Probe(lr=0.05, loss="zero_grad", switch_at=30)  # noqa: E731
+    pl.seed_everything(0, verbose=False)
+    plain = make()
+    fit_steps(plain, [], 45, subdir="plain", data=long_data())
+    pl.seed_everything(0, verbose=False)
+    model, g = make(), guard(sync, clip={"adaptive": "always"})
+    fit_steps(model, [g], 45, subdir=sync, data=long_data())
+    assert_clean(g, sync)
+    assert g.events == [] and g.counters["rollbacks"] == 0 and g.lr_scale == 1.0
+    assert models.same_weights(model, plain)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_gradients_starting_after_a_phase_of_zero_gradients_are_no_divergence(fit_steps, sync):
+    """The first real gradient norms after 30 zero ones grew "infinitely" over a zero mean, so the guard held back
+    its snapshots as if the run were diverging (7 instead of 10): it takes them as in a run that always had
+    gradients."""
+    counts = {}
+    for loss in ("zero_grad", "mse"):
+        pl.seed_everything(0, verbose=False)
+        model, g = Probe(lr=0.05, loss=loss, switch_at=30), guard(sync, recovery={"snapshot_every": 5})
+        fit_steps(model, [g], 45, data=long_data(), subdir=loss)
+        assert_clean(g, sync)
+        assert g.events == []
+        counts[loss] = g.counters["snapshots"]
+    assert counts["zero_grad"] == counts["mse"] == 10
+
+
 # ------------------------------------------------------------------------------- huge weights, empty tensors
 
 

@@ -90,17 +90,19 @@ class RunningStats:
 
 def history_zscore(value: float, history: Sequence[float], min_count: int = 5) -> Optional[float]:
     """z-score of ``value`` against the exact statistics of a history (None with fewer than ``min_count``
-    finite values, or for a non-finite ``value``)."""
+    finite values, for a non-finite ``value``, or for a history without spread, e.g. all-zero gradient norms:
+    any other value would be 1e12 standard deviations away)."""
     stats = RunningStats.of(history)
-    if stats.count < min_count or not math.isfinite(value):
+    if stats.count < min_count or not math.isfinite(value) or stats.var == 0:
         return None
     return stats.zscore(value)
 
 
 def norm_growth(history: Sequence[float], recent: int = 5, ratio: float = 10.0) -> Optional[tuple[float, float]]:
     """``(recent_mean, earlier_mean)`` when the last ``recent`` finite values average more than ``ratio``
-    times the earlier ones (the signature of a divergence: gradient norms growing geometrically), else None."""
-    values = [h for h in history if math.isfinite(h)]
+    times the earlier ones (the signature of a divergence: gradient norms growing geometrically), else None.
+    Zeros are left out: steps without gradients (a frozen start) give no scale to grow from."""
+    values = [h for h in history if math.isfinite(h) and h != 0]
     late, early = values[-recent:], values[:-recent]
     if not late or not early:
         return None
