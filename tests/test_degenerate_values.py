@@ -288,6 +288,39 @@ def test_gradients_starting_after_a_phase_of_zero_gradients_are_no_divergence(fi
     assert counts["zero_grad"] == counts["mse"] == 10
 
 
+# ----------------------------------------------------------------------------------- zero and constant losses
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_a_loss_of_exactly_zero_gives_the_spike_test_no_scale(fit_steps, sync):
+    """55 steps at a loss of exactly 0 (real gradients), then the plain MSE, with ``check.spike_action: skip_step``:
+    every later step was a "spike" of 1e12 standard deviations, skipped, and the LR was cut. A history without
+    scale restarts the spike test's warm-up instead: no spike, and the run equals the unguarded one."""
+    make = lambda: Probe(lr=0.01, loss="zero", switch_at=55)  # noqa: E731
+    pl.seed_everything(0, verbose=False)
+    plain = make()
+    fit_steps(plain, [], 62, subdir="plain", data=long_data())
+    pl.seed_everything(0, verbose=False)
+    model, g = make(), guard(sync, check={"spike_action": "skip_step"})
+    fit_steps(model, [g], 62, subdir=sync, data=long_data())
+    assert_clean(g, sync)
+    assert g.events == [] and g.counters["skipped_steps"] == 0 and g.lr_scale == 1.0
+    assert models.same_weights(model, plain)
+
+
+@pytest.mark.parametrize("sync", SYNCS)
+def test_a_constant_loss_then_a_nan_loss(fit_steps, sync):
+    """A loss of exactly 1.5 at every step (real gradients): no spike, no divergence; the NaN at step 56 is the
+    one event."""
+    model = Probe(lr=0.01, loss="const", nan_at=(56,))
+    g = guard(sync, check={"spike_action": "skip_step"})
+    fit_steps(model, [g], 60, data=long_data())
+    assert_clean(g, sync)
+    (e,) = g.events
+    assert (e.step, e.kind) == (56, "loss") and g.counters["skipped_steps"] == 1 and g.lr_scale == 1.0
+    assert models.all_finite(model)
+
+
 # ------------------------------------------------------------------------------- huge weights, empty tensors
 
 
