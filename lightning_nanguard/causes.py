@@ -50,8 +50,16 @@ def _where(ev: Any) -> tuple[str, str]:
     return (f" in {ev.culprit}" if ev.culprit else ""), (f" ({ev.op})" if ev.op else "")
 
 
-def _number(value: Any) -> str:
-    return f"{value:.3g}" if isinstance(value, (int, float)) else "?"
+def _number(value: Any) -> Optional[str]:
+    """``value`` written with 3 significant digits when it is a finite number; None when it is unknown (None, NaN,
+    infinite), so that a sentence can leave it out instead of printing 'None' or 'nan'."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:.3g}"
+    return None
+
+
+def _fmt(value: Any) -> str:
+    return _number(value) or "?"
 
 
 def _input(ev: Any, advice: str) -> Optional[str]:
@@ -68,8 +76,8 @@ def _feature_hint(d: dict) -> str:
     if not feats:
         return "normalise or scale the inputs, or compute it in float64"
     f = feats[0]
-    return (f"normalise feature(s) {f['features']} of {f['field']} (abs-max {_number(max(f['abs_max']))} vs median "
-            f"{_number(f['median_abs_max'])}), or compute it in float64")
+    return (f"normalise feature(s) {f['features']} of {f['field']} (abs-max {_fmt(max(f['abs_max']))} vs median "
+            f"{_fmt(f['median_abs_max'])}), or compute it in float64")
 
 
 def _overflow(ev: Any, advice: str) -> Optional[str]:
@@ -77,8 +85,8 @@ def _overflow(ev: Any, advice: str) -> Optional[str]:
     if "abs_max_float64" not in d:  # no replay evidence (e.g. GradScaler overflows)
         return None
     where, op = _where(ev)
-    return (f"Overflow{where}{op}: values reach {_number(d.get('abs_max_float64', math.nan))}, beyond "
-            f"{d.get('dtype', 'the dtype')}'s max {_number(d.get('dtype_max', math.nan))}; {_feature_hint(d)}.")
+    return (f"Overflow{where}{op}: values reach {_fmt(d.get('abs_max_float64'))}, beyond "
+            f"{d.get('dtype', 'the dtype')}'s max {_fmt(d.get('dtype_max'))}; {_feature_hint(d)}.")
 
 
 def _precision(ev: Any, advice: str) -> Optional[str]:
@@ -99,8 +107,8 @@ def _initialization(ev: Any, advice: str) -> Optional[str]:
     f = ev.details.get("initialization")
     if not f:
         return f"Non-finite values in {ev.culprit}. " + advice if ev.culprit else None
-    return (f"{f['parameter']} was initialised {_number(f['ratio'])}x too large: RMS {_number(f['scale'])} against the "
-            f"usual {_number(f['expected_scale'])} (1/sqrt(fan_in), fan_in={f['fan_in']}); no learning rate helps. "
+    return (f"{f['parameter']} was initialised {_fmt(f['ratio'])}x too large: RMS {_fmt(f['scale'])} against the "
+            f"usual {_fmt(f['expected_scale'])} (1/sqrt(fan_in), fan_in={f['fan_in']}); no learning rate helps. "
             "Re-initialise it with nn.init.xavier_uniform_ / kaiming_normal_, or check what loads or scales it.")
 
 
@@ -108,11 +116,13 @@ def _learning_rate(ev: Any, advice: str) -> Optional[str]:
     f = ev.details.get("relative_update")
     if not f:
         return None
-    edge = (f"; the gradient norm grew {_number(f['grad_norm_growth'])}x per step, which puts the edge of stability "
-            f"near {_number(f['edge_lr'])}") if f.get("edge_lr") is not None else ""
-    return (f"The learning rate ({_number(f['lr'])}) is too high: one step moves the weights by "
-            f"{_number(f['relative_update'])}x their own size{edge}. Lower it to about {_number(f['safe_lr'])} or "
-            "below, or add warm-up.")
+    lr, rel, safe = _number(f.get("lr")), _number(f.get("relative_update")), _number(f.get("safe_lr"))
+    growth, edge_lr = _number(f.get("grad_norm_growth")), _number(f.get("edge_lr"))
+    edge = (f"; the gradient norm grew {growth}x per step, which puts the edge of stability near {edge_lr}"
+            if growth and edge_lr else "")
+    what = f": one step moves the weights by {rel}x their own size{edge}" if rel else ""
+    lower = f"Lower it to about {safe} or below" if safe else "Lower it by at least an order of magnitude"
+    return f"The learning rate{f' ({lr})' if lr else ''} is too high{what}. {lower}, or add warm-up."
 
 
 def _exploding(ev: Any, advice: str) -> Optional[str]:

@@ -99,7 +99,9 @@ class Responder:
         return self.recorder.new_event(kind, record.step, record.epoch, record.batch_idx, trainer.global_rank)
 
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
-                 **evidence: Any) -> IncidentContext:
+                 record: Optional[StepRecord] = None, **evidence: Any) -> IncidentContext:
+        if record is not None:  # the LRs the step ran at (judged late, its scheduler stepped since)
+            evidence["step_lrs"] = {id(g): lr for g, lr in zip(record.optimizer.param_groups, record.lrs)}
         return self.diagnoser.context(trainer, pl_module, event, norm_history=list(self.clipper.history),
                                       norm_history_end=self.clipper.history_end,
                                       lr_cut_step=self.recovery.lr_cut_step,
@@ -158,7 +160,7 @@ class Responder:
         event.details["grad_norm"] = flags.grad_norm
         event.details["lr"] = [float(lr) for lr in record.lrs]
         window = record.window
-        ctx = self._context(trainer, pl_module, event, window=window, grad_norm=flags.grad_norm,
+        ctx = self._context(trainer, pl_module, event, record, window=window, grad_norm=flags.grad_norm,
                             grads_were_finite=self.evidence.grads_were_finite, only_gradients=not flags.local_bad)
         self.last_incident = (event, window)
         if record.scaled:
@@ -215,7 +217,7 @@ class Responder:
         event = self._event(trainer, "divergence", record)
         event.details.update(divergence=evidence, loss=flags.loss, grad_norm=flags.grad_norm,
                              lr=[float(lr) for lr in record.lrs])
-        ctx = self._context(trainer, pl_module, event, grad_norm=flags.grad_norm, divergence=evidence)
+        ctx = self._context(trainer, pl_module, event, record, grad_norm=flags.grad_norm, divergence=evidence)
         extra = self.diagnoser.diagnose(ctx, self.recorder.events)
         if self.config.check.divergence == "warn":
             event.add_action("warn")

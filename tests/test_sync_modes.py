@@ -553,3 +553,27 @@ def test_lagged_skip_leaves_no_trace_in_metrics_and_epoch_aggregates(tmp_path):
     assert [m._update_count for m in (model.loss_mean, model.seen)] == [m._update_count for m in (ref.loss_mean,
                                                                                                   ref.seen)]
     assert _same(model.state_dict(), ref.state_dict()) == []
+
+
+class DecayingLR(models.Regression):
+    """The demo's too-high LR (1.5) with a fused SGD whose LR a step-interval scheduler lowers at every step."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=1.5)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, fused=True)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_step_judged_late_is_diagnosed_at_the_lr_it_ran_at(pair):
+    """The lagged guard judges a step after its scheduler stepped: the event and the diagnosis' relative update
+    carry the LR the step ran at (1.5 x 0.9^step), as the eager guard's do, not the LR of the step after it."""
+    runs = pair(DecayingLR, {"check": {"divergence": "warn"}}, steps=8)
+    first = {sync: next(e for e in g.events if e.kind == "divergence") for sync, (_, g) in runs.items()}
+    eager, lagged = first["eager"], first["lagged"]
+    ran_at = 1.5 * 0.9 ** eager.step
+    assert lagged.step == eager.step and eager.cause == lagged.cause == "learning_rate"
+    assert eager.details["lr"] == lagged.details["lr"] == [pytest.approx(ran_at)]
+    assert eager.details["relative_update"]["lr"] == lagged.details["relative_update"]["lr"] == pytest.approx(ran_at)

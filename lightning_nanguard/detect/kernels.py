@@ -53,7 +53,8 @@ def dense_nonfinite_flag(floats: Sequence[Tensor]) -> Optional[Tensor]:
     small_numel = 0
     for t in floats:
         if t.device.type != "cpu":
-            others.setdefault(t.device, []).append(t)
+            if t.numel():  # an empty tensor holds nothing non-finite, and its inf-norm is an error
+                others.setdefault(t.device, []).append(t)
         elif t.numel() >= CPU_CHUNK or t.is_complex():
             results.extend(torch.aminmax(t) if not t.is_complex() else (t.mul(0).sum(),))
         else:
@@ -88,6 +89,8 @@ def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     one device and dtype skips its per-tensor ``.to()`` calls (a dispatch each, every step). A sparse gradient
     counts with its coalesced values (torch's own norm functions refuse sparse tensors).
     """
+    if math.isinf(norm_type):  # the inf-norm of an empty tensor is an error (an empty parameter's gradient)
+        tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros(())
     try:

@@ -90,17 +90,19 @@ class RunningStats:
 
 def history_zscore(value: float, history: Sequence[float], min_count: int = 5) -> Optional[float]:
     """z-score of ``value`` against the exact statistics of a history (None with fewer than ``min_count``
-    finite values, or for a non-finite ``value``)."""
+    finite values, for a non-finite ``value``, or for a history without spread, e.g. all-zero gradient norms:
+    any other value would be 1e12 standard deviations away)."""
     stats = RunningStats.of(history)
-    if stats.count < min_count or not math.isfinite(value):
+    if stats.count < min_count or not math.isfinite(value) or stats.var == 0:
         return None
     return stats.zscore(value)
 
 
 def norm_growth(history: Sequence[float], recent: int = 5, ratio: float = 10.0) -> Optional[tuple[float, float]]:
     """``(recent_mean, earlier_mean)`` when the last ``recent`` finite values average more than ``ratio``
-    times the earlier ones (the signature of a divergence: gradient norms growing geometrically), else None."""
-    values = [h for h in history if math.isfinite(h)]
+    times the earlier ones (the signature of a divergence: gradient norms growing geometrically), else None.
+    Zeros are left out: steps without gradients (a frozen start) give no scale to grow from."""
+    values = [h for h in history if math.isfinite(h) and h != 0]
     late, early = values[-recent:], values[:-recent]
     if not late or not early:
         return None
@@ -115,7 +117,9 @@ class SpikeDetector:
     values), else ``None``, and then updates the statistics: with the loss itself, or, for a spike, with the
     loss capped at the threshold, so that one spike neither hides the next one nor shifts the baseline.
     The standard deviation is floored at ``rel_floor * |mean|`` so that an almost constant loss (full-batch
-    training, a converged run) does not turn a 1% wobble into a spike.
+    training, a converged run) does not turn a 1% wobble into a spike. Statistics warmed up on losses that were
+    all exactly 0 have no scale at all (every later loss would be a spike of 1e12 standard deviations): the
+    warm-up starts again from the next loss.
     """
 
     def __init__(self, z_threshold: float = 6.0, warmup: int = 50, alpha: float = 0.98,
@@ -136,16 +140,22 @@ class SpikeDetector:
         self._recent = []
         return True
 
+    def _scaleless(self) -> bool:
+        """Warmed up, on losses that were all exactly 0: nothing to measure a spike against."""
+        return self.stats.ready and self.stats.mean == 0 and self.stats.var == 0
+
     def test_terms(self) -> Optional[tuple[float, float]]:
         """``(mean, std)`` of the test :meth:`observe` makes while ready (None before): a loss is a spike when
         ``(loss - mean) / std > z_threshold``, in float64; the same test can be made on the device."""
-        if not self.stats.ready:
+        if not self.stats.ready or self._scaleless():
             return None
         return self.stats.mean, max(self.stats.std, self.rel_floor * abs(self.stats.mean), 1e-12)
 
     def observe(self, loss: float) -> Optional[float]:
         if not math.isfinite(loss):
             return None
+        if self._scaleless():
+            self.stats = RunningStats(self.stats.alpha, self.stats.warmup)  # warm up again from this loss
         if not self.stats.ready:
             self.stats.update(loss)
             return None

@@ -90,8 +90,10 @@ class InitialScales:
     def record(self, module: nn.Module) -> None:
         named = list(module.named_parameters())
         self._shapes = {n: tuple(p.shape) for n, p in named}
+        # (an empty parameter, e.g. a table sized 0, has no inf-norm: torch raises; its norms are 0)
         self._pending = [torch.stack([torch.linalg.vector_norm(p.detach()).float(),
-                                      torch.linalg.vector_norm(p.detach(), math.inf).float()]) for _, p in named]
+                                      torch.linalg.vector_norm(p.detach(), math.inf).float()]) if p.numel()
+                         else torch.zeros(2, device=p.device) for _, p in named]
         self._values = None
 
     def read(self) -> dict[str, float]:
@@ -164,13 +166,20 @@ def growth_rate(values: Sequence[float], ratio: float = SHORT_GROWTH,
 
 def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: float,
                     reference: Optional[dict[str, float]] = None,
-                    reference_step: Optional[int] = None, growth: Optional[float] = None) -> Optional[dict[str, Any]]:
+                    reference_step: Optional[int] = None, growth: Optional[float] = None,
+                    lrs: Optional[dict[int, float]] = None) -> Optional[dict[str, Any]]:
     """``lr x |update| / |w|`` of one step (see the module docstring), with the gradient norm ``grad_norm`` and
     the weights whose norms ``reference`` holds (parameter name -> norm, from the onset of the growth) or,
     without one, the current ones. The largest over the optimizers' param groups, with ``safe_lr``: the LR
     at which it would be :data:`SAFE_RELATIVE_UPDATE`, or for SGD whose gradient norm grew ``growth``-fold per
     step (:func:`growth_rate`) :data:`EDGE_MARGIN` times below :func:`edge_lr` if that is lower; None when
-    nothing can be computed."""
+    nothing can be computed. ``lrs``: the LR of a param group (by ``id``) at the step, where it differs from the
+    group's LR now (a step judged after its scheduler stepped).
+
+    Degenerate values give no estimate rather than an error: ``safe_lr`` (and the edge) is None where the
+    relative update is 0 (an LR of 0: a warm-up from 0, a schedule that ends at 0) or infinite (an infinite LR,
+    or weights whose norm overflowed); a param group with a NaN or negative LR, or without elements, is
+    left out."""
     names = {id(p): n for n, p in module.named_parameters()}
     best: Optional[dict[str, Any]] = None
     for opt in optimizers:
@@ -178,12 +187,16 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
             params = [p for p in group["params"] if p.requires_grad]
             if not params or not isinstance(group.get("lr"), (int, float, Tensor)):
                 continue
-            lr = float(group["lr"])
+            lr = float(lrs[id(group)] if lrs is not None and id(group) in lrs else group["lr"])
+            if math.isnan(lr) or lr < 0:
+                continue  # no step size to compare (a NaN LR; a negative one ascends the gradient)
             known = [reference[names[id(p)]] for p in params if reference is not None and names.get(id(p)) in reference]
             current = norms(p for p in params if reference is None or names.get(id(p)) not in reference)
             w = math.sqrt(sum(v * v for v in known + current))
             n = sum(p.numel() for p in params)
             w = max(w, math.sqrt(n) * 1e-3)  # zero-initialised parameters: compare to a small but non-zero scale
+            if not w > 0:
+                continue  # NaN weights, or no elements at all
             if _sgd_like(group):
                 if not math.isfinite(grad_norm) or grad_norm <= 0:  # unknown (e.g. check.gradients off)
                     continue
@@ -194,14 +207,17 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
                 step = lr * math.sqrt(n)
                 kind = "adaptive"
             rel = step / w
+            if math.isnan(rel):
+                continue  # an infinite LR against weights whose norm overflowed
             if best is None or rel > best["relative_update"]:
+                # an LR of 0 moves nothing and an infinite one everything: no LR to scale a safe one from
+                safe = lr * SAFE_RELATIVE_UPDATE[kind] / rel if 0.0 < rel < math.inf else None
                 best = {"relative_update": rel, "lr": lr, "optimizer": kind, "weight_norm": w,
                         "update_norm": step, "grad_norm": grad_norm if kind == "sgd" else None,
-                        "reference_step": reference_step, "safe_lr": lr * SAFE_RELATIVE_UPDATE[kind] / rel}
-                if kind == "sgd" and growth is not None:
+                        "reference_step": reference_step, "safe_lr": safe}
+                if kind == "sgd" and growth is not None and safe is not None:
                     edge = edge_lr(lr, growth, float(group.get("momentum") or 0.0))
-                    best.update(grad_norm_growth=growth, edge_lr=edge,
-                                safe_lr=min(best["safe_lr"], edge / EDGE_MARGIN))
+                    best.update(grad_norm_growth=growth, edge_lr=edge, safe_lr=min(safe, edge / EDGE_MARGIN))
     return best
 
 

@@ -91,6 +91,9 @@ class IncidentContext:
     # the newest snapshot at or before a step: (its step, its module state dict), or None
     reference: Optional[Callable[[int], Optional[tuple[int, dict[str, Any]]]]] = None
     divergence: Optional[dict] = None  # the divergence watch's evidence (a divergence event)
+    # the learning rates the step ran at, by param group (id of the group -> LR): a step judged one step late
+    # finds its scheduler stepped since
+    step_lrs: Optional[dict[int, float]] = None
 
 
 def diagnose(ctx: IncidentContext) -> str:
@@ -243,7 +246,8 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
     optimizers = getattr(ctx.trainer, "optimizers", None) or []
     found = dynamics.relative_update(optimizers, ctx.pl_module, grad_norm,
                                      reference[1] if reference else None, reference[0] if reference else None,
-                                     growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)))
+                                     growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)),
+                                     lrs=ctx.step_lrs)
     if found is None:
         return None
     found["onset_step"] = step
@@ -253,10 +257,11 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
 
 def _grown(ctx: IncidentContext, reference: dict[str, float]) -> bool:
     """The trainable weights' norm is now :data:`~.dynamics.WEIGHT_GROWTH` times (or more) their norm in
-    ``reference`` (parameter name -> norm), or no longer finite."""
+    ``reference`` (parameter name -> norm), or no longer finite. (``math.hypot``: a float64 weight's norm past
+    1e154 squares past a Python float, an OverflowError for ``**``.)"""
     named = [(n, p) for n, p in ctx.pl_module.named_parameters() if p.requires_grad and n in reference]
-    before = math.sqrt(sum(reference[n] ** 2 for n, _ in named))
-    now = math.sqrt(sum(v * v for v in dynamics.norms(p for _, p in named)))
+    before = math.hypot(*(reference[n] for n, _ in named))
+    now = math.hypot(*dynamics.norms(p for _, p in named))
     return bool(named) and (not math.isfinite(now) or now >= dynamics.WEIGHT_GROWTH * before)
 
 
@@ -364,8 +369,8 @@ def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -
     out = []
     for batch in batches:
         for path, t in iter_tensors(batch):
-            if not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2:
-                continue
+            if not t.is_floating_point() or t.dim() < 2 or t.shape[-1] < 2 or t.numel() == 0:
+                continue  # (an empty field, e.g. boxes [batch, 0, 4], has no column abs-max)
             col = _column_abs_max(t)
             if col is None:
                 continue

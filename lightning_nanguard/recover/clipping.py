@@ -39,7 +39,9 @@ class ZClip:
     ``threshold()`` is ``None`` during the first ``warmup_steps`` norms, then
     ``mean + z_threshold * std`` of the running statistics. ``update(norm)`` feeds one healthy norm,
     capped at the current threshold (ZClip updates with the clipped norm), and returns the threshold that
-    applied to it.
+    applied to it. A norm of exactly 0 (a step without gradients: a frozen start, a detached loss) is not
+    learned: it says nothing about the scale of the gradients, and a warm-up on zeros alone would clip every
+    later gradient to nothing.
 
     Example::
 
@@ -71,7 +73,7 @@ class ZClip:
 
     def update(self, norm: float) -> Optional[float]:
         limit = self.threshold()
-        if math.isfinite(norm):
+        if math.isfinite(norm) and norm != 0:
             self.stats.update(min(norm, limit) if limit is not None else norm)
         self.streak = self.streak + 1 if limit is not None and norm > limit else 0
         return limit

@@ -47,7 +47,7 @@ class Applied:
 def _safe_factor(event: NaNEvent) -> Optional[float]:
     """The LR factor at which the diagnosis' relative update would be safe (a ``sized`` LR cut)."""
     found = event.details.get("relative_update")
-    return found["safe_lr"] / found["lr"] if found and found["lr"] > 0 else None
+    return found["safe_lr"] / found["lr"] if found and found.get("safe_lr") is not None and found["lr"] > 0 else None
 
 
 class Recovery:
