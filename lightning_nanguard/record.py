@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from .detect.vector import StepFlags
 
 __all__ = ["StepRecord", "UpdateStage", "Window", "rng_state", "set_rng_state"]
 
@@ -102,14 +99,15 @@ class StepRecord:
     limit: Optional[float] = None  # the clipping limit applied on the device (judged late)
     spike_limit: Optional[float] = None  # the limit applied instead to a loss spike (check.spike_action: clip)
     local: Optional[Tensor] = None  # this rank's evidence vector before the all-reduce (DDP)
-    flags: Optional["StepFlags"] = None  # its evidence, once read
+    flags: Optional[Any] = None  # its evidence, once read (a detect.vector.StepFlags)
 
     @property
     def batch_idx(self) -> int:
         return self.window.batch_idx
 
     @property
-    def evidence(self) -> "StepFlags":
+    def evidence(self) -> Any:
+        """Its evidence (:class:`~.detect.vector.StepFlags`), once read."""
         assert self.flags is not None, "the step's flags were not read yet"
         return self.flags
 

@@ -92,11 +92,13 @@ class Responder:
     # ------------------------------------------------------------------------------------------- helpers
 
     def _event(self, trainer: "pl.Trainer", kind: str, record: Optional[StepRecord] = None) -> NaNEvent:
-        """A new event of ``kind``: at the judged step of ``record``, or (outside a step) where the trainer is."""
+        """A new event of ``kind`` (numbered when recorded): at the judged step of ``record``, or (outside a step)
+        where the trainer is."""
         if record is None:
-            return self.recorder.new_event(kind, trainer.global_step, trainer.current_epoch, self.evidence.batch_idx,
-                                           trainer.global_rank)
-        return self.recorder.new_event(kind, record.step, record.epoch, record.batch_idx, trainer.global_rank)
+            return NaNEvent(step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self.evidence.batch_idx,
+                            kind=kind, rank=trainer.global_rank)
+        return NaNEvent(step=record.step, epoch=record.epoch, batch_idx=record.batch_idx, kind=kind,
+                        rank=trainer.global_rank)
 
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  record: Optional[StepRecord] = None, **evidence: Any) -> IncidentContext:
@@ -122,7 +124,7 @@ class Responder:
         return values
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
-        self.recorder.record(event, ReportText(ctx.norm_history, ctx.loss_history, extra), self.scalars(trainer))
+        self.recorder.record(event, ReportText(ctx.norm_history, ctx.loss_history, extra), lambda: self.scalars(trainer))
 
     def _skip(self, record: StepRecord, *, mirrored: bool, undo_buffers: bool) -> bool:
         """Keep the step's update from landing, where that is still possible; True when it does not land.

@@ -66,7 +66,7 @@ class StepFlow:
         self.sync = StepSync()
         self.outcome: Optional[Outcome] = None
         self.lagged = False
-        self._late: Optional[StepRecord] = None  # the lagged step whose flags are not read yet
+        self._unread: Optional[StepRecord] = None  # the lagged step whose flags are not read yet
         self._staged: Optional[StepRecord] = None  # the lagged step now running (until its batch ends)
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -81,7 +81,7 @@ class StepFlow:
         """An exception ends the fit: forget the lagged steps (and the device skip flag set on an optimizer)."""
         if self._staged is not None:
             clear_device_skip(self._staged.optimizer, self._staged.skip)
-        self._late = self._staged = None
+        self._unread = self._staged = None
 
     # -------------------------------------------------------------------------- on_before_optimizer_step
 
@@ -95,7 +95,7 @@ class StepFlow:
             ensure_unscaled(scaler, optimizer)
         # lagged: the previous step's flags, read now that this step's work is queued; a rollback they call for
         # skips this step too, unless its gradients were taken on the very weights restored
-        skip_now = self._late is not None and self._judge_late(trainer, pl_module)
+        skip_now = self._unread is not None and self._judge_late(trainer, pl_module)
         if self.recovery.stopped or self.recovery.skipping_batches or skip_now:
             self.recovery.skip(params)
             self.outcome = Outcome.SKIPPED
@@ -194,7 +194,7 @@ class StepFlow:
     def _judge_late(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", current: bool = True) -> bool:
         """Read and judge the lagged step. ``current``: a step is under way whose gradients were taken on the
         weights that step left; returns True when that step must be skipped (its weights were rolled back)."""
-        record, self._late = self._late, None
+        record, self._unread = self._unread, None
         assert record is not None
         record.flags = flags = self.evidence.take()
         pristine = self.recovery.pristine
@@ -220,7 +220,7 @@ class StepFlow:
 
     def flush(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
         """Judge the lagged step now (train end, validation, a checkpoint, a due snapshot); True if there was one."""
-        if self._late is None:
+        if self._unread is None:
             return False
         self._judge_late(trainer, pl_module, current=False)
         return True
@@ -266,7 +266,7 @@ class StepFlow:
         self.recovery.undo_buffers_where(staged.skip)
         self.recovery.undo_metrics_where(staged.skip)  # settled once its flags are read
         self.evidence.after_step(pl_module)  # read with the next step's flags
-        self._late = staged
+        self._unread = staged
         # a snapshot copies the weights to the host and waits anyway: judge the step first, never keep unread state
         if self.recovery.snapshot_due(ahead=1) and not self.recovery.stopped:
             healthy = self.recovery.healthy_since_snapshot

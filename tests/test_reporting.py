@@ -15,7 +15,7 @@ import pytest
 import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_nanguard import NaNGuard
+from lightning_nanguard import NaNEvent, NaNGuard
 from lightning_nanguard.report.progress import INCIDENTS_KEY, LR_SCALE_KEY
 from lightning_nanguard.config import LoggingConfig
 from lightning_nanguard.counters import Counters
@@ -269,9 +269,9 @@ def test_an_event_outside_the_vocabulary_is_refused_when_recorded(tmp_path, guar
     written = events_file.read_text()
     recorder = Recorder(LoggingConfig(), Counters())  # the guard's own kind of recorder, on the same file
     recorder.start(t, sinks=[JsonlSink(events_file)])
-    event = recorder.new_event("loss", 0, 0, 0, 0)
+    event = NaNEvent(step=0, epoch=0, batch_idx=0, kind="loss")
     setattr(event, field, value)
     with pytest.raises(ValueError, match="unknown"):
-        recorder.record(event, ReportText(), {"incidents": 4.0})
+        recorder.record(event, ReportText(), lambda: {"incidents": 4.0})
     assert recorder.events == [] and events_file.read_text() == written
     assert len(guard.events) == len(BAD_BATCHES)

@@ -58,22 +58,20 @@ class Recorder:
             sinks.append(ScreenSink(trainer))
         return sinks
 
-    def new_event(self, kind: str, step: int, epoch: int, batch_idx: int, rank: int) -> NaNEvent:
-        """The next numbered event."""
-        self._index += 1
-        self.counters.add("incidents" if KINDS[kind].incident else "spikes")
-        return NaNEvent(step=step, epoch=epoch, batch_idx=batch_idx, kind=kind, rank=rank, index=self._index)
-
     def report_path(self, event: NaNEvent) -> Path:
         return ReportSink(self.out_dir if self.out_dir is not None else Path("nanguard")).path(event)
 
-    def record(self, event: NaNEvent, text: ReportText, scalars: dict[str, float]) -> None:
-        """Keep ``event`` and write it to every sink; ``text`` goes into its incident report, ``scalars`` are
-        the guard's scalars after it."""
+    def record(self, event: NaNEvent, text: ReportText, scalars: Callable[[], dict[str, float]]) -> None:
+        """Number ``event``, count it, keep it and write it to every sink; ``text`` goes into its incident
+        report, ``scalars`` gives the guard's scalars after it."""
         event.validate()
+        self._index += 1
+        event.index = self._index
+        self.counters.add("incidents" if KINDS[event.kind].incident else "spikes")
         self.events.append(event)
+        values = scalars() if self.sinks else {}
         for sink in self.sinks:
-            sink.event(event, text, scalars)
+            sink.event(event, text, values)
 
     def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]]) -> None:
         """The guard's scalars of a step without an event, every ``log_every_n_steps`` steps."""
