@@ -21,6 +21,7 @@ field: adding a field is one line here.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -76,7 +77,8 @@ class VectorSchema:
         self.summed = slice(1, 1 + len(flags) + len(summed))
         self.means = [self.index[f.name] for f in summed if f.reduce == "mean"]
         self.fallback_kind = fallback_kind  # the kind of an incident no flag explains (the gradients)
-        self._missing = {f.name: f.missing for f in self.fields}
+        self._names = [f.name for f in self.fields]
+        self._flags = StepFlags.for_schema(self)
 
     def __len__(self) -> int:
         return len(self.fields)
@@ -94,58 +96,66 @@ class VectorSchema:
 
     def build(self, parts: Mapping[str, Optional[Tensor]], constants: Mapping[str, Tensor]) -> Tensor:
         """Stack ``parts`` (name -> 0-dim float32 tensor on the device, or None for missing evidence) into the
-        vector, with ``constants`` (:meth:`constants`) for the missing ones."""
-        unknown = set(parts) - set(self.index)
-        if unknown:
-            raise KeyError(f"not fields of the evidence vector: {sorted(unknown)}")
-        return torch.stack([constants[f.name] if parts.get(f.name) is None else parts[f.name]  # type: ignore[misc]
-                            for f in self.fields])
+        vector, with ``constants`` (:meth:`constants`) for the missing ones. A name that is not a field is an
+        error (one set operation: this runs every step)."""
+        if not parts.keys() <= self.index.keys():
+            raise KeyError(f"not fields of the evidence vector: {sorted(set(parts) - set(self.index))}")
+        get = parts.get
+        return torch.stack([get(name) if get(name) is not None else constants[name]  # type: ignore[misc]
+                            for name in self._names])
 
     def get(self, vec: Tensor, name: str) -> Tensor:
         """The field ``name`` of a vector on the device (a 0-dim view; nothing is read)."""
         return vec[self.index[name]]
 
     def read(self, values: Sequence[float]) -> "StepFlags":
-        """The host values of a vector, by name."""
-        return StepFlags(self, {f.name: float(v) for f, v in zip(self.fields, values)})
+        """The host values of a vector, by name (:class:`StepFlags`)."""
+        return self._flags(*values)
 
     def local_flags(self, vec: Tensor) -> list[bool]:
         """The flag fields of a vector (reads it: incident path only)."""
         return [bool(v) for v in vec[self.flags].tolist()]
 
 
-class StepFlags:
+class StepFlags(tuple):
     """One optimizer step's evidence, as read on the host: every field of the vector is an attribute
-    (``flags.grad_norm``, ``flags.loss``, ``flags.loss_bad``, ...)."""
+    (``flags.grad_norm``, ``flags.loss``, ``flags.loss_bad``, ...). :meth:`for_schema` makes the class of a
+    schema: a named tuple of its fields (attribute reads at C speed: the guard reads them every step)."""
 
-    __slots__ = ("schema", "values")
+    __slots__ = ()
+    _schema: VectorSchema
 
-    def __init__(self, schema: VectorSchema, values: dict[str, float]) -> None:
-        self.schema = schema
-        self.values = values
+    @classmethod
+    def for_schema(cls, schema: VectorSchema) -> type:
+        base = namedtuple("StepFlagsFields", [f.name for f in schema.fields])  # type: ignore[misc]
+        flag_kinds = tuple((schema.index[f.name], f.kind) for f in schema.fields[schema.flags])
+        norm = schema.norm
+        fallback = schema.fallback_kind
 
-    def __getattr__(self, name: str) -> float:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
+        class Flags(base, cls):  # type: ignore[valid-type, misc]
+            __slots__ = ()
+            _schema = schema
 
-    def __repr__(self) -> str:
-        return f"StepFlags({', '.join(f'{k}={v!r}' for k, v in self.values.items())})"
+            @property
+            def local_bad(self) -> bool:
+                """Rank-local evidence (not the gradients): any flag field raised."""
+                return any(self[i] for i, _ in flag_kinds)
+
+            @property
+            def grads_bad(self) -> bool:
+                return not math.isfinite(self[norm])
+
+            def incident_kind(self) -> str:
+                """The event kind, by precedence of the evidence."""
+                return next((kind for i, kind in flag_kinds if self[i]), fallback)  # type: ignore[return-value]
+
+        Flags.__name__ = Flags.__qualname__ = "StepFlags"
+        return Flags
 
     @property
-    def local_bad(self) -> bool:
-        """Rank-local evidence (not the gradients): any flag field raised."""
-        return any(self.values[f.name] for f in self.schema.fields[self.schema.flags])
-
-    @property
-    def grads_bad(self) -> bool:
-        return not math.isfinite(self.values[self.schema.fields[self.schema.norm].name])
-
-    def incident_kind(self) -> str:
-        """The event kind, by precedence of the evidence."""
-        return next((f.kind for f in self.schema.fields[self.schema.flags] if self.values[f.name]),
-                    self.schema.fallback_kind)  # type: ignore[return-value]
+    def values(self) -> dict[str, float]:
+        """Field name -> value."""
+        return dict(zip(self._schema.index, self))
 
 
 SCHEMA = VectorSchema([
