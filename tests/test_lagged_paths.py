@@ -240,8 +240,8 @@ def test_batchnorm_statistics_of_skipped_steps_are_undone_step_by_step_in_both_m
     for sync, r in runs.items():
         for step in range(14):
             before, after = r.steps.before[step]["module"], r.steps.after[step]["module"]
-            moved = [k for k in stats if not torch.equal(before[k], after[k])]
-            assert moved == ([] if step in bad else list(stats)), (sync, step)
+            changed = [k for k in stats if not torch.equal(before[k], after[k])]
+            assert changed == ([] if step in bad else list(stats)), (sync, step)
         assert [(e.step, e.kind) for e in r.guard.events] == [(s, "input") for s in bad]
         assert int(r.model.net[1].num_batches_tracked) == 14 - len(bad)
     assert_same_runs(runs)
@@ -282,8 +282,8 @@ def test_a_nan_weight_written_by_a_step_is_rolled_back_to_the_snapshot_bitwise_i
 
 
 def test_a_nan_loss_at_the_last_step_is_judged_at_train_end_in_both_modes(both):
-    """The last step's flags are read at train end (lagged: nothing reads them later); the fit ends on a skipped
-    incident, so the newest snapshot (step 8, from the end of step 7) is restored (recovery.restore_at_end), in
+    """The last step's flags are read when the fit ends (lagged: no later step reads them; the epoch's end and train
+    end do); the fit ends on a skipped incident, so the newest snapshot (step 8, from the end of step 7) is restored (recovery.restore_at_end), in
     both modes alike."""
     runs = both(lambda: Lin(bad=(11,)), {"recovery": {"snapshot_every": 4}}, steps=12)
     for sync, r in runs.items():
