@@ -70,8 +70,8 @@ class NaNGuard(pl.Callback):
        on the device, and the vector is copied to the host without a wait. It is read at the next step's
        ``on_before_optimizer_step``, when that step's work is queued, and the step is judged then, as above,
        with its own step number and batches; a rollback it calls for also skips the step under way unless
-       that step's gradients were taken on the restored weights. Train end, validation, a checkpoint and a
-       due snapshot read it at once;
+       that step's gradients were taken on the restored weights. Train end, an epoch's end, validation, a
+       checkpoint and a due snapshot read it at once;
     4. ``on_train_batch_end``: a skipped step's metric updates and logged values are undone; the plan is
        carried out (clip from now on, cut the LR in a way schedulers keep, roll back to a known-good
        snapshot, skip the next batches, give up: restore, then stop or raise), the event is recorded
@@ -274,6 +274,11 @@ class NaNGuard(pl.Callback):
             self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
         self._stop_hooks()
         self._recorder.flush()
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # a lagged step's list states and update counts are settled when its flags are read: read the epoch's last
+        # step now, so that what the epoch's end computes (the module's hook, EarlyStopping) never counts its batch
+        self._flow.flush(trainer, pl_module)
 
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # the last training step's weights are read only with the next step's flags: read them now, so that

@@ -219,7 +219,8 @@ class StepFlow:
         return current and (self.recovery.stopped or rolled_back and not self.recovery.kept_step)
 
     def flush(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
-        """Judge the lagged step now (train end, validation, a checkpoint, a due snapshot); True if there was one."""
+        """Judge the lagged step now (train end, epoch end, validation, a checkpoint, a due snapshot); True if
+        there was one."""
         if self._unread is None:
             return False
         self._judge_late(trainer, pl_module, current=False)

@@ -167,6 +167,9 @@ class DivergenceWatch:
             return None
         if self.latched:
             return None
+        if not self.above and self.streak_latched:  # a growth rule reported this episode, and it still grows
+            self.latched = True  # the same episode: silent until the loss is back below the factor
+            return None
         if not self.above:  # the last step below: where the run left its early level
             self.onset = self.window[-2] if len(self.window) > 1 else (step - 1, first, math.nan)
             self.above_floor = RECORD_FACTOR * self.seen_max  # and far above every loss before, too
