@@ -5,9 +5,9 @@ for a few steps, then timed, single-threaded, in CPU time:
 
 - one training step (forward, backward, AdamW), median;
 - taking a snapshot exactly as the callback does (``state_dict()`` of module and optimizer, then
-  ``SnapshotStore.take``): the first one (allocates the preallocated CPU buffers) and the steady state
+  ``MemoryStore.take``): the first one (allocates the preallocated CPU buffers) and the steady state
   (``copy_`` into them), median;
-- rolling back (``SnapshotStore.load`` + ``load_state_dict`` of module and optimizer), median;
+- rolling back (``MemoryStore.load`` + ``load_state_dict`` of module and optimizer), median;
 - the memory of one snapshot and of the ring (``recovery.keep_snapshots``);
 - the amortised cost: steady snapshot time / (``recovery.snapshot_every`` x step time).
 
@@ -34,7 +34,7 @@ from torch import nn
 from common import RESULTS, machine
 
 from lightning_nanguard.config import RecoveryConfig
-from lightning_nanguard.recover.snapshots import SnapshotStore
+from lightning_nanguard.recover.snapshots import MemoryStore
 
 SIZES = {"1M": (512, 4), "10M": (1024, 10), "50M": (2048, 12)}  # width, Linear layers (width x width)
 
@@ -72,7 +72,7 @@ def measure(label: str, width: int, layers: int, batch: int, repeats: int, every
         step()
     step_times = cpu_time(step, repeats)
 
-    store = SnapshotStore(keep=keep, mode="memory")
+    store = MemoryStore(keep=keep)
 
     def snapshot() -> None:  # what NaNGuard._take_snapshot does
         state = {"module": model.state_dict(), "optimizers": [opt.state_dict()], "schedulers": [], "scaler": None}
