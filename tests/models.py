@@ -158,6 +158,27 @@ def loader(data: TensorDataset, batch_size: int = 32, shuffle: bool = False) -> 
     return DataLoader(data, batch_size=batch_size, shuffle=shuffle)
 
 
+SYNCS = ("eager", "lagged")  # check.sync modes; lagged is forced on the CPU with an optimizer that skips on the device
+QUIET = {"verbose": False, "events_file": False, "reports": False}
+
+
+def sync_guard(sync: str, quiet: Optional[dict] = None, **sections: Any) -> Any:
+    """``NaNGuard(**sections)`` with ``check.sync: sync`` and the quiet logging ``quiet`` (default :data:`QUIET`)
+    under the given ``logging`` keys."""
+    from lightning_nanguard import NaNGuard
+
+    check = dict(sections.pop("check", {}), sync=sync)
+    return NaNGuard(check=check, logging=dict(QUIET if quiet is None else quiet, **sections.pop("logging", {})),
+                    **sections)
+
+
+def event_record(e: Any) -> dict:
+    """An event as JSON, without its number (two fits that record alike number alike anyway)."""
+    d = e.to_dict()
+    d.pop("index", None)
+    return d
+
+
 def trainer(tmp_path: Any, callbacks: Optional[list] = None, **kwargs: Any) -> pl.Trainer:
     """A quiet CPU Trainer writing under ``tmp_path``."""
     defaults = dict(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False,

@@ -36,8 +36,7 @@ def long_data():
 
 
 def guard(sync: str, **sections: Any) -> NaNGuard:
-    check = dict(sections.pop("check", {}), sync=sync)
-    return NaNGuard(check=check, logging=dict({"verbose": False}, **sections.pop("logging", {})), **sections)
+    return models.sync_guard(sync, {"verbose": False}, **sections)
 
 
 def assert_clean(guard: NaNGuard, sync: str) -> None:

@@ -73,16 +73,7 @@ class BNNet(models.Classifier):
         return make_optimizer("adamw", self.parameters(), self.lr)
 
 
-def guard(sync: str, **sections: Any) -> NaNGuard:
-    check = dict(sections.pop("check", {}), sync=sync)
-    return NaNGuard(check=check, logging=dict(QUIET, **sections.pop("logging", {})), **sections)
-
-
-def record(e: Any) -> dict:
-    """An event as JSON, without its number."""
-    d = e.to_dict()
-    d.pop("index", None)
-    return d
+guard, record = models.sync_guard, models.event_record
 
 
 def records(g: NaNGuard) -> list[dict]:

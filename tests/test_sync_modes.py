@@ -43,16 +43,7 @@ class Net(models.Regression):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=self.fused)
 
 
-def guard(sync: str, **sections: Any) -> NaNGuard:
-    check = dict(sections.pop("check", {}), sync=sync)
-    return NaNGuard(check=check, logging=dict(QUIET, **sections.pop("logging", {})), **sections)
-
-
-def record(e: Any) -> dict:
-    """An event as JSON, without its number (two fits number theirs alike anyway)."""
-    d = e.to_dict()
-    d.pop("index", None)
-    return d
+guard, record = models.sync_guard, models.event_record
 
 
 @pytest.fixture
