@@ -52,7 +52,7 @@ class NaNGuard(pl.Callback):
     3. ``on_before_optimizer_step``: one fused total gradient norm; the norm, the loss, its flag, the
        parameter/buffer flag (where one was taken) and the activation flag are stacked into one vector (one
        small all-reduce under DDP). With ``check.sync: eager`` (the default on the CPU) it is read at once,
-       the step's one host-device sync, and the step's :class:`~.detect.flags.Outcome` follows:
+       the step's one host-device sync, and the step's :class:`~.detect.verdict.Outcome` follows:
 
        - healthy: a loss or gradient norm running away while finite is a ``divergence`` event (from the
          host floats just read; ``check.divergence``: by default the step is skipped and, at its end, the
@@ -111,6 +111,10 @@ class NaNGuard(pl.Callback):
             replays, snapshots).
         lr_scale: the cumulative learning-rate scale the guard applied (1.0: untouched).
         stopped: the guard gave up; it skips every remaining step.
+        lagged: ``check.sync`` as chosen at fit start (flags read one step late).
+        snapshots: the known-good snapshots (a :class:`~.recover.snapshots.SnapshotStore`, or None).
+        exempt_buffers: buffers non-finite before training (a -inf mask), never checked.
+        report_dir: ``<log_dir>/nanguard``: ``events.jsonl`` and the incident reports (``report_path(event)``).
 
     Raises:
         ConfigError: on an unknown key, a wrong type or an out-of-range value, naming the key.
