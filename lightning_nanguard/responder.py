@@ -164,7 +164,7 @@ class Responder:
         window = record.window
         ctx = self._context(trainer, pl_module, event, record, window=window, grad_norm=flags.grad_norm,
                             grads_were_finite=self.evidence.grads_were_finite, only_gradients=not flags.local_bad)
-        self.last_incident = (event, window)
+        self.last_incident = (event, window.copy())  # (the evidence's live window is cleared at the step's end)
         if record.scaled:
             ctx.scaler_overflows, ctx.grad_scale = self.overflow.overflows, self.overflow.scale
         if record.update is UpdateStage.PENDING:

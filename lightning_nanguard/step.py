@@ -106,7 +106,7 @@ class StepFlow:
         clipping = self.clipper.active or cfg.check.spike_action == "clip"
         norm = self.sync.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
         device = params[0].device if params else torch.device("cpu")
-        record = StepRecord(step=trainer.global_step, epoch=trainer.current_epoch, window=self.evidence.window.copy(),
+        record = StepRecord(step=trainer.global_step, epoch=trainer.current_epoch, window=self.evidence.window,
                             lrs=[g["lr"] for g in optimizer.param_groups], loss_checked=self.evidence.loss_checked,
                             optimizer=optimizer, update=UpdateStage.PENDING, scaled=scaler is not None,
                             has_norm=norm is not None, params=params)
@@ -122,6 +122,7 @@ class StepFlow:
     def _stage(self, record: StepRecord, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any]) -> None:
         """``check.sync: lagged``: skip on the device if the flags say so, clip on the device, and start the
         copy of the flags to the host; the step is judged when they are read (:meth:`_judge_late`)."""
+        record.window = record.window.copy()  # the evidence's window is the next step's by the time it is judged
         vec = self.evidence.vector(norm, device, scaler, self.sync)  # reduced over ranks: the same everywhere
         if norm is not None and self.sync.sharded:
             norm = SCHEMA.get(vec, "grad_norm").to(norm.dtype)  # the completed norm
@@ -146,22 +147,22 @@ class StepFlow:
 
     def _judge(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord) -> Outcome:
         """The step's outcome from its flags, and what follows on the host."""
-        cfg, flags = self.config, record.evidence
+        cfg, flags, loss = self.config, record.evidence, record.loss
         self.clipper.saw(flags.grad_norm)
-        spike_z = None if flags.local_bad else self.losses.observe(record.loss)
+        spike_z = None if flags.local_bad else self.losses.observe(loss)
         grads_bad = cfg.check.gradients and flags.grads_bad
         outcome = classify(flags, grads_bad, record.scaled, self.overflow.observe(flags, grads_bad, record.scaled))
         if outcome is Outcome.INCIDENT:
             self.responder.incident(trainer, pl_module, record)
         elif outcome is Outcome.HEALTHY:
-            outcome = self._healthy(trainer, pl_module, record, spike_z)
+            outcome = self._healthy(trainer, pl_module, record, loss, spike_z)
         return outcome
 
     def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord,
-                 spike_z: Optional[float]) -> Outcome:
+                 loss: Optional[float], spike_z: Optional[float]) -> Outcome:
         flags, clip_to = record.evidence, None
         if getattr(pl_module, "automatic_optimization", True):  # manual: one loss stream per optimizer, mixed
-            evidence = self.divergence.observe(record.step, record.loss, flags.grad_norm)
+            evidence = self.divergence.observe(record.step, loss, flags.grad_norm)
             if evidence is not None and self.responder.divergence(trainer, pl_module, record, evidence):
                 return Outcome.INCIDENT  # skipped; the rollback and LR cut follow at the end of the step
         if spike_z is not None:
@@ -176,7 +177,7 @@ class StepFlow:
         if record.has_norm and self.clipper.clipping_persists():
             self.responder.clipping_persists(trainer, record)
             outcome = Outcome.INCIDENT
-        self.losses.healthy(record.loss)
+        self.losses.healthy(loss)
         return outcome
 
     def _clip(self, record: StepRecord, clip_to: Optional[float]) -> None:

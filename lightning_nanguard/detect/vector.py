@@ -129,6 +129,7 @@ class StepFlags(tuple):
     def for_schema(cls, schema: VectorSchema) -> type:
         base = namedtuple("StepFlagsFields", [f.name for f in schema.fields])  # type: ignore[misc]
         flag_kinds = tuple((schema.index[f.name], f.kind) for f in schema.fields[schema.flags])
+        lo, hi = schema.flags.start, schema.flags.stop
         norm = schema.norm
         fallback = schema.fallback_kind
 
@@ -139,7 +140,7 @@ class StepFlags(tuple):
             @property
             def local_bad(self) -> bool:
                 """Rank-local evidence (not the gradients): any flag field raised."""
-                return any(self[i] for i, _ in flag_kinds)
+                return any(self[lo:hi])
 
             @property
             def grads_bad(self) -> bool:
