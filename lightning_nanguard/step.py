@@ -285,7 +285,10 @@ class StepFlow:
         if self.recovery.store is None:
             return
         if self.config.check.parameters:
-            if self.evidence.state_bad(consume=False):  # never snapshot poisoned state: the next step rolls back
+            bad = bool(self.evidence.state_bad(consume=False))
+            if self.sync.distributed:  # a weight poisoned on one rank alone: every rank skips this snapshot, or none
+                bad = self.sync.any_rank(bad, trainer.strategy.root_device)
+            if bad:  # never snapshot poisoned state: the next step rolls back
                 return
             if optimizer_state_nonfinite(trainer.optimizers, self.sync, trainer.strategy.root_device):
                 # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
