@@ -99,6 +99,7 @@ class StepRecord:
     limit: Optional[float] = None  # the clipping limit applied on the device (judged late)
     spike_limit: Optional[float] = None  # the limit applied instead to a loss spike (check.spike_action: clip)
     local: Optional[Tensor] = None  # this rank's evidence vector before the all-reduce (DDP)
+    replica: Optional[dict] = None  # DDP: the ranks' copies of the reduced gradient disagree (its evidence), once read
     flags: Optional[Any] = None  # its evidence, once read (a detect.vector.StepFlags)
 
     @property

@@ -147,6 +147,8 @@ class StepEvidence:
                  "input_bad": part(self._input_bad), "param_bad": part(self._state_bad),
                  "activation_bad": part(self.activations.take()),
                  "grad_scale": scale_flag(scaler, device) if scaler is not None else None}
+        if norm is not None and sync.replicas:  # DDP: this rank's own copy of the reduced gradient, for the check
+            parts.update((name, part(t)) for name, t in sync.own_parts(norm).items())
         if self._state_bad is not None:  # checked with this step's flags
             self._state_bad = self._state_module = None
         self._read = True
