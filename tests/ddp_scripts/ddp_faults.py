@@ -12,7 +12,8 @@ event that names the right host names it from the right rank. The fits:
 - ``faults``: on rank ODD, a module output non-finite once at step 4 (not on the replay), its copy of the reduced
   gradient poisoned with NaN at step 8 (``FaultInjector``'s gradient fault, after the all-reduce) and shifted by a
   finite amount at step 12; ``dropped``: the same data with the gradients of steps 4, 8 and 12 dropped by hand;
-- ``unchecked``: the finite shift at step 12 with ``check.replicas: false``: nothing is seen, the replicas differ;
+- ``unchecked``: the finite shift at step 12 with ``check.replicas: false``: nothing is seen, the replicas differ
+  (the guard's collectives and host reads are counted too);
 - ``tolerant``: the finite shift at step 9 with a ``check.replica_tolerance`` above it: the step is taken, and the
   next snapshot finds the replicas' weights apart and rolls every rank back;
 - ``lagged``: the finite shift at step 9 with ``check.sync: lagged`` and a fused AdamW (skipped on the device);
@@ -201,7 +202,7 @@ def main(out: Path) -> None:
         "faults": run(out, "faults", [OutputOnce([4]), FaultInjector(Fault("gradient", steps=[8], ranks=[ODD])),
                                       ShiftGrad(12)], guard(recovery={"transient_limit": 10})),
         "dropped": run(out, "dropped", [DropSteps([4, 8, 12])]),
-        "unchecked": run(out, "unchecked", [ShiftGrad(12)], guard(check={"replicas": False})),
+        "unchecked": run(out, "unchecked", [ShiftGrad(12)], guard(check={"replicas": False}), count=True),
         "tolerant": run(out, "tolerant", [ShiftGrad(9)], guard(check={"replica_tolerance": 0.99})),
         "lagged": run(out, "lagged", [ShiftGrad(9)], guard(check={"sync": "lagged"}), fused=True),
         "suspect": run(out, "suspect", [OutputOnce([3, 6, 9])],
