@@ -208,8 +208,8 @@ class RecoveryConfig(_Section):
     transient_window: int = _opt(1000, "steps over which a rank's transient faults count towards transient_limit",
                                  lo=1)
     on_suspect_hardware: Literal["warn", "stop", "raise"] = _opt(
-        "warn", "when a rank's hardware is suspect: record and warn, stop the Trainer, or raise NaNGuardError naming the "
-                "rank and host (for a job scheduler to exclude the node)")
+        "warn", "when a rank's hardware is suspect: record and warn, stop the Trainer, or raise NaNGuardError naming "
+                "the rank and host (for a job scheduler to exclude the node)")
     on_give_up: Literal["stop", "raise"] = _opt(
         "stop", "after restoring the last good weights: stop the Trainer, or raise NaNGuardError")
     restore_at_end: bool = _opt(

@@ -46,8 +46,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("replica", "DDP ranks disagree on a value that must be identical (their copies of the reduced gradient, or "
                     "of the weights)",
          advice="The DDP replicas disagreed: a fault in one rank's memory, its GPU or the interconnect (silent data "
-                "corruption). The step was skipped on every rank, so the replicas stayed identical. If it comes back on "
-                "the same rank, test that GPU or exclude the host.", headline="replicas disagree"),
+                "corruption). The step was skipped on every rank, so the replicas stayed identical. If it comes back "
+                "on the same rank, test that GPU or exclude the host.", headline="replicas disagree"),
 )}
 
 ACTIONS: dict[str, str] = {

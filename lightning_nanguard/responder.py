@@ -533,6 +533,8 @@ class Responder:
                             "back to that snapshot. If it comes back, test that GPU or exclude the host.")
         plan = Plan()
         self.recovery.must_roll_back(plan, "the DDP replicas' weights differ")
+        if not (plan.rollback or plan.give_up):  # no snapshot yet: nothing to roll back to
+            event.add_action("warn")
         self._conclude(trainer, pl_module, Pending(event, plan, self._context(trainer, pl_module, event), ""))
 
     def initialization_incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",

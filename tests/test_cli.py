@@ -254,8 +254,10 @@ def test_report_summarises_incidents_per_host_and_rank_repeated_transients_first
     header = lines.index(next(line for line in lines if line.split() == ["host", "rank", "device", "incidents",
                                                                           "transient", "causes"]))
     rows = [line.split(None, 5) for line in lines[header + 2: header + 6]]
-    assert rows == [["node3", "5", "cuda:1", "3", "3", "transient=3"], ["node0", "1", "cuda:1", "1", "1", "transient=1"],
-                    ["node0", "0", "cuda:0", "2", "0", "input=1, unknown=1"], ["?", "?", "-", "1", "1", "transient=1"]]
+    assert rows == [["node3", "5", "cuda:1", "3", "3", "transient=3"],
+                    ["node0", "1", "cuda:1", "1", "1", "transient=1"],
+                    ["node0", "0", "cuda:0", "2", "0", "input=1, unknown=1"],
+                    ["?", "?", "-", "1", "1", "transient=1"]]
     suspects = [line for line in lines if line.startswith("suspect:")]
     assert suspects == ["suspect: rank 5 on host node3 (cuda:1) had 3 faults that did not come back (steps 10, 200, "
                         "310): test that device or exclude the host"]

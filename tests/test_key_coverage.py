@@ -43,9 +43,9 @@ KEY_TESTS: dict[str, list[str]] = {
                                     f"{PR}::test_persistent_overflow_is_an_incident"],
     "check.amp_min_scale": [f"{PR}::test_amp_min_scale_turns_an_overflow_below_it_into_an_incident",
                             f"{PR}::test_persistent_overflow_is_an_incident"],
-    "check.replicas": ["tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot",
-                       "tests/test_replicas.py::test_a_healthy_ddp_run_is_untouched_for_one_all_reduce_and_one_host_read_"
-                       "per_step"],
+    "check.replicas": [
+        "tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot",
+        "tests/test_replicas.py::test_a_healthy_ddp_run_is_untouched_for_one_all_reduce_and_one_host_read_per_step"],
     "check.replica_tolerance": [
         "tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot"],
     "check.sync": [f"{SY}::test_the_flags_are_read_once_per_step_and_lagged_one_step_late",

@@ -117,7 +117,8 @@ def test_one_off_output_and_gradient_faults_are_transient_and_only_skip_their_st
     # where it happened, in the event and in events.jsonl
     host = socket.gethostname()
     assert all((e.rank, e.host, e.device, e.local_rank) == (0, host, "cpu", 0) for e in guard.events)
-    assert f"rank 0 on host {host} (cpu)" in guard.events[0].suggestion and "test that GPU" in guard.events[0].suggestion
+    suggestion = guard.events[0].suggestion
+    assert f"rank 0 on host {host} (cpu)" in suggestion and "test that GPU" in suggestion
     lines = [json.loads(line) for line in (guard.report_dir / "events.jsonl").read_text().splitlines()]
     assert [(e["host"], e["device"], e["local_rank"], e["cause"]) for e in lines] == [(host, "cpu", 0, "transient")] * 2
 

@@ -174,8 +174,8 @@ SCHEMA = VectorSchema([
     # every rank by construction; with their sum, the sum of squares gives the spread of the ranks' norms
     Field("own_grad_norm", "sum", help="DDP: this rank's norm of its copy of the reduced gradient where finite (else "
                                        "0), summed over ranks; 0 on one process"),
-    Field("own_grad_norm_signed", "sum", help="DDP: own_grad_norm with a sign set by the rank (+ even, - odd), summed: "
-                                              "identical norms cancel to within rounding, one rank off by d leaves +-d"),
+    Field("own_grad_norm_signed", "sum", help="DDP: own_grad_norm with the sign of the rank (+ even, - odd), summed: "
+                                              "identical norms cancel to within rounding; one rank off by d leaves d"),
     Field("own_grad_norm_sq", "sum", help="DDP: the square of own_grad_norm, summed over ranks"),
     Field("own_grad_bad", "sum", help="DDP: 1 where this rank's copy of the reduced gradient is non-finite; summed, "
                                       "the number of such ranks"),

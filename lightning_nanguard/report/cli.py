@@ -1,10 +1,11 @@
 """The ``nanguard`` command: ``nanguard report PATH [--json]`` and ``nanguard validate CONFIG.yaml``.
 
 ``report`` reads ``events.jsonl`` files (PATH is one file, or a folder searched recursively) and prints one
-row per incident plus totals, and where they happened: per host and rank, the incidents of each cause, hosts with
-repeated faults that did not come back (cause ``transient``) first, each named with its rank, device and steps. A truncated or garbled *last* line (a run killed while writing) is reported
-on stderr and skipped; a missing path, a file without a single valid event or a malformed line in the
-middle of a file ends with exit status 2 and one line on stderr, never a traceback.
+row per incident plus totals, and where they happened: per host and rank, the incidents of each cause, hosts
+with repeated faults that did not come back (cause ``transient``) first, each named with its rank, device and
+steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and skipped; a
+missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
+status 2 and one line on stderr, never a traceback.
 
 ``validate`` resolves a NaNGuard YAML file (sections at the top, under ``nanguard:``, or the
 ``init_args`` of ``lightning_nanguard.NaNGuard`` in a LightningCLI config) and prints the complete
