@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["Cause", "CAUSES", "NAMES", "cause", "suggest"]
+__all__ = ["Cause", "CAUSES", "NAMES", "cause", "suggest", "where_it_ran"]
 
 # a suggestion drawn from an event's evidence (its details, culprit and op); None falls back to the advice
 Suggest = Callable[[Any, str], Optional[str]]
@@ -38,8 +38,10 @@ class Cause:
     lr_reason: str = ""  # why a cut at once is made (the event's details.reasons)
     arms_clip: bool = True  # the first incident arms adaptive clipping (clip.adaptive: on_incident)
     in_incident_window: bool = True  # counts towards recovery.reduce_lr_after
+    counts_toward_rollback: bool = True  # counts in the streak of incidents that forces a rollback (max_skips)
     gives_up: bool = False  # nothing can help: give up at once, without a rollback
     weights_suspect: bool = True  # a fit ending inside its streak may end on broken weights (restore_at_end)
+    hardware_fault: bool = False  # counts against the rank's hardware (recovery.transient_limit)
     suggest: Optional[Suggest] = None  # the evidence-specific suggestion
 
 
@@ -139,6 +141,21 @@ def _culprit(ev: Any, advice: str) -> Optional[str]:
     return f"Non-finite values in {ev.culprit}. " + advice if ev.culprit else None
 
 
+def where_it_ran(ev: Any) -> str:
+    """``rank 1 on host node7 (cuda:1)``: where the event's rank ran, as far as the event knows it."""
+    if ev.details.get("ranks") == []:  # several ranks, and none has evidence of its own
+        return "an unknown rank (no rank's own evidence or replay shows it)"
+    host = f" on host {ev.host}" if getattr(ev, "host", None) else ""
+    device = f" ({ev.device})" if getattr(ev, "device", None) else ""
+    return f"rank {ev.rank}{host}{device}"
+
+
+def _transient(ev: Any, advice: str) -> Optional[str]:
+    what = "Its replicas disagreed" if ev.kind == "replica" else "It was non-finite"
+    return (f"{what} at step {ev.step} on {where_it_ran(ev)}, and the replay of the same batch on the same weights "
+            "and RNG state was clean: a fault that does not come back. " + advice)
+
+
 def _unknown(ev: Any, advice: str) -> Optional[str]:
     if not ev.culprit:
         return None
@@ -185,6 +202,14 @@ CAUSES: dict[str, Cause] = {c.name: c for c in (
           advice="Parameters were non-finite or badly scaled before training: re-initialise with Xavier/He "
                  "(nn.init.xavier_uniform_ / kaiming_normal_) and check loaded checkpoints.",
           suggest=_initialization),
+    Cause("transient", "the replay of the same batch on the same weights and RNG state is clean: a fault that does "
+                       "not come back (a flaky GPU, a bit flip in memory or on the interconnect, a racy kernel)",
+          lr_cut="never", arms_clip=False, in_incident_window=False, counts_toward_rollback=False,
+          weights_suspect=False, hardware_fault=True,
+          advice="Nothing in the run needs fixing: the step was skipped and nothing else changed. If it comes back on "
+                 "the same rank, test that GPU (nvidia-smi -q -d ECC for memory errors, dcgmi diag -r 3, or a burn-in "
+                 "such as gpu-burn) or ask the scheduler to exclude the host; on a racy kernel, "
+                 "torch.use_deterministic_algorithms(True) tells.", suggest=_transient),
     Cause("unknown", "no rule explains it", lr_cut="escalation",
           advice="Lower the learning rate, enable clipping, and rerun with NaNGuard(anomaly={'mode': 'always'}, "
                  "check={'activations': 'always'}) to localise the first non-finite value.", suggest=_unknown),

@@ -121,6 +121,12 @@ class CheckConfig(_Section):
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",
                                 lo=0.0, lo_open=True)
+    replicas: bool = _opt(
+        True, "DDP: compare every rank's copy of the reduced gradient (its norm, in the step's one all-reduce) and, at "
+              "every snapshot, a checksum of the weights; ranks that disagree skip the step, or roll back everywhere")
+    replica_tolerance: float = _opt(
+        1e-3, "relative difference between two ranks' gradient norms that counts as replicas disagreeing (raised "
+              "automatically above float32 rounding at many ranks)", lo=0.0, hi=1.0, lo_open=True)
     sync: Literal["auto", "eager", "lagged"] = _opt(
         "auto", "when the step's flags reach the host: eager (one sync per step, exact host-side skip), lagged "
                 "(read one step late, bad steps skipped on the device: no sync), auto (lagged off the CPU when "
@@ -196,6 +202,14 @@ class RecoveryConfig(_Section):
             "so a later, unrelated incident starts a fresh ladder instead of counting as a failed rollback)", lo=1)
     skip_batches: int = _opt(0, "batches whose step is skipped right after a rollback (skip past bad data)",
                              lo=0)
+    transient_limit: int = _opt(
+        3, "faults that do not come back (cause transient) on one rank within transient_window steps that make its "
+           "hardware suspect", lo=1)
+    transient_window: int = _opt(1000, "steps over which a rank's transient faults count towards transient_limit",
+                                 lo=1)
+    on_suspect_hardware: Literal["warn", "stop", "raise"] = _opt(
+        "warn", "when a rank's hardware is suspect: record and warn, stop the Trainer, or raise NaNGuardError naming "
+                "the rank and host (for a job scheduler to exclude the node)")
     on_give_up: Literal["stop", "raise"] = _opt(
         "stop", "after restoring the last good weights: stop the Trainer, or raise NaNGuardError")
     restore_at_end: bool = _opt(

@@ -43,6 +43,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                 "spikes usually precede a divergence to NaN.", headline="spike (finite, abnormal)"),
     Kind("divergence", "a finite loss or gradient norm running away", runaway=True,
          headline="divergence (finite, running away)"),
+    Kind("replica", "DDP ranks disagree on a value that must be identical (their copies of the reduced gradient, or "
+                    "of the weights)",
+         advice="The DDP replicas disagreed: a fault in one rank's memory, its GPU or the interconnect (silent data "
+                "corruption). The step was skipped on every rank, so the replicas stayed identical. If it comes back "
+                "on the same rank, test that GPU or exclude the host.", headline="replicas disagree"),
 )}
 
 ACTIONS: dict[str, str] = {
@@ -66,6 +71,9 @@ class NaNEvent:
     batch_idx: int
     kind: str
     rank: int = 0
+    host: Optional[str] = None  # where that rank ran: the host name,
+    device: Optional[str] = None  # its device ("cuda:3", "cpu"),
+    local_rank: int = 0  # and its rank on that host
     actions: list[str] = field(default_factory=list)
     cause: Optional[str] = None
     culprit: Optional[str] = None

@@ -42,13 +42,15 @@ def set_rng_state(state: Optional[dict[str, Any]]) -> None:
 
 
 class Window:
-    """The micro-batches of one optimizer step and the RNG state before each (what an incident replays)."""
+    """The micro-batches of one optimizer step and the RNG state before each (what an incident replays), and the
+    step they belong to (a replay runs at that step's number, however late it comes)."""
 
-    __slots__ = ("batches", "rng")
+    __slots__ = ("batches", "rng", "step")
 
     def __init__(self) -> None:
         self.batches: list[tuple[Any, int]] = []  # (batch, batch_idx)
         self.rng: list[Optional[dict[str, Any]]] = []  # None when replays are off
+        self.step: Optional[int] = None
 
     def add(self, batch: Any, batch_idx: int, rng: Optional[dict[str, Any]] = None) -> None:
         self.batches.append((batch, batch_idx))
@@ -60,7 +62,7 @@ class Window:
 
     def copy(self) -> "Window":
         twin = Window()
-        twin.batches, twin.rng = list(self.batches), list(self.rng)
+        twin.batches, twin.rng, twin.step = list(self.batches), list(self.rng), self.step
         return twin
 
     @property
@@ -99,6 +101,7 @@ class StepRecord:
     limit: Optional[float] = None  # the clipping limit applied on the device (judged late)
     spike_limit: Optional[float] = None  # the limit applied instead to a loss spike (check.spike_action: clip)
     local: Optional[Tensor] = None  # this rank's evidence vector before the all-reduce (DDP)
+    replica: Optional[dict] = None  # DDP: the ranks' copies of the reduced gradient disagree (its evidence), once read
     flags: Optional[Any] = None  # its evidence, once read (a detect.vector.StepFlags)
 
     @property

@@ -9,12 +9,13 @@ batches, and what can still be done about its update (:class:`~.record.UpdateSta
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from torch import Tensor
 
-from .causes import cause as cause_entry
+from .causes import cause as cause_entry, suggest, where_it_ran
 from .config import NaNGuardConfig
 from .console import say
 from .counters import Counters
@@ -22,9 +23,9 @@ from .detect.amp import OverflowWatch, grad_scaler
 from .detect.evidence import StepEvidence
 from .detect.find import find_batch_nonfinite
 from .detect.spikes import LossWatch
-from .detect.sync import StepSync, share_incident
+from .detect.sync import StepSync, share_incident, weights_checksum, whereabouts
 from .diagnose.diagnoser import Diagnoser
-from .diagnose.replay import reproduces
+from .diagnose.replay import local_gradients, reproduces
 from .diagnose.rules import IncidentContext, persistent_clipping_cause, spike_cause
 from .errors import NaNGuardError
 from .events import KINDS, NaNEvent
@@ -93,12 +94,12 @@ class Responder:
 
     def _event(self, trainer: "pl.Trainer", kind: str, record: Optional[StepRecord] = None) -> NaNEvent:
         """A new event of ``kind`` (numbered when recorded): at the judged step of ``record``, or (outside a step)
-        where the trainer is."""
+        where the trainer is; on this rank, its host and device (:func:`.detect.sync.whereabouts`)."""
+        where = whereabouts(trainer)
         if record is None:
             return NaNEvent(step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self.evidence.batch_idx,
-                            kind=kind, rank=trainer.global_rank)
-        return NaNEvent(step=record.step, epoch=record.epoch, batch_idx=record.batch_idx, kind=kind,
-                        rank=trainer.global_rank)
+                            kind=kind, **where)
+        return NaNEvent(step=record.step, epoch=record.epoch, batch_idx=record.batch_idx, kind=kind, **where)
 
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  record: Optional[StepRecord] = None, **evidence: Any) -> IncidentContext:
@@ -108,7 +109,7 @@ class Responder:
                                       norm_history_end=self.clipper.history_end,
                                       lr_cut_step=self.recovery.lr_cut_step,
                                       loss_history=list(self.losses.history), reference=self.recovery.weights_at,
-                                      **evidence)
+                                      norm_type=self.config.clip.norm_type, **evidence)
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
         """The guard's scalars (tags below ``nanguard/``): counts, LR scale, the last gradient norm (and the
@@ -158,12 +159,18 @@ class Responder:
         are the ones it ran on when it was skipped.
         """
         cfg, flags = self.config, record.evidence
-        event = self._event(trainer, flags.incident_kind(), record)
+        # DDP: the ranks' copies of the reduced gradient disagree (and no rank has evidence of its own): the same
+        # on every rank, as is every decision below that issues a collective
+        replica = record.replica is not None and not flags.local_bad
+        event = self._event(trainer, "replica" if replica else flags.incident_kind(), record)
         event.details["grad_norm"] = flags.grad_norm
         event.details["lr"] = [float(lr) for lr in record.lrs]
+        if record.replica is not None:
+            event.details["replica"] = dict(record.replica)
         window = record.window
         ctx = self._context(trainer, pl_module, event, record, window=window, grad_norm=flags.grad_norm,
-                            grads_were_finite=self.evidence.grads_were_finite, only_gradients=not flags.local_bad)
+                            grads_were_finite=self.evidence.grads_were_finite, only_gradients=not flags.local_bad,
+                            same_weights=record.update is not UpdateStage.APPLIED)
         self.last_incident = (event, window.copy())  # (the evidence's live window is cleared at the step's end)
         if record.scaled:
             ctx.scaler_overflows, ctx.grad_scale = self.overflow.overflows, self.overflow.scale
@@ -182,7 +189,11 @@ class Responder:
                 event.kind = "input"
         with self.evidence.activations.paused():
             extra = self.diagnoser.diagnose(ctx, self.recorder.events)
-        extra = share_incident(self.sync, event, extra, record.local)  # one account for all
+            recomputed = self._recompute(trainer, pl_module, record) if replica else None
+        extra = share_incident(self.sync, event, extra, record.local, own_norm=flags.grad_norm if replica else None,
+                               recomputed=recomputed)  # one account for all: the rank that produced the fault
+        if self.sync.distributed:  # the suggestion names where the chosen rank ran
+            event.suggestion = suggest(event, event.cause or "unknown")
 
         self.evidence.grads_were_finite = math.isfinite(flags.grad_norm) if cfg.check.gradients else None
         plan = self.recovery.plan(record.step, event, clip_armed=self.clipper.armed)
@@ -192,6 +203,19 @@ class Responder:
             self.recovery.step_was_applied(plan)
         self._arm_clip(plan, event)
         self.pending.append(Pending(event, plan, ctx, extra))
+
+    def _recompute(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord) -> Optional[float]:
+        """Two replicas disagree and no majority can tell which copy is wrong: recompute the reduced gradient's
+        norm from every rank's replayed local gradient (one incident-only all-reduce of the whole gradient, on
+        every rank). None where it cannot be: with ``anomaly.mode: off`` (no replays), manual optimization, more
+        than two ranks (a majority tells), or a step whose update was already applied (other weights)."""
+        if (self.sync.world_size != 2 or self.config.anomaly.mode == "off" or record.update is UpdateStage.APPLIED
+                or not getattr(pl_module, "automatic_optimization", True)):
+            return None
+        params = [p for group in record.optimizer.param_groups for p in group["params"]]
+        window = record.window
+        grads = local_gradients(trainer, pl_module, window.batches, window.rng, params, window.step)
+        return self.sync.reduced_norm(grads, params)
 
     def _weight_findings(self, pl_module: "pl.LightningModule", flagged: bool, record: StepRecord) -> list[dict]:
         """The non-finite parameters and buffers behind an incident (``check.parameters``; syncs: incident only).
@@ -309,9 +333,47 @@ class Responder:
         self.evidence.forget_state()
         if p.plan.give_up:
             p.event.add_action(self.config.recovery.on_give_up)
+        suspect = None if p.plan.give_up else self._hardware(trainer, p.event)
         self._record(trainer, p.event, p.ctx, p.report)
         if p.plan.give_up:
             self._give_up(trainer, p.event)
+        elif suspect is not None:
+            self._suspect_hardware(trainer, p.event, suspect)
+
+    def _hardware(self, trainer: "pl.Trainer", event: NaNEvent) -> Optional[str]:
+        """Count a fault that does not come back against the rank that produced it (not where no rank is known);
+        past ``recovery.transient_limit`` within ``transient_window`` steps, the rank's hardware is suspect: say so
+        in the event and return the message for ``recovery.on_suspect_hardware``. The same on every rank: every rank
+        records the same event."""
+        if not cause_entry(event.cause).hardware_fault or event.details.get("ranks") == []:
+            return None
+        cfg = self.config.recovery
+        steps = self.recovery.hardware.fault(event.rank, event.step)
+        if steps is None:
+            return None
+        where = where_it_ran(event)
+        event.details["suspect_hardware"] = {"rank": event.rank, "host": event.host, "device": event.device,
+                                             "local_rank": event.local_rank, "faults": len(steps), "steps": steps,
+                                             "window": cfg.transient_window, "policy": cfg.on_suspect_hardware}
+        message = (f"the hardware of {where} is suspect: {len(steps)} faults that did not come back within "
+                   f"{cfg.transient_window} steps (steps {', '.join(map(str, steps))}; recovery.transient_limit="
+                   f"{cfg.transient_limit}). Test that device or have the job scheduler exclude host "
+                   f"{event.host or '(unknown)'}.")
+        event.suggestion = f"{event.suggestion} {message[0].upper()}{message[1:]}"
+        event.add_action("warn" if cfg.on_suspect_hardware == "warn" else cfg.on_suspect_hardware)
+        return message
+
+    def _suspect_hardware(self, trainer: "pl.Trainer", event: NaNEvent, message: str) -> None:
+        """``recovery.on_suspect_hardware``: warn (on screen, the run goes on), stop the Trainer (the weights are
+        good: the faulty steps were skipped), or raise :class:`NaNGuardError` naming the rank and host."""
+        policy = self.config.recovery.on_suspect_hardware
+        text = f"NaNGuard at step {event.step}: {message} Report: {self.recorder.report_path(event)}"
+        if policy == "raise":
+            raise NaNGuardError(text)
+        if policy == "stop":
+            self.recovery.stop()
+            trainer.should_stop = True
+        say(trainer, "[nanguard] " + text)
 
     def _give_up(self, trainer: "pl.Trainer", event: NaNEvent) -> None:
         restored = event.details.get("restored_step")
@@ -427,13 +489,13 @@ class Responder:
             return "parameter", newest, f"the batch of step {newest.step} cannot be rerun ({why}): taken as suspect", {}
         window = last[1]
         norm_type = self.config.clip.norm_type
-        final = reproduces(trainer, pl_module, window.batches, window.rng, norm_type)
+        final = reproduces(trainer, pl_module, window.batches, window.rng, norm_type, window.step)
         snapshot: Optional[bool] = None
         step: Optional[int] = None
         if final is not False:
             with self.recovery.newest_weights(pl_module) as step:
                 snapshot = None if step is None else reproduces(trainer, pl_module, window.batches, window.rng,
-                                                                norm_type)
+                                                                norm_type, window.step)
         suspect = final is not False and snapshot is not True
         if trainer.world_size > 1:  # each rank reruns its own batch: restore on every rank if one says so
             suspect = trainer.strategy.reduce_boolean_decision(suspect, all=False)
@@ -445,6 +507,35 @@ class Responder:
             reason += f" and {on[snapshot]} on the snapshot's of step {step}"
         return "parameter", newest, reason, {
             "rerun_at_end": {"final_weights": final, "snapshot_weights": snapshot, "snapshot_step": step}}
+
+    def replicas_drifted(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """DDP, at a snapshot: the replicas' weights are no longer bitwise the same (:meth:`.StepSync.snapshot_agreement`).
+        Every rank rolls back to the newest snapshot, on which they agreed (each is taken only where they do),
+        counted like any rollback (one that keeps failing gives up). The event names the odd rank where a majority
+        tells (3 or more ranks); every rank gathers the checksums (one ``all_gather_object``, only here)."""
+        event = self._event(trainer, "replica")
+        total = weights_checksum(pl_module)
+        gathered = self.sync.gather({"checksum": None if total is None else int(total), **whereabouts(trainer)})
+        sums = [p["checksum"] for p in gathered]
+        common, agreeing = Counter(sums).most_common(1)[0]
+        odd = [r for r, c in enumerate(sums) if c != common] if agreeing * 2 > len(sums) else []
+        how = "majority" if odd else "unknown"
+        for key in ("rank", "host", "device", "local_rank"):  # the same account on every rank (rank 0's: unknown)
+            setattr(event, key, gathered[odd[0] if odd else 0][key])
+        newest = self.recovery.store.newest.step if self.recovery.store and self.recovery.store.newest else None
+        event.cause = "unknown"
+        event.details.update(detected_at="snapshot", ranks=odd, replica={
+            "weights_checksums": sums, "odd_ranks": odd, "found_by": how, "agreed_at_step": newest})
+        who = where_it_ran(event) if odd else "some rank (two ranks: no majority tells which)"
+        event.suggestion = (f"The replicas' weights drifted apart since the snapshot of step {newest}: {who} holds "
+                            "different weights, from a fault too small for the per-step check of the gradient norms "
+                            "(check.replica_tolerance) or an update that one rank made alone. Every rank was rolled "
+                            "back to that snapshot. If it comes back, test that GPU or exclude the host.")
+        plan = Plan()
+        self.recovery.must_roll_back(plan, "the DDP replicas' weights differ")
+        if not (plan.rollback or plan.give_up):  # no snapshot yet: nothing to roll back to
+            event.add_action("warn")
+        self._conclude(trainer, pl_module, Pending(event, plan, self._context(trainer, pl_module, event), ""))
 
     def initialization_incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                 findings: list[dict]) -> None:

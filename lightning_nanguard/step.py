@@ -71,7 +71,9 @@ class StepFlow:
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Fit start: how flags agree across ranks, and eager or lagged reads (said once)."""
-        self.sync = self.responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type)
+        check = self.config.check
+        self.sync = self.responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type, check.replicas,
+                                                               check.replica_tolerance)
         self.lagged, why = choose_sync(self.config.check.sync, trainer, pl_module)
         if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
@@ -127,7 +129,8 @@ class StepFlow:
         if norm is not None and self.sync.sharded:
             norm = SCHEMA.get(vec, "grad_norm").to(norm.dtype)  # the completed norm
         # under a GradScaler, non-finite gradients are its own (routine) overflows: its found_inf skips them
-        skip = skip_flag(vec, self.config.check.gradients and scaler is None)
+        # DDP: replicas that disagree skip the step on every rank (any gradient copy gone bad, under a scaler too)
+        skip = skip_flag(vec, self.config.check.gradients and scaler is None, self.sync.replica_flag(vec))
         # a loss spike acts on its own step: the spike test of the statistics read so far, on the device
         action = self.config.check.spike_action
         spike = self.losses.spike_flag(SCHEMA.get(vec, "loss")) if record.loss_checked and action in (
@@ -151,7 +154,9 @@ class StepFlow:
         self.clipper.saw(flags.grad_norm)
         spike_z = None if flags.local_bad else self.losses.observe(loss)
         grads_bad = cfg.check.gradients and flags.grads_bad
-        outcome = classify(flags, grads_bad, record.scaled, self.overflow.observe(flags, grads_bad, record.scaled))
+        record.replica = self.sync.disagreement(flags)  # DDP: the ranks' copies of the reduced gradient differ
+        outcome = classify(flags, grads_bad, record.scaled, self.overflow.observe(flags, grads_bad, record.scaled),
+                           record.replica is not None)
         if outcome is Outcome.INCIDENT:
             self.responder.incident(trainer, pl_module, record)
         elif outcome is Outcome.HEALTHY:
@@ -203,7 +208,7 @@ class StepFlow:
         # its skip flag, as the device set it (a loss spike too, with check.spike_action: skip_step), and what the
         # device did with it: skipped where the optimizer honours it (under a GradScaler, also on an overflow)
         flagged = (flags.local_bad or self.config.check.gradients and not record.scaled and flags.grads_bad
-                   or outcome is Outcome.SKIPPED)
+                   or record.replica is not None or outcome is Outcome.SKIPPED)
         applied = not (record.update is UpdateStage.ON_DEVICE and flagged or record.scaled and flags.grads_bad)
         self.recovery.settle_metrics(skipped=flagged)  # its metric states were undone on the device where flagged
         if outcome is Outcome.HEALTHY:
@@ -284,12 +289,17 @@ class StepFlow:
     def snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.recovery.store is None:
             return
+        # DDP: every rank takes the same decision (one all-reduce of 3 numbers, before any rank-local decision): a
+        # weight poisoned on one rank alone skips the snapshot everywhere (the next step rolls back), and a snapshot
+        # is taken only where the replicas agree, bit for bit (else every rank rolls back to where they did)
+        bad = bool(self.evidence.state_bad(consume=False)) if self.config.check.parameters else False
+        agree, bad = self.sync.snapshot_agreement(pl_module, bad)
+        if bad:  # never snapshot poisoned state: the next step rolls back
+            return
+        if not agree:
+            self.responder.replicas_drifted(trainer, pl_module)
+            return
         if self.config.check.parameters:
-            bad = bool(self.evidence.state_bad(consume=False))
-            if self.sync.distributed:  # a weight poisoned on one rank alone: every rank skips this snapshot, or none
-                bad = self.sync.any_rank(bad, trainer.strategy.root_device)
-            if bad:  # never snapshot poisoned state: the next step rolls back
-                return
             if optimizer_state_nonfinite(trainer.optimizers, self.sync, trainer.strategy.root_device):
                 # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
                 self.responder.parameter_incident(trainer, pl_module, where="snapshot")

@@ -294,8 +294,17 @@ def test_causes_a_smaller_lr_cannot_fix_never_cut_it(cause: str) -> None:
     if CAUSES[cause].gives_up:  # the weights were wrong before the first step: give up at once
         assert cause == "initialization"
         assert plans[0].give_up and not plans[0].rollback and not plans[0].arm_clip
-    else:
+    else:  # back to back, every incident counts (a fault that came back on the next step was no one-off)
         assert any(p.rollback for p in plans)
+    if not CAUSES[cause].counts_toward_rollback:  # isolated, a fault that does not come back is skipped, nothing else
+        assert cause == "transient"
+        isolated = _ladder(max_skips=1, max_rollbacks=5, reduce_lr_after=1)
+        plans = []
+        for s in range(6):
+            plans.append(isolated.incident(s, "loss", can_roll_back=True, cause=cause))
+            isolated.healthy()
+        assert not any(p.rollback or p.arm_clip or p.skip_batches or p.give_up or p.reduce_lr for p in plans)
+        assert all(p.reasons == ["the cause (transient) calls for skipping the step and nothing else"] for p in plans)
 
 
 @pytest.mark.parametrize("cause, safe_factor", [("exploding_gradient", 0.02), ("learning_rate", 0.5)])

@@ -233,3 +233,35 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         main(["report"])
     assert info.value.code == 2
+
+
+def test_report_summarises_incidents_per_host_and_rank_repeated_transients_first(capsys, tmp_path):
+    """Where the incidents happened: one row per host and rank with the incidents of each cause, the host with
+    repeated faults that did not come back first and named; an event whose rank is unknown counts apart."""
+    def event(step, cause, rank, host, device, **details):
+        return {"step": step, "kind": "loss", "actions": ["skip_step"], "cause": cause, "culprit": None, "rank": rank,
+                "host": host, "device": device, "local_rank": rank % 4, "details": details}
+
+    events = [event(40, "input", 0, "node0", "cuda:0"), event(10, "transient", 5, "node3", "cuda:1"),
+              event(50, "unknown", 0, "node0", "cuda:0"), event(200, "transient", 5, "node3", "cuda:1"),
+              event(60, "transient", 1, "node0", "cuda:1"), event(70, "transient", 0, "node0", "cuda:0", ranks=[]),
+              event(310, "transient", 5, "node3", "cuda:1")]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    code, out, err = cli(capsys, "report", str(path))
+    assert code == 0, err
+    lines = out.splitlines()
+    header = lines.index(next(line for line in lines if line.split() == ["host", "rank", "device", "incidents",
+                                                                          "transient", "causes"]))
+    rows = [line.split(None, 5) for line in lines[header + 2: header + 6]]
+    assert rows == [["node3", "5", "cuda:1", "3", "3", "transient=3"],
+                    ["node0", "1", "cuda:1", "1", "1", "transient=1"],
+                    ["node0", "0", "cuda:0", "2", "0", "input=1, unknown=1"],
+                    ["?", "?", "-", "1", "1", "transient=1"]]
+    suspects = [line for line in lines if line.startswith("suspect:")]
+    assert suspects == ["suspect: rank 5 on host node3 (cuda:1) had 3 faults that did not come back (steps 10, 200, "
+                        "310): test that device or exclude the host"]
+    code, out, _ = cli(capsys, "report", str(path), "--json")
+    places = json.loads(out)["totals"]["places"]
+    assert [(p["host"], p["rank"], p["causes"], p["transient_steps"]) for p in places][0] == (
+        "node3", "5", {"transient": 3}, [10, 200, 310])

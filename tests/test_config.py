@@ -323,6 +323,12 @@ DOCUMENTED = [
     ("recovery.snapshot", "'off'", "off"), ("recovery.snapshot", "disk", "disk"),
     ("recovery.snapshot", "ram", ConfigError),
     ("check.loss", "false", False), ("check.loss", "0", ConfigError), ("check.loss", "'true'", ConfigError),
+    ("check.replica_tolerance", "0", ConfigError), ("check.replica_tolerance", "1.0e-6", 1e-6),
+    ("check.replica_tolerance", "1", 1.0), ("check.replica_tolerance", "1.5", ConfigError),
+    ("check.replicas", "false", False), ("check.replicas", "'no'", ConfigError),
+    ("recovery.transient_limit", "0", ConfigError), ("recovery.transient_limit", "1", 1),
+    ("recovery.transient_window", "0", ConfigError), ("recovery.transient_window", "1", 1),
+    ("recovery.on_suspect_hardware", "raise", "raise"), ("recovery.on_suspect_hardware", "exit", ConfigError),
 ]
 
 

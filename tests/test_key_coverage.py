@@ -43,6 +43,11 @@ KEY_TESTS: dict[str, list[str]] = {
                                     f"{PR}::test_persistent_overflow_is_an_incident"],
     "check.amp_min_scale": [f"{PR}::test_amp_min_scale_turns_an_overflow_below_it_into_an_incident",
                             f"{PR}::test_persistent_overflow_is_an_incident"],
+    "check.replicas": [
+        "tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot",
+        "tests/test_replicas.py::test_a_healthy_ddp_run_is_untouched_for_one_all_reduce_and_one_host_read_per_step"],
+    "check.replica_tolerance": [
+        "tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot"],
     "check.sync": [f"{SY}::test_the_flags_are_read_once_per_step_and_lagged_one_step_late",
                    f"{SY}::test_16_mixed_guard_skip_joins_the_scaler_found_inf"],
     "clip.max_norm": [f"{PV}::test_fixed_max_norm_bounds_every_step_the_optimizer_applies"],
@@ -75,6 +80,11 @@ KEY_TESTS: dict[str, list[str]] = {
     "recovery.max_rollbacks": [f"{PC}::test_ladder_skips_then_rolls_back_then_gives_up"],
     "recovery.confirm_after": [f"{PC}::test_confirm_after_takes_the_confirming_snapshot_sooner"],
     "recovery.skip_batches": [f"{PC}::test_skip_batches_after_rollback"],
+    "recovery.transient_limit": ["tests/test_transient.py::test_repeated_transients_make_the_rank_suspect"],
+    "recovery.transient_window": ["tests/test_transient.py::test_repeated_transients_make_the_rank_suspect"],
+    "recovery.on_suspect_hardware": ["tests/test_transient.py::test_repeated_transients_make_the_rank_suspect",
+                                     "tests/test_replicas.py::test_repeated_transients_on_one_rank_stop_every_rank_"
+                                     "naming_it"],
     "recovery.on_give_up": [f"{PC}::test_every_batch_poisoned_ends_bounded_with_the_last_good_weights"],
     "recovery.restore_at_end": [
         "tests/test_train_end.py::test_restore_at_end_decides_whether_the_broken_final_weights_are_kept"],

@@ -699,7 +699,7 @@ def test_lagged_with_an_optimizer_that_cannot_skip_applies_the_bad_step_and_roll
     assert models.all_finite(lagged.model)
 
 
-# ------------------------------------------------------------------------------------ known gap (xfail)
+# ------------------------------------------------------------------------ a replay at the step's own number
 
 
 class NaNAtGlobalStep(Lin):
@@ -711,10 +711,10 @@ class NaNAtGlobalStep(Lin):
         return loss * NAN if self.global_step in self.bad else loss
 
 
-@pytest.mark.xfail(strict=True, reason="a lagged incident is replayed while the next step runs: a training_step that "
-                                       "reads self.global_step sees the next step's number, does not reproduce the "
-                                       "NaN, and the lagged event loses its culprit and op (eager names both)")
 def test_a_lagged_replay_of_a_step_dependent_training_step_names_what_eager_names(both):
+    """A lagged incident is replayed while the next step runs; the replay runs at the judged step's number, so a
+    training_step that reads self.global_step reproduces its NaN, and the lagged event names the culprit and op
+    eager names (it was not reproduced, and lost them, when the replay saw the next step's number)."""
     runs = both(lambda: NaNAtGlobalStep(bad=(12,)), steps=16)
     eager, lagged = (runs[s].guard.events for s in MODES)
     assert [(e.step, e.culprit, e.op) for e in eager] == [(12, "training_step", "MulBackward0")]

@@ -595,7 +595,7 @@ def test_lr_cut_made_after_the_snapshot_survives_the_rollback(fit_steps, schedul
     factor, base_lr = 0.3, 0.05
     make = SCHEDULES[schedule]
     guard = NaNGuard(recovery={"snapshot_every": 10, "reduce_lr_after": 2, "lr_factor": factor}, logging=QUIET)
-    faults = [Fault("loss", steps=[10, 12]), Fault("parameter", steps=[14])]
+    faults = [Fault("activation", steps=[10, 12]), Fault("parameter", steps=[14])]  # (reproduced: not transient)
     starts = AtBatchStart()
     trainer = fit_steps(Scheduled(make), [FaultInjector(faults), guard, starts], steps=24)
     assert [(e.step, "reduce_lr" in e.actions, "rollback" in e.actions) for e in guard.events] == [
@@ -617,7 +617,10 @@ def test_lr_cuts_stop_at_min_lr_scale(fit_steps):
     factor, floor = 0.4, 0.3
     guard = NaNGuard(recovery={"reduce_lr_after": 1, "lr_factor": factor, "min_lr_scale": floor}, logging=QUIET)
     steps = [3, 6, 9, 12]
-    trainer = fit_steps(models.Regression(lr=0.05), [FaultInjector(Fault("loss", steps=steps)), guard], steps=16)
+    # module outputs poisoned through each step, which the replay reproduces (a one-off loss fault is a transient,
+    # which never cuts the LR)
+    trainer = fit_steps(models.Regression(lr=0.05), [FaultInjector(Fault("activation", steps=steps)), guard],
+                        steps=16)
     scale, expected = 1.0, []
     for _ in steps:
         new = max(scale * factor, floor)
@@ -633,7 +636,7 @@ def test_incident_window_boundary_in_a_trainer(fit_steps):
     window = 5
     guard = NaNGuard(recovery={"reduce_lr_after": 2, "incident_window": window}, logging=QUIET)
     steps = [3, 3 + window, 3 + 2 * window - 1]
-    fit_steps(models.Regression(), [FaultInjector(Fault("loss", steps=steps)), guard], steps=16)
+    fit_steps(models.Regression(), [FaultInjector(Fault("activation", steps=steps)), guard], steps=16)  # reproduced
     assert [(e.step, "reduce_lr" in e.actions) for e in guard.events] == [
         (steps[0], False), (steps[1], False), (steps[2], True)]
     assert guard.lr_scale == guard.config.recovery.lr_factor

@@ -227,8 +227,10 @@ class NestedFit(pl.Callback):
 
 
 def test_two_guards_in_two_trainers_do_not_interfere(tmp_path, seeded_fit):
-    faults_a = [Fault("loss", steps=[5, 6]), Fault("parameter", steps=[30])]
-    faults_b = [Fault("gradient", steps=[3, 4, 5], value="inf")]
+    # faults the replay reproduces (poisoned module outputs): one-off loss or gradient faults are transients, which
+    # never cut the LR
+    faults_a = [Fault("activation", steps=[5, 6]), Fault("parameter", steps=[30])]
+    faults_b = [Fault("activation", steps=[3, 4, 5], value="inf")]
 
     def run_a(root, extra=()):
         guard = NaNGuard(logging={"verbose": False}, recovery={"lr_factor": 0.5})

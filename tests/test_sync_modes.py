@@ -506,18 +506,20 @@ def test_lagged_ddp_agrees_on_every_rank_with_one_all_reduce_per_step(tmp_path):
     for key, value in r0["state"].items():
         assert torch.equal(value, r1["state"][key]) and torch.isfinite(value).all(), key
     for r in (r0, r1):
-        calls, start, per_step = r["calls"], 0, []
+        calls, start, per_step, snapshots = r["calls"], 0, [], 0
         for rec in r["steps"]:
-            per_step.append((rec["batch_idx"], [(n, k) for n, g, k in calls[start:rec["calls"]] if g]))
-            start = rec["calls"]
-        gathers = sum(c.count(("all_gather_object", -1)) for _, c in per_step)
+            calls_of_step = [(n, k) for n, g, k in calls[start:rec["calls"]] if g]
+            # per snapshot: the replicas' weights checksum, and whether any rank holds a non-finite weight
+            checksums = [("all_reduce", 3)] * (rec["snapshots"] - snapshots)
+            per_step.append((rec["batch_idx"], calls_of_step, checksums))
+            start, snapshots = rec["calls"], rec["snapshots"]
+        gathers = sum(c.count(("all_gather_object", -1)) for _, c, _ in per_step)
         assert gathers == len(BAD_STEPS) - (BAD_STEPS[-1] == per_step[-1][0])  # a last bad step: gathered at the end
-        for batch_idx, step_calls in per_step[1:]:
-            snapshot = ("all_reduce", 1) in step_calls  # a snapshot: no rank holds a non-finite weight
-            reduces = [c for c in step_calls if c[0] == "all_reduce" and c != ("all_reduce", 1)]
-            assert reduces in ([], [("all_reduce", 5)]), (batch_idx, step_calls)  # [] : skipped by a late rollback
+        for batch_idx, step_calls, checksums in per_step[1:]:
+            reduces = [c for c in step_calls if c[0] == "all_reduce" and c not in checksums]
+            assert reduces in ([], [("all_reduce", 9)]), (batch_idx, step_calls)  # [] : skipped by a late rollback
             if batch_idx not in BAD_STEPS and batch_idx - 1 not in BAD_STEPS:
-                assert step_calls == [("all_reduce", 5)] + [("all_reduce", 1)] * snapshot, (batch_idx, step_calls)
+                assert step_calls == [("all_reduce", 9)] + checksums, (batch_idx, step_calls)
 
 
 # ------------------------------------------------------------------------------------------ user metrics

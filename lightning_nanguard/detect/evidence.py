@@ -71,6 +71,7 @@ class StepEvidence:
         if first:
             self._loss_sum = self._input_bad = None
             self.activations.step_start(step)
+            self.window.step = step
         self.window.add(batch, batch_idx, rng_state() if self.keep_rng else None)
         if self.check.inputs == "always":
             flag = dense_nonfinite_flag(checkable(iter_tensors(batch)))  # sparse tensors: their stored values
@@ -147,6 +148,8 @@ class StepEvidence:
                  "input_bad": part(self._input_bad), "param_bad": part(self._state_bad),
                  "activation_bad": part(self.activations.take()),
                  "grad_scale": scale_flag(scaler, device) if scaler is not None else None}
+        if norm is not None and sync.replicas:  # DDP: this rank's own copy of the reduced gradient, for the check
+            parts.update((name, part(t)) for name, t in sync.own_parts(norm).items())
         if self._state_bad is not None:  # checked with this step's flags
             self._state_bad = self._state_module = None
         self._read = True

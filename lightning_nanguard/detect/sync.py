@@ -13,14 +13,23 @@ finite check and clipping still cost one collective. (An inf-norm needs a MAX: a
 sum runs over the whole world, which is right for full sharding; hybrid sharding (replicas of shards)
 would over-count the norm by the number of replicas.
 
+Replicas (``check.replicas``, DDP): the reduced gradient is identical on every rank by construction, so each rank
+puts its own norm of its copy into the same all-reduce (:meth:`StepSync.own_parts`: its sum, a sum signed by the
+rank, the sum of squares, and the number of non-finite copies). Identical norms cancel in the signed sum to within
+rounding; a rank whose copy differs leaves its difference there (:func:`replicas_disagree`), which every rank reads
+alike, with no extra collective and no extra host read. At every snapshot, a checksum of the weights' bits is
+compared across ranks (:meth:`StepSync.snapshot_agreement`: one small all-reduce per snapshot).
+
 On an incident only, :func:`share_incident` gathers every rank's evidence and diagnosis, so that all
-ranks adopt the account of the first rank that saw the problem (the one rank 0 writes to the sinks).
+ranks adopt the account of the rank that produced the problem (the one rank 0 writes to the sinks).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+import socket
+import struct
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,10 +39,112 @@ from .amp import grad_scaler, reads_found_inf
 from .kernels import total_norm
 from .vector import SCHEMA
 
-__all__ = ["StepSync", "shards_gradients", "local_tensor", "local_norm_power", "share_incident", "choose_sync"]
+__all__ = ["StepSync", "shards_gradients", "replicates", "local_tensor", "local_norm_power", "share_incident",
+           "choose_sync", "whereabouts", "replicas_disagree", "odd_ranks", "weights_checksum", "REPLICA_FIELDS"]
 
 _SHARDING_NAMES = ("FSDP", "FullyShardedDataParallel", "ModelParallel")
-_EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion")
+_EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion", "host", "device", "local_rank")
+REPLICA_FIELDS = ("own_grad_norm", "own_grad_norm_signed", "own_grad_norm_sq", "own_grad_bad")
+EPS32 = 2.0 ** -24  # float32's unit roundoff
+
+
+def whereabouts(trainer: Any) -> dict[str, Any]:
+    """Where this process runs: ``rank`` (global), ``host``, ``device`` (``cuda:3``, ``cpu``), ``local_rank``."""
+    device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+    return {"rank": int(getattr(trainer, "global_rank", 0) or 0), "host": socket.gethostname(),
+            "device": str(device) if device is not None else "cpu",
+            "local_rank": int(getattr(trainer, "local_rank", 0) or 0)}
+
+
+def replicates(strategy: Any, module: Any = None) -> bool:
+    """Does ``strategy`` keep a full replica of the weights on every rank, with gradients all-reduced over all of
+    them (DDP; not a sharding strategy, not DeepSpeed, and no parameter left out of the all-reduce)?"""
+    names = [cls.__name__ for cls in type(strategy).__mro__]
+    if shards_gradients(strategy) or any("DeepSpeed" in n for n in names) or not any("DDP" in n for n in names):
+        return False
+    return not getattr(module, "_ddp_params_and_buffers_to_ignore", None)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (a double result of one float32 operation rounds to float32's own result)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def replicas_disagree(own: Any, signed: Any, sq: Any, bad: Any, world: int, signed_limit: float, sq_limit: float,
+                      r: Callable[[Any], Any] = _same) -> Any:
+    """Do the ranks' copies of the reduced gradient disagree? From the summed replica fields (:data:`REPLICA_FIELDS`).
+
+    The same float32 operations on the device (0-dim tensors, ``r`` the identity) and on the host (floats, ``r``
+    rounding each result to float32: :func:`_f32`), so that a step skipped on the device is judged alike one step
+    later. Disagree when some copies are non-finite and others are not, or, every copy finite:
+
+    - the signed sum: each rank adds its norm with the sign of its rank (+ even, - odd); identical norms leave
+      ``mean sign x sum`` to within rounding (``world x eps``), one rank off by ``d`` leaves about ``+-d``: its
+      deviation over the mean norm is compared with ``signed_limit``;
+    - the sum of squares: ``world x sum(x^2) - sum(x)^2`` is the sum of the squared differences of every pair of
+      ranks, never zero when they differ (two deviations cannot cancel), but it rounds at ``sqrt(eps)``: the root
+      of their mean over ``world - 1`` pairs, over the mean norm, is compared with ``sq_limit``.
+
+    Norms too large to square (or sum) in float32 compare nothing (NaN comparisons are false).
+    """
+    mixed = (bad > 0) & (bad < world)
+    mean_sign = r((world % 2) / world)
+    deviation = abs(r(signed - r(own * mean_sign)))
+    by_sign = r(deviation * world) > r(abs(own) * r(signed_limit))
+    pairs = r(r(sq * world) - r(own * own))
+    by_square = r(pairs * r(float(world * world))) > r(r(own * own) * r(sq_limit * sq_limit * (world - 1)))
+    return mixed | ((bad == 0) & (by_sign | by_square))
+
+
+def odd_ranks(norms: Sequence[float], limit: float, recomputed: Optional[float] = None) -> tuple[list[int], str]:
+    """Which ranks' copies disagree, from every rank's own norm of its copy: ``(ranks, how)``.
+
+    With 3 or more ranks, by majority: the ranks whose norm is not within ``limit`` (relative) of a norm that more
+    than half of the ranks share. Else (2 ranks, or no majority), from ``recomputed``, the norm of the reduced
+    gradient recomputed from every rank's replayed local gradient: the rank farther from it, if it is at least
+    twice as far as the other. ``([], "unknown")`` when neither tells.
+    """
+    def close(a: float, b: float) -> bool:
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        return a == b or abs(a - b) <= limit * max(abs(a), abs(b))
+
+    world = len(norms)
+    if world >= 3:
+        for x in norms:
+            if sum(close(x, y) for y in norms) * 2 > world:
+                return [r for r, y in enumerate(norms) if not close(x, y)], "majority"
+    if recomputed is not None and math.isfinite(recomputed):
+        far = [abs(x - recomputed) if math.isfinite(x) else math.inf for x in norms]
+        order = sorted(range(world), key=lambda r: far[r])
+        if far[order[-1]] > 0 and far[order[-1]] >= 2 * far[order[-2]]:
+            return [order[-1]], "recomputed"
+    return [], "unknown"
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def weights_checksum(module: Any) -> Optional[Tensor]:
+    """0-dim int64 tensor: the sum of the bit patterns of every parameter (as integers of their width), on the
+    device. Exact and independent of the order of the sum: identical replicas give identical checksums, and a
+    flipped bit changes it. None without parameters. No sync."""
+    total: Optional[Tensor] = None
+    for p in module.parameters():
+        t = p.detach()
+        if t.layout is not torch.strided or t.numel() == 0 or hasattr(t, "placements"):
+            continue
+        bits = t.view(_BITS.get(t.element_size(), torch.uint8)) if t.element_size() in _BITS else t.view(torch.uint8)
+        part = bits.sum(dtype=torch.int64)
+        total = part if total is None else total + part.to(total.device)
+    return total
 
 
 def shards_gradients(strategy: Any) -> bool:
@@ -61,18 +172,103 @@ class StepSync:
     """How the guard's per-step flags agree across ranks. ``distributed`` is False on one process."""
 
     def __init__(self, world_size: int = 1, sharded: bool = False, norm_type: float = 2.0,
-                 group: Optional[Any] = None) -> None:
+                 group: Optional[Any] = None, replicas: bool = False, tolerance: float = 1e-3) -> None:
         self.world_size = int(world_size)
         self.distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
         self.sharded = sharded and self.distributed
         self.norm_type = float(norm_type)
         self.group = group
         self._local: Optional[Tensor] = None
+        # the replica check (check.replicas): full replicas whose reduced gradients must be identical
+        self.replicas = replicas and self.distributed and not self.sharded
+        self.rank = int(dist.get_rank(group)) if self.distributed else 0
+        self.tolerance = float(tolerance)
+        # far above what float32 sums of identical norms round to (module docstring of replicas_disagree)
+        self.signed_limit = max(self.tolerance, 8 * self.world_size * EPS32)
+        self.sq_limit = max(self.tolerance, 4 * self.world_size * math.sqrt(EPS32))
 
     @classmethod
-    def for_trainer(cls, trainer: Any, norm_type: float = 2.0) -> "StepSync":
+    def for_trainer(cls, trainer: Any, norm_type: float = 2.0, replicas: bool = False,
+                    tolerance: float = 1e-3) -> "StepSync":
         strategy = getattr(trainer, "strategy", None)
-        return cls(int(getattr(trainer, "world_size", 1) or 1), shards_gradients(strategy), norm_type)
+        replicas = replicas and replicates(strategy, getattr(trainer, "lightning_module", None))
+        return cls(int(getattr(trainer, "world_size", 1) or 1), shards_gradients(strategy), norm_type,
+                   replicas=replicas, tolerance=tolerance)
+
+    # ------------------------------------------------------------------------------------------- replicas
+
+    def own_parts(self, norm: Tensor) -> dict[str, Tensor]:
+        """The replica fields of this rank's evidence vector, from its own norm of its copy of the reduced gradient
+        (a few device ops, no sync); empty without the replica check."""
+        if not self.replicas:
+            return {}
+        norm = norm.detach().float()
+        bad = ~torch.isfinite(norm)
+        own = torch.where(bad, 0.0, norm)
+        return {"own_grad_norm": own, "own_grad_norm_signed": own if self.rank % 2 == 0 else -own,
+                "own_grad_norm_sq": own * own, "own_grad_bad": bad}
+
+    def replica_flag(self, vec: Tensor) -> Optional[Tensor]:
+        """0-dim bool on the device: the reduced vector ``vec`` says the replicas disagree (no sync); None without
+        the check."""
+        if not self.replicas:
+            return None
+        own, signed, sq, bad = (vec[SCHEMA.index[n]] for n in REPLICA_FIELDS)
+        return replicas_disagree(own, signed, sq, bad, self.world_size, self.signed_limit, self.sq_limit)
+
+    def disagreement(self, flags: Any) -> Optional[dict[str, Any]]:
+        """The replicas' disagreement in a step's flags (read on the host, identical on every rank), with its
+        evidence; None when they agree (or without the check)."""
+        if not self.replicas:
+            return None
+        own, signed, sq, bad = (getattr(flags, n) for n in REPLICA_FIELDS)
+        if not replicas_disagree(own, signed, sq, bad, self.world_size, self.signed_limit, self.sq_limit, _f32):
+            return None
+        world, n = self.world_size, self.world_size - int(bad)
+        mean = own / n if n else math.nan
+        found: dict[str, Any] = {"nonfinite_copies": int(bad), "mean_grad_norm": mean,
+                                 "tolerance": self.tolerance, "signed_limit": self.signed_limit,
+                                 "square_limit": self.sq_limit}
+        if not bad and mean:
+            found["signed_deviation"] = abs(signed - own * (world % 2) / world) / mean
+            found["square_deviation"] = math.sqrt(max(world * sq - own * own, 0.0) / (world - 1)) / mean
+        return found
+
+    def reduced_norm(self, grads: Optional[Sequence[Optional[Tensor]]], params: Sequence[Tensor]) -> Optional[float]:
+        """Incident only: the norm of the mean over ranks of ``grads`` (this rank's own gradient of each of
+        ``params``, recomputed; None where a parameter got none; ``grads`` None: it could not be recomputed), with
+        one all-reduce of the whole gradient. Every rank calls it; None when some rank could not recompute."""
+        device = params[0].device if params else torch.device("cpu")
+        failed = grads is None
+        flat = [torch.zeros(p.numel(), device=device) if failed or g is None
+                else g.detach().reshape(-1).float().to(device) for g, p in zip(grads or [None] * len(params), params)]
+        flat.append(torch.full((1,), float(failed), device=device))
+        buf = torch.cat(flat)
+        dist.all_reduce(buf, group=self.group)
+        if bool(buf[-1] > 0):
+            return None
+        return float(torch.linalg.vector_norm(buf[:-1] / self.world_size, self.norm_type))
+
+    def snapshot_agreement(self, module: Any, weights_bad: bool) -> tuple[bool, bool]:
+        """Before a snapshot, on every rank: (are the weights bitwise the same on every rank?, does any rank hold a
+        non-finite weight?). Their checksum (:func:`weights_checksum`; with the replica check) and ``weights_bad``
+        are compared with one all-reduce of three numbers (snapshot time: never per step). One process:
+        ``(True, weights_bad)``."""
+        if not self.distributed:
+            return True, weights_bad
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        total = weights_checksum(module) if self.replicas else None
+        c = total if total is not None else torch.zeros((), dtype=torch.int64, device=device)
+        found = torch.stack([c, -c, torch.full((), int(weights_bad), dtype=torch.int64, device=c.device)])
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        high, minus_low, bad = found.tolist()
+        return high == -minus_low, bool(bad)
+
+    def gather(self, payload: Any) -> list[Any]:
+        """Every rank's ``payload`` (one ``all_gather_object``; incident only)."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, payload, group=self.group)
+        return gathered
 
     def grad_norm(self, grads: Sequence[Tensor]) -> Tensor:
         """The fused total norm; under sharding the local power sum that :meth:`reduce` completes."""
@@ -128,31 +324,51 @@ class StepSync:
         return bool(t.item())
 
 
-def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tensor] = None) -> str:
+def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tensor] = None,
+                   own_norm: Optional[float] = None, recomputed: Optional[float] = None) -> str:
     """On an incident: gather every rank's evidence and make every rank adopt the same account.
 
-    The chosen rank is the first one with local evidence (a non-finite loss, input or parameter), else the
-    first whose diagnosis found something of its own (bad inputs, an op), else rank 0. ``event.rank`` becomes
-    that rank and ``event.details["ranks"]`` lists the ranks with evidence. Returns the chosen rank's report
-    text. Costs one ``all_gather_object``; never called in steady state. ``local``: the rank's vector of the
-    incident's step when it is not the last one reduced (a lagged read).
+    The chosen rank is the one that produced the fault:
+
+    - a replica disagreement (``event.kind == "replica"``; ``own_norm``: this rank's norm of its copy of the
+      reduced gradient, ``recomputed``: see :func:`odd_ranks`): the first rank whose copy disagrees;
+    - else the first whose own replay of its own micro-batches reproduced the fault (``details.replay``);
+    - else the first with local evidence (a non-finite loss, input, parameter or module output);
+    - else the first whose diagnosis found something of its own (bad inputs, an op);
+    - else nobody knows: rank 0's account, and ``details.ranks`` is empty (e.g. a fault that no rank's replay
+      reproduces, in a gradient the all-reduce spread to every rank).
+
+    ``event.rank`` (and ``host``, ``device``, ``local_rank``) become the chosen rank's and
+    ``event.details["ranks"]`` lists the ranks with evidence (the disagreeing ones, for a replica). Returns the
+    chosen rank's report text. Costs one ``all_gather_object``; never called in steady state. ``local``: the
+    rank's vector of the incident's step when it is not the last one reduced (a lagged read).
     """
     if not sync.distributed:
         return extra
     local = sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
-    evidence = 2 if any(local) else 1 if own else 0
-    payload = {"rank": int(dist.get_rank()),
-               "evidence": evidence, "local": local, "extra": extra,
+    reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
+    evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0
+    payload = {"rank": sync.rank, "evidence": evidence, "local": local, "extra": extra, "own_norm": own_norm,
                "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
-    gathered: list[Any] = [None] * sync.world_size
-    dist.all_gather_object(gathered, payload, group=sync.group)
+    gathered = sync.gather(payload)
+    ranks = [p["rank"] for p in gathered if p["evidence"] > 0]
     best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
+    odd: Optional[tuple[list[int], str]] = None
+    if event.kind == "replica" and own_norm is not None:
+        norms = [math.nan if p["own_norm"] is None else float(p["own_norm"]) for p in gathered]
+        odd = odd_ranks(norms, sync.tolerance, recomputed)
+        ranks = odd[0]
+        if odd[0]:
+            best = gathered[odd[0][0]]
     for key, value in best["event"].items():
         setattr(event, key, value)
     event.rank = best["rank"]
     event.details = dict(event.details)
-    event.details["ranks"] = [p["rank"] for p in gathered if p["evidence"] > 0]
+    event.details["ranks"] = ranks
+    if odd is not None:
+        event.details["replica"] = dict(event.details.get("replica") or {}, grad_norms=norms, odd_ranks=odd[0],
+                                        found_by=odd[1], recomputed_grad_norm=recomputed)
     return best["extra"]
 
 

@@ -131,6 +131,7 @@ class StepFlags(tuple):
         flag_kinds = tuple((schema.index[f.name], f.kind) for f in schema.fields[schema.flags])
         lo, hi = schema.flags.start, schema.flags.stop
         norm = schema.norm
+        own_bad = schema.index.get("own_grad_bad")
         fallback = schema.fallback_kind
 
         class Flags(base, cls):  # type: ignore[valid-type, misc]
@@ -144,7 +145,9 @@ class StepFlags(tuple):
 
             @property
             def grads_bad(self) -> bool:
-                return not math.isfinite(self[norm])
+                """A non-finite gradient norm; under DDP (the replica check), on any rank's copy: the same on every
+                rank, even where one rank's copy alone went bad."""
+                return not math.isfinite(self[norm]) or own_bad is not None and self[own_bad] > 0
 
             def incident_kind(self) -> str:
                 """The event kind, by precedence of the evidence."""
@@ -168,5 +171,14 @@ SCHEMA = VectorSchema([
     Field("input_bad", "sum", kind="input", help="a floating tensor of the batch was non-finite (check.inputs: always)"),
     Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),
     Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),
+    # the replica check (DDP, check.replicas): each rank's own copy of the reduced gradient, which is identical on
+    # every rank by construction; with their sum, the sum of squares gives the spread of the ranks' norms
+    Field("own_grad_norm", "sum", help="DDP: this rank's norm of its copy of the reduced gradient where finite (else "
+                                       "0), summed over ranks; 0 on one process"),
+    Field("own_grad_norm_signed", "sum", help="DDP: own_grad_norm with the sign of the rank (+ even, - odd), summed: "
+                                              "identical norms cancel to within rounding; one rank off by d leaves d"),
+    Field("own_grad_norm_sq", "sum", help="DDP: the square of own_grad_norm, summed over ranks"),
+    Field("own_grad_bad", "sum", help="DDP: 1 where this rank's copy of the reduced gradient is non-finite; summed, "
+                                      "the number of such ranks"),
     Field("grad_scale", "none", math.nan, help="the GradScaler's scale (16-mixed), nan without one"),
 ], fallback_kind="gradient")

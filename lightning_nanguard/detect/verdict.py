@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -22,20 +23,28 @@ class Outcome(enum.Enum):
     PENDING = "pending"  # check.sync lagged: judged when its flags reach the host, one step later
 
 
-def skip_flag(vec: Tensor, gradients: bool) -> Tensor:
+def skip_flag(vec: Tensor, gradients: bool, replicas: Optional[Tensor] = None) -> Tensor:
     """0-dim float on ``vec``'s device, 1 when the step of the evidence vector ``vec`` must be skipped: a flag
-    field (a rank count under DDP), or, with ``gradients``, a non-finite gradient norm. No sync."""
+    field (a rank count under DDP), or, with ``gradients``, a non-finite gradient norm (on any rank's copy, under
+    the replica check), or ``replicas`` (:meth:`.sync.StepSync.replica_flag`: the ranks' copies disagree). No
+    sync."""
     bad = vec[SCHEMA.flags].ne(0).any()
     if gradients:
         bad = bad | ~torch.isfinite(vec[SCHEMA.norm])
+        if replicas is not None:
+            bad = bad | vec[SCHEMA.index["own_grad_bad"]].gt(0)
+    if replicas is not None:
+        bad = bad | replicas
     return bad.float()
 
 
-def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool) -> Outcome:
+def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool,
+             replicas_disagree: bool = False) -> Outcome:
     """The step's outcome from its evidence. ``grads_bad``: a non-finite gradient norm that counts
     (``check.gradients``); ``scaled``: a GradScaler is active; ``overflow_persists``: the scaler's overflows
-    went on for too long (``check.amp_overflow_patience`` / ``amp_min_scale``)."""
-    if flags.local_bad:
+    went on for too long (``check.amp_overflow_patience`` / ``amp_min_scale``); ``replicas_disagree``: DDP ranks
+    hold different copies of the reduced gradient."""
+    if flags.local_bad or replicas_disagree:
         return Outcome.INCIDENT
     if not grads_bad:
         return Outcome.HEALTHY

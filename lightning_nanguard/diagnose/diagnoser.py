@@ -59,6 +59,7 @@ class Diagnoser:
         states) and the diagnosis settings."""
         batches, rng = (list(window.batches), list(window.rng)) if window is not None else ([], [])
         return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, batches=batches, rng_states=rng,
+                               replay_step=window.step if window is not None else None,
                                frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
                                **evidence)
 

@@ -38,7 +38,7 @@ from ..tree import map_tensors
 from .probes import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
                         is_compiled, public_name)
 
-__all__ = ["ReplayResult", "replay_window", "reproduces", "preserved_state", "parse_anomaly_error"]
+__all__ = ["ReplayResult", "replay_window", "reproduces", "local_gradients", "preserved_state", "parse_anomaly_error"]
 
 _ANOMALY_RE = re.compile(r"Function '(\w+)' returned (nan|inf) values in its (\d+)(?:st|nd|rd|th) output")
 
@@ -57,6 +57,7 @@ class ReplayResult:
     backward_op: Optional[dict] = None  # first autograd node producing NaN/Inf
     anomaly: Optional[dict] = None  # what detect_anomaly(check_nan=True) reported
     nonfinite_grads: list[str] = field(default_factory=list)
+    norm_overflow: bool = False  # every gradient finite, their total norm not (an incident too)
     float64: Optional[dict] = None
     errors: list[str] = field(default_factory=list)
     frames_text: str = ""
@@ -159,15 +160,43 @@ def eager() -> Iterator[None]:
         yield
 
 
+def _step_counter(trainer: Any) -> Any:
+    """The progress counter behind ``trainer.global_step`` under automatic optimization (the only kind a replay
+    runs for), or None where the Trainer has none."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    optim = getattr(getattr(loop, "automatic_optimization", None), "optim_progress", None)
+    total = getattr(getattr(getattr(optim, "optimizer", None), "step", None), "total", None)
+    return total if isinstance(getattr(total, "completed", None), int) else None
+
+
+@contextmanager
+def at_step(trainer: Any, step: Optional[int]) -> Iterator[None]:
+    """Inside the block ``trainer.global_step`` (and the module's) is ``step``: a step judged one step late (or at
+    the end of fit) is replayed at its own number, so a ``training_step`` that reads it (a schedule, a
+    curriculum, a fault injected at that step) runs as it did."""
+    counter = _step_counter(trainer)
+    if counter is None or step is None or counter.completed == step:
+        yield
+        return
+    now, counter.completed = counter.completed, int(step)
+    try:
+        yield
+    finally:
+        counter.completed = now
+
+
 def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                  frames: int = 21, float64_check: bool = True) -> ReplayResult:
-    """Replay each micro-batch of the window until one reproduces the incident; collect the evidence."""
-    with eager():
-        return _replay_window(trainer, module, batches, rng_states, frames, float64_check)
+                  frames: int = 21, float64_check: bool = True, norm_type: float = 2.0,
+                  step: Optional[int] = None) -> ReplayResult:
+    """Replay each micro-batch of the window until one reproduces the incident (a non-finite loss, output or
+    gradient, or a total gradient norm, of ``norm_type``, that overflows); collect the evidence. ``step``: the
+    step the window belongs to (:func:`at_step`)."""
+    with eager(), at_step(trainer, step):
+        return _replay_window(trainer, module, batches, rng_states, frames, float64_check, norm_type)
 
 
 def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                   frames: int, float64_check: bool) -> ReplayResult:
+                   frames: int, float64_check: bool, norm_type: float) -> ReplayResult:
     result = ReplayResult()
     plugin = getattr(trainer, "precision_plugin", None)
     for i, (batch, batch_idx) in enumerate(batches):
@@ -177,7 +206,7 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             warnings.filterwarnings("ignore", message="For backward hooks to be called")  # a ModelOutput
             try:
-                _replay_one(result, module, batch, batch_idx, rng, plugin, frames)
+                _replay_one(result, module, batch, batch_idx, rng, plugin, frames, norm_type)
             except Exception as err:  # the replay must never break training
                 result.errors.append(f"replay: {type(err).__name__}: {err}")
         if result.reproduced:
@@ -192,14 +221,14 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
 
 
 def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-               norm_type: float = 2.0) -> Optional[bool]:
+               norm_type: float = 2.0, step: Optional[int] = None) -> Optional[bool]:
     """Does the window give a non-finite loss, gradient or total gradient norm (``norm_type``: an overflowing
     norm of finite gradients is an incident too) on the module's weights as they are now? The light rerun
     behind the end-of-fit check: no hooks, no float64 pass, and, like :func:`replay_window`, it changes
     nothing (RNG, buffers, metrics, modes and ``.grad`` are left as they were). None when it could not run."""
     plugin = getattr(trainer, "precision_plugin", None)
     named = [("", p) for p in module.parameters() if p.requires_grad]
-    with eager():
+    with eager(), at_step(trainer, step):
         for i, (batch, batch_idx) in enumerate(batches):
             rng = rng_states[i] if i < len(rng_states) else None
             with preserved_state(module):
@@ -217,12 +246,39 @@ def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_st
     return False
 
 
+def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
+                    params: list[Tensor], step: Optional[int] = None) -> Optional[list[Optional[Tensor]]]:
+    """This rank's own gradient of each of ``params`` over the window, as its backward computed it before the
+    all-reduce (each micro-batch's loss divided by ``accumulate_grad_batches``, as Lightning does), recomputed on
+    the weights as they are now, with the same RNG states; nothing is changed (as :func:`reproduces`). None where
+    a parameter gets no gradient; None for the whole when it could not run."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    scale = 1.0 / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
+    trainable = [(i, p) for i, p in enumerate(params) if p.requires_grad]
+    total: list[Optional[Tensor]] = [None] * len(params)
+    with eager(), at_step(trainer, step):
+        for i, (batch, batch_idx) in enumerate(batches):
+            rng = rng_states[i] if i < len(rng_states) else None
+            with preserved_state(module):
+                try:
+                    loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
+                    if loss is None:
+                        return None
+                    grads = _grads(loss * scale, [("", p) for _, p in trainable])
+                except Exception:  # the recompute must never break training
+                    return None
+            for (j, _), g in zip(trainable, grads):
+                if g is not None:
+                    total[j] = g if total[j] is None else total[j] + g
+    return total
+
+
 def _ctx(plugin: Any) -> Any:
     return plugin.forward_context() if plugin is not None else nullcontext()
 
 
 def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-                frames: int) -> None:
+                frames: int, norm_type: float = 2.0) -> None:
     named = [(public_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
     rec = FrameRecorder(module, backward=True, root_name=f"<{type(module).__name__}>")
     try:
@@ -240,9 +296,12 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
     rec.read()
     bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
     res.nonfinite_grads = bad_grads[:20]
+    if not bad_grads:
+        finite = [g for g in grads if g is not None]
+        res.norm_overflow = bool(finite) and not bool(torch.isfinite(total_norm(finite, norm_type)))
     first_fwd = rec.first_bad(rec.forward_frames)
     res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
-    res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads)
+    res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads or res.norm_overflow)
     if first_fwd is not None:
         res.forward = first_fwd.row()
         ring = rec.forward_frames[max(0, first_fwd.index - frames + 1): first_fwd.index + 1]

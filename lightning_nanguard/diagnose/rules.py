@@ -14,7 +14,14 @@ The rules, in order (each puts its evidence in ``details`` under the key named i
    replayed (:mod:`.replay`; not for a divergence, where nothing is non-finite) to find *where*: a forward
    value finite in float64 is ``overflow`` (beyond the dtype's max) or ``precision``; a NaN/Inf first
    appearing in backward is ``backward_op`` (``precision`` if the float64 backward is finite). *Why* comes
-   from the step's own evidence (:mod:`.dynamics`), which needs no history, so these rules hold from step 0:
+   from the step's own evidence (:mod:`.dynamics`), which needs no history, so these rules hold from step 0.
+   First, though: a replay that is clean on the step's own weights (the same batch, the same RNG state) is
+   ``transient`` [replay.reproduced: false], a fault that does not come back (hardware, a racy kernel), and
+   none of a-e apply (the step's dynamics did not make it non-finite). Not when the replay did not complete,
+   nor when the step's update was applied before its flags were read (``check.sync: lagged`` with an
+   optimizer that cannot skip on the device: the replay ran on other weights); and an incident that is not
+   replayed (``anomaly.mode: off``, ``anomaly.max_replays`` spent, manual optimization) is never ``transient``,
+   nor does it inherit that cause from the last replayed one:
 
    a. a weight whose RMS was, at fit start, and still is ``1e3`` times ``1/sqrt(fan_in)`` (the usual
       Xavier/Kaiming scale, within a small factor): ``initialization``, culprit that parameter
@@ -59,7 +66,9 @@ from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
 from . import dynamics, replay
 
-__all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error"]
+__all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT"]
+
+TRANSIENT = "transient"  # the cause of a fault whose replay (same batch, weights, RNG state) is clean
 
 @dataclass
 class IncidentContext:
@@ -70,6 +79,7 @@ class IncidentContext:
     event: NaNEvent
     batches: list[tuple[Any, int]] = field(default_factory=list)
     rng_states: list[Any] = field(default_factory=list)
+    replay_step: Optional[int] = None  # the step the batches belong to (a lagged step is replayed at its number)
     grad_norm: float = float("nan")
     norm_history: list[float] = field(default_factory=list)
     norm_history_end: Optional[int] = None  # the step of the newest norm in norm_history (None: the step before)
@@ -94,6 +104,10 @@ class IncidentContext:
     # the learning rates the step ran at, by param group (id of the group -> LR): a step judged one step late
     # finds its scheduler stepped since
     step_lrs: Optional[dict[int, float]] = None
+    # the replay runs on the weights the step ran on (not a step judged late whose update was already applied):
+    # only then does a clean replay mean a fault that does not come back
+    same_weights: bool = True
+    norm_type: float = 2.0  # clip.norm_type: a total gradient norm that overflows it is an incident too
 
 
 def diagnose(ctx: IncidentContext) -> str:
@@ -127,21 +141,25 @@ def diagnose(ctx: IncidentContext) -> str:
             pass  # nothing is non-finite: nothing to replay
         elif ctx.replay and ctx.batches:
             result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
-                                          frames=ctx.frames, float64_check=ctx.float64_check)
+                                          frames=ctx.frames, float64_check=ctx.float64_check,
+                                          norm_type=ctx.norm_type, step=ctx.replay_step)
             ctx.replayed = True
             cause = _cause_from_replay(ctx, result)
             frames_text = result.frames_text
             rows = result.forward_rows
-        elif not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause:
+        elif (not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause
+              and ctx.previous.cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
             prev = ctx.previous
             ev.culprit, ev.op, cause = prev.culprit, prev.op, prev.cause
             details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
             details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
                                                          "forward_op", "backward_op") if k in prev.details})
-        cause = _dynamics_cause(ctx, cause, rows)
+        if cause != TRANSIENT:  # clean on the same weights: the step's dynamics did not make it non-finite
+            cause = _dynamics_cause(ctx, cause, rows)
     if ctx.scaler_overflows is not None:
         details.update(grad_scale=ctx.grad_scale, scaler_overflows=ctx.scaler_overflows)
-        if ctx.only_gradients and ev.kind == "gradient" and cause in (None, "unknown"):
+        # (the replay computes unscaled gradients: a scaled overflow does not come back there)
+        if ctx.only_gradients and ev.kind == "gradient" and cause in (None, "unknown", TRANSIENT):
             cause = "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
     ev.cause = cause
     ev.suggestion = suggest(ev, cause or "unknown")
@@ -157,7 +175,7 @@ def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
     ev = ctx.event
     ev.details["anomaly_error"] = found
     ev.op = ev.op or found.get("op")
-    if ev.cause in (None, "unknown"):
+    if ev.cause in (None, "unknown", TRANSIENT):  # anomaly mode saw the op fail in the real backward
         ev.cause = "backward_op"
         ev.suggestion = suggest(ev, "backward_op")
     return extra
@@ -318,13 +336,23 @@ def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
     ev, details = ctx.event, ctx.event.details
     details["replay"] = {"micro_batch": res.micro_batch, "reproduced": res.reproduced,
                          "loss_finite": res.loss_finite, "nonfinite_grads": res.nonfinite_grads[:5]}
+    if res.norm_overflow:
+        details["replay"]["norm_overflow"] = True
     if res.errors:
         details["replay"]["errors"] = res.errors
     if res.float64 is not None:
         details["float64"] = res.float64
     if not res.reproduced:
-        details["replay"]["note"] = "finite on replay: a nondeterministic op, or state changed before the replay"
-        return None
+        if res.errors:
+            details["replay"]["note"] = "the replay did not complete: nothing is known about the fault"
+            return None
+        if not ctx.same_weights:
+            details["replay"]["note"] = ("finite on replay, but on other weights: the step's update was applied before "
+                                         "its flags were read (an optimizer that cannot skip on the device)")
+            return None
+        details["replay"]["note"] = ("finite on replay of the same batch on the same weights and RNG state: a fault "
+                                     "that does not come back")
+        return TRANSIENT
     if res.forward is not None:
         ev.culprit = res.forward["module"]
         details["forward"] = res.forward

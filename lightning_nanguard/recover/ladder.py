@@ -27,7 +27,9 @@ Rungs, in order of escalation:
    - ``escalation`` (and an incident without a diagnosis): cut after a rollback forced because skipping did
      not help (``reduce_lr_on_rollback``) and, if ``reduce_lr_after > 0``, after that many incidents that
      count ``in_incident_window`` within ``incident_window`` steps;
-4. more than ``max_skips`` consecutive incidents, bad weights (a kind whose evidence is the ``weights``), or
+4. more than ``max_skips`` consecutive incidents (a cause that does not ``count_toward_rollback``, a fault that
+   does not come back, counts only when the step after it fails too: isolated, it is skipped and nothing else),
+   bad weights (a kind whose evidence is the ``weights``), or
    a ``runaway`` kind (finite, but running away: skipping its step does not stop it) roll back to the newest
    snapshot; a rollback that is not followed by a new snapshot counts as failed, and the next one goes one
    snapshot further back (the guard takes that confirming snapshot ``confirm_after`` healthy steps after a
@@ -74,7 +76,8 @@ class RecoveryLadder:
     """The rungs above, over the incidents of a fit (see the module docstring).
 
     Attributes:
-        consecutive: incidents since the last healthy step or rollback.
+        consecutive: incidents since the last healthy step or rollback (a fault that does not come back counts only
+            when the step after it fails too: then it was no isolated fault).
         failed_rollbacks: rollbacks not yet confirmed by a new snapshot.
         sized_cut: the LR was cut to the diagnosis' safe LR since the last confirming snapshot.
     """
@@ -83,6 +86,7 @@ class RecoveryLadder:
         self.cfg = recovery
         self.clip_cfg = clip
         self.consecutive = 0
+        self.uncounted = 0  # an isolated incident whose cause does not count_toward_rollback, since the healthy step
         self.failed_rollbacks = 0
         self._recent: deque[int] = deque()  # steps of recent incidents that count in the incident window
         self.sized_cut = False
@@ -91,6 +95,7 @@ class RecoveryLadder:
 
     def healthy(self) -> None:
         self.consecutive = 0
+        self.uncounted = 0
 
     def snapshot_taken(self) -> None:
         """A snapshot after healthy training confirms the last rollback worked."""
@@ -100,6 +105,7 @@ class RecoveryLadder:
     def restored(self) -> None:
         """The newest snapshot was restored outside the ladder (the end of fit): the streak is over."""
         self.consecutive = 0
+        self.uncounted = 0
 
     def incident(self, step: int, kind: str, *, can_roll_back: bool, cause: Optional[str] = None,
                  safe_factor: Optional[float] = None, clip_armed: bool = False) -> Plan:
@@ -109,7 +115,11 @@ class RecoveryLadder:
         is on already."""
         policy, what = cause_entry(cause), KINDS[kind]
         plan = Plan()
-        self.consecutive += 1
+        if policy.counts_toward_rollback or self.consecutive or self.uncounted:
+            self.consecutive += 1 + self.uncounted  # (a fault that came back on the next step counts after all)
+            self.uncounted = 0
+        else:  # a fault that does not come back, after a healthy step: counted only if the next step fails too
+            self.uncounted = 1
         if policy.gives_up:
             plan.give_up = True
             plan.reasons.append("the weights were wrong before the first step: no rollback or learning rate helps")
@@ -132,7 +142,7 @@ class RecoveryLadder:
             # weight (a bit flip, an optimizer hiccup): the snapshot was fine, and an older one costs progress
             plan.go_further_back = self.failed_rollbacks > 0 and not weights
             self.failed_rollbacks += 1
-            self.consecutive = 0
+            self.consecutive = self.uncounted = 0
             plan.skip_batches = self.cfg.skip_batches
             plan.reasons.append("parameters are non-finite" if weights else
                                 "the loss is running away" if what.runaway else
@@ -143,7 +153,9 @@ class RecoveryLadder:
             while self._recent and self._recent[0] <= step - self.cfg.incident_window:
                 self._recent.popleft()
         if policy.lr_cut == "never":
-            if cause is not None and (wants_rollback or self.consecutive == 1):
+            if not policy.counts_toward_rollback and not self.consecutive:
+                plan.reasons.append(f"the cause ({cause}) calls for skipping the step and nothing else")
+            elif cause is not None and (wants_rollback or self.consecutive == 1):
                 plan.reasons.append(f"no LR cut: the cause ({cause}) is not the learning rate")
             return plan
         by_rollback = wants_rollback and not weights and self.cfg.reduce_lr_on_rollback
@@ -166,9 +178,10 @@ class RecoveryLadder:
                                 "skipping did not help" if by_rollback else "repeated incidents")
         return plan
 
-    def step_was_applied(self, plan: Plan, can_roll_back: bool) -> None:
-        """The incident's step was applied (read one step late, by an optimizer that cannot skip on the device):
-        only a rollback undoes it. Counted like any other rollback, so a run that keeps failing still gives up."""
+    def must_roll_back(self, plan: Plan, can_roll_back: bool, reason: str) -> None:
+        """The weights must go back to the newest snapshot, for ``reason``: the incident's step was applied (read
+        one step late, by an optimizer that cannot skip on the device), or the DDP replicas drifted apart. Counted
+        like any other rollback, so a run that keeps failing still gives up."""
         if plan.rollback or plan.give_up or not can_roll_back:
             return
         if self.failed_rollbacks >= self.cfg.max_rollbacks:
@@ -178,18 +191,19 @@ class RecoveryLadder:
             return
         plan.rollback = True
         self.failed_rollbacks += 1
-        self.consecutive = 0
+        self.consecutive = self.uncounted = 0
         plan.skip_batches = self.cfg.skip_batches
-        plan.reasons.append("the bad step was applied (its optimizer cannot skip on the device)")
+        plan.reasons.append(reason)
 
     # ------------------------------------------------------------------------------------ persistence
 
     def state_dict(self) -> dict[str, Any]:
         return {"consecutive": self.consecutive, "failed_rollbacks": self.failed_rollbacks,
-                "recent": list(self._recent), "sized_cut": self.sized_cut}
+                "recent": list(self._recent), "sized_cut": self.sized_cut, "uncounted": self.uncounted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive = int(state.get("consecutive", 0))
+        self.uncounted = int(state.get("uncounted", 0))
         self.failed_rollbacks = int(state.get("failed_rollbacks", 0))
         self._recent = deque(int(s) for s in state.get("recent", []))
         self.sized_cut = bool(state.get("sized_cut", False))

@@ -18,6 +18,7 @@ from ..config import ClipConfig, RecoveryConfig
 from ..counters import Counters
 from ..events import NaNEvent
 from ..layouts import load_module_state
+from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
 from .lr import current_lrs, scale_lr
 from .metrics import MetricUndo
@@ -72,6 +73,7 @@ class Recovery:
         self.cfg = cfg
         self.counters = counters
         self._ladder = RecoveryLadder(cfg, clip)
+        self.hardware = HardwareWatch(cfg.transient_limit, cfg.transient_window)  # transient faults per rank
         # running statistics that belong to the known-good state: kept with each snapshot and restored with
         # it, so a rollback is not followed by statistics polluted by the divergence that caused it
         self.statistics = statistics
@@ -136,8 +138,14 @@ class Recovery:
 
     def step_was_applied(self, plan: Plan) -> None:
         """The plan's step was applied (judged late, by an optimizer that cannot skip on the device): only a
-        rollback undoes it (:meth:`.RecoveryLadder.step_was_applied`)."""
-        self._ladder.step_was_applied(plan, self.can_roll_back)
+        rollback undoes it (:meth:`.RecoveryLadder.must_roll_back`)."""
+        self._ladder.must_roll_back(plan, self.can_roll_back,
+                                    "the bad step was applied (its optimizer cannot skip on the device)")
+
+    def must_roll_back(self, plan: Plan, reason: str) -> None:
+        """The weights must go back to the newest snapshot (e.g. the DDP replicas drifted apart): a rollback counted
+        like any other, so that one that keeps failing gives up (:meth:`.RecoveryLadder.must_roll_back`)."""
+        self._ladder.must_roll_back(plan, self.can_roll_back, reason)
 
     def judged_healthy(self) -> None:
         """A step was judged healthy: a streak of incidents is over."""
@@ -346,7 +354,8 @@ class Recovery:
 
     def state_dict(self) -> dict[str, Any]:
         return {"lr_scale": self.lr_scale, "ladder": self._ladder.state_dict(),
-                "healthy_since_snapshot": self.healthy_since_snapshot, "lr_cut_step": self.lr_cut_step}
+                "healthy_since_snapshot": self.healthy_since_snapshot, "lr_cut_step": self.lr_cut_step,
+                "hardware": self.hardware.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_scale = float(state.get("lr_scale", 1.0))
@@ -354,3 +363,4 @@ class Recovery:
         self.healthy_since_snapshot = int(state.get("healthy_since_snapshot", 0))
         self.pristine = self.healthy_since_snapshot == 0
         self.lr_cut_step = state.get("lr_cut_step")
+        self.hardware.load_state_dict(state.get("hardware", {}))

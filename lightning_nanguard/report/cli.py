@@ -1,9 +1,11 @@
 """The ``nanguard`` command: ``nanguard report PATH [--json]`` and ``nanguard validate CONFIG.yaml``.
 
 ``report`` reads ``events.jsonl`` files (PATH is one file, or a folder searched recursively) and prints one
-row per incident plus totals. A truncated or garbled *last* line (a run killed while writing) is reported
-on stderr and skipped; a missing path, a file without a single valid event or a malformed line in the
-middle of a file ends with exit status 2 and one line on stderr, never a traceback.
+row per incident plus totals, and where they happened: per host and rank, the incidents of each cause, hosts
+with repeated faults that did not come back (cause ``transient``) first, each named with its rank, device and
+steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and skipped; a
+missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
+status 2 and one line on stderr, never a traceback.
 
 ``validate`` resolves a NaNGuard YAML file (sections at the top, under ``nanguard:``, or the
 ``init_args`` of ``lightning_nanguard.NaNGuard`` in a LightningCLI config) and prints the complete
@@ -114,7 +116,39 @@ def _totals(events: list[dict[str, Any]], files: int) -> dict[str, Any]:
         return dict(c.most_common())
 
     return {"incidents": len(events), "files": files, "kinds": count("kind"), "actions": count("actions"),
-            "causes": count("cause")}
+            "causes": count("cause"), "places": _places(events)}
+
+
+UNKNOWN_RANK = "?"  # several ranks, none with evidence of its own (details.ranks empty)
+REPEATED = 2  # faults that did not come back, on one rank, that make its row come first
+
+
+def _places(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per host and rank: its incidents, their causes, its faults that did not come back (their steps); hosts with
+    repeated ones first. An event of several ranks that names none (``details.ranks: []``) counts on host and rank
+    ``?``, last."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in events:
+        details = e.get("details") if isinstance(e.get("details"), dict) else {}
+        known = details.get("ranks") != []
+        host = str(e.get("host") or "-") if known else UNKNOWN_RANK
+        rank = str(e.get("rank", 0)) if known else UNKNOWN_RANK
+        row = rows.setdefault((host, rank), {"host": host, "rank": rank,
+                                             "device": (e.get("device") or "-") if known else "-",
+                                             "local_rank": e.get("local_rank"), "incidents": 0, "causes": Counter(),
+                                             "transient": 0, "transient_steps": []})
+        row["incidents"] += 1
+        row["causes"][str(e.get("cause") or "none")] += 1
+        if e.get("cause") == "transient":
+            row["transient"] += 1
+            row["transient_steps"].append(e.get("step"))
+    host_transients = Counter()
+    for row in rows.values():
+        host_transients[row["host"]] += row["transient"]
+    ordered = sorted(rows.values(), key=lambda r: (r["host"] == UNKNOWN_RANK, -(host_transients[r["host"]] >= REPEATED),
+                                                  -host_transients[r["host"]], r["host"], -r["transient"],
+                                                  -r["incidents"], r["rank"]))
+    return [dict(r, causes=dict(r["causes"].most_common())) for r in ordered]
 
 
 def _fmt_counts(counts: Mapping[str, int]) -> str:
@@ -142,7 +176,23 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     out.write(f"  kinds:   {_fmt_counts(totals['kinds'])}\n")
     out.write(f"  actions: {_fmt_counts(totals['actions'])}\n")
     out.write(f"  causes:  {_fmt_counts(totals['causes'])}\n")
+    _write_places(totals["places"], out)
     return 0
+
+
+def _write_places(places: list[dict[str, Any]], out: TextIO) -> None:
+    """Where the incidents happened, hosts with repeated faults that did not come back first."""
+    header = ("host", "rank", "device", "incidents", "transient", "causes")
+    rows = [[p["host"], p["rank"], str(p["device"]), str(p["incidents"]), str(p["transient"]), _fmt_counts(p["causes"])]
+            for p in places]
+    out.write("\nby host and rank (hosts with repeated faults that did not come back first):\n")
+    out.write(_table(rows, header) + "\n")
+    for p in places:
+        if p["transient"] >= REPEATED:
+            rank = "an unknown rank" if p["rank"] == UNKNOWN_RANK else f"rank {p['rank']}"
+            steps = ", ".join(str(s) for s in p["transient_steps"])
+            out.write(f"suspect: {rank} on host {p['host']} ({p['device']}) had {p['transient']} faults that did not "
+                      f"come back (steps {steps}): test that device or exclude the host\n")
 
 
 # ----------------------------------------------------------------------------------------------- validate

@@ -91,14 +91,16 @@ class Net(pl.LightningModule):
 
 
 class Probe(pl.Callback):
-    """After NaNGuard in the list: the cumulative collective count at the end of every batch."""
+    """After NaNGuard in the list: the cumulative collective and snapshot counts at the end of every batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: NaNGuard) -> None:
+        self.guard = guard
         self.steps: list[dict] = []
         self.sharded: dict = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append({"batch_idx": batch_idx, "global_step": trainer.global_step, "calls": len(CALLS)})
+        self.steps.append({"batch_idx": batch_idx, "global_step": trainer.global_step, "calls": len(CALLS),
+                           "snapshots": self.guard.counters["snapshots"]})
 
     def on_train_end(self, trainer, pl_module):
         # the FSDP path of StepSync on real collectives: each rank holds half of the gradient tensors
@@ -123,7 +125,7 @@ def main(out: Path) -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     guard = NaNGuard(recovery={"max_skips": 3, "snapshot_every": 4, "confirm_after": 4},
                      logging={"loggers": False}, check={"sync": SYNC})
-    probe = Probe()
+    probe = Probe(guard)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(out), callbacks=[guard, probe])

@@ -1,0 +1,222 @@
+"""Real DDP runs (gloo, CPU) of faults that do not come back and of replicas that disagree; run by
+tests/test_replicas.py, one process per rank, launched the way torchrun launches them:
+
+    RANK=r LOCAL_RANK=r WORLD_SIZE=W MASTER_ADDR=... MASTER_PORT=... python ddp_faults.py OUT_DIR
+
+Several short fits run one after the other in the same processes (one spawn per world size). Every fault is on
+the last rank only (``ODD``); each rank's host is named ``node<rank>`` (``socket.gethostname`` is patched), so an
+event that names the right host names it from the right rank. The fits:
+
+- ``plain`` and ``healthy``: no fault, without and with the guard (bitwise the same); the guard's collectives and
+  host reads are counted per step;
+- ``faults``: on rank ODD, a module output non-finite once at step 4 (not on the replay), its copy of the reduced
+  gradient poisoned with NaN at step 8 (``FaultInjector``'s gradient fault, after the all-reduce) and shifted by a
+  finite amount at step 12; ``dropped``: the same data with the gradients of steps 4, 8 and 12 dropped by hand;
+- ``unchecked``: the finite shift at step 12 with ``check.replicas: false``: nothing is seen, the replicas differ
+  (the guard's collectives and host reads are counted too);
+- ``tolerant``: the finite shift at step 9 with a ``check.replica_tolerance`` above it: the step is taken, and the
+  next snapshot finds the replicas' weights apart and rolls every rank back;
+- ``lagged``: the finite shift at step 9 with ``check.sync: lagged`` and a fused AdamW (skipped on the device);
+- ``suspect``: module outputs non-finite once at steps 3, 6 and 9 on rank ODD, ``recovery.transient_limit: 3``,
+  ``on_suspect_hardware: stop``.
+
+Each rank writes ``OUT_DIR/rank{r}.pt``: per fit, events, counters, LR scale, whether the guard stopped, the final
+step, weights and optimizer state, and (``healthy``) the guard's collectives and host reads per step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # (Lightning drops WORLD_SIZE after a fit)
+ODD = WORLD - 1
+socket.gethostname = lambda: f"node{RANK}"  # noqa: E731  (one host per rank, as on a cluster)
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_nanguard  # noqa: E402
+from lightning_nanguard import NaNGuard  # noqa: E402
+from lightning_nanguard.testing import Fault, FaultInjector  # noqa: E402
+
+STEPS = 16
+GUARD_DIR = os.path.dirname(lightning_nanguard.__file__)
+CALLS: list[tuple[str, int]] = []  # the guard's collectives: (name, numel)
+READS: list[str] = []  # the guard's host reads of a tensor
+COUNTING = [False]
+
+
+def _from_guard() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(GUARD_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _count_collective(name: str) -> None:
+    original = getattr(dist.distributed_c10d, name)
+
+    def counted(*args, **kwargs):
+        if COUNTING[0] and _from_guard():
+            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            CALLS.append((name, tensor.numel() if tensor is not None else -1))
+        return original(*args, **kwargs)
+
+    setattr(dist.distributed_c10d, name, counted)
+    setattr(dist, name, counted)
+
+
+def _count_read(name: str) -> None:
+    original = getattr(torch.Tensor, name)
+
+    def read(t, *args, **kwargs):
+        if COUNTING[0] and sys._getframe(1).f_code.co_filename.startswith(GUARD_DIR):
+            READS.append(name)
+        return original(t, *args, **kwargs)
+
+    setattr(torch.Tensor, name, read)
+
+
+for _name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+              "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter", "all_to_all"):
+    if hasattr(dist.distributed_c10d, _name):
+        _count_collective(_name)
+for _name in ("tolist", "item", "__bool__", "__float__", "__int__"):
+    _count_read(_name)
+
+
+class Net(pl.LightningModule):
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.fused = fused
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.l2(torch.tanh(self.l1(x))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.02, fused=self.fused)
+
+
+class OutputOnce(pl.Callback):
+    """Rank ODD: the first output element of ``l1`` is NaN once at each of ``steps`` (the replay is clean)."""
+
+    def __init__(self, steps) -> None:
+        self.steps, self.fired = set(steps), set()
+
+    def on_train_start(self, trainer, pl_module):
+        def hook(module, args, out):
+            step = trainer.global_step
+            if trainer.global_rank == ODD and step in self.steps and step not in self.fired:
+                self.fired.add(step)
+                out = out.clone()
+                out[0, 0] = float("nan")
+                return out
+            return None
+
+        pl_module.l1.register_forward_hook(hook)
+
+
+class ShiftGrad(pl.Callback):
+    """Rank ODD: its copy of the reduced gradient (after the all-reduce) shifted by a finite amount at ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_rank == ODD and trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.l1.weight.grad[0, 0] += 0.5
+
+
+class DropSteps(pl.Callback):
+    """Every rank: the gradients of ``steps`` dropped by hand (the optimizer skips them)."""
+
+    def __init__(self, steps) -> None:
+        self.steps = set(steps)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step in self.steps:
+            for p in pl_module.parameters():
+                p.grad = None
+
+
+class Probe(pl.Callback):
+    """The guard's cumulative collectives, host reads and snapshots at the end of every batch."""
+
+    def __init__(self, guard) -> None:
+        self.guard, self.steps = guard, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({"step": trainer.global_step - 1, "calls": len(CALLS), "reads": len(READS),
+                           "snapshots": self.guard.counters["snapshots"] if self.guard is not None else 0})
+
+
+def guard(check=None, recovery=None) -> NaNGuard:
+    return NaNGuard(check=check or {}, logging={"loggers": False, "verbose": False},
+                    recovery={"snapshot_every": 4, "confirm_after": 4, **(recovery or {})})
+
+
+def run(out: Path, name: str, callbacks, g=None, fused=False, count=False) -> dict:
+    pl.seed_everything(0, verbose=False)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(WORLD * STEPS * 4, 4, generator=gen)
+    y = x.sum(dim=1, keepdim=True)
+    probe = Probe(g)
+    cbs = list(callbacks) + ([g] if g is not None else []) + [probe]
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(out / name), callbacks=cbs)
+    model = Net(fused=fused)
+    CALLS.clear()
+    READS.clear()
+    COUNTING[0] = count
+    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
+    COUNTING[0] = False
+    opt = trainer.optimizers[0]
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "global_step": trainer.global_step,
+        "events": [e.to_dict() for e in g.events] if g is not None else [],
+        "counters": dict(g.counters) if g is not None else {},
+        "lr_scale": g.lr_scale if g is not None else 1.0,
+        "stopped": g.stopped if g is not None else False,
+        "steps": probe.steps, "calls": list(CALLS), "reads": list(READS),
+    }
+
+
+def main(out: Path) -> None:
+    fits = {
+        "plain": run(out, "plain", []),
+        "healthy": (lambda g: run(out, "healthy", [], g, count=True))(guard()),
+        "faults": run(out, "faults", [OutputOnce([4]), FaultInjector(Fault("gradient", steps=[8], ranks=[ODD])),
+                                      ShiftGrad(12)], guard(recovery={"transient_limit": 10})),
+        "dropped": run(out, "dropped", [DropSteps([4, 8, 12])]),
+        "unchecked": run(out, "unchecked", [ShiftGrad(12)], guard(check={"replicas": False}), count=True),
+        "tolerant": run(out, "tolerant", [ShiftGrad(9)], guard(check={"replica_tolerance": 0.99})),
+        "lagged": run(out, "lagged", [ShiftGrad(9)], guard(check={"sync": "lagged"}), fused=True),
+        "suspect": run(out, "suspect", [OutputOnce([3, 6, 9])],
+                       guard(recovery={"transient_limit": 3, "transient_window": 100,
+                                       "on_suspect_hardware": "stop"})),
+    }
+    torch.save({"rank": RANK, "world": WORLD, "fits": fits}, out / f"rank{RANK}.pt")
+    # every file is written before any process leaves; then skip the interpreter's teardown (gloo's threads can
+    # abort a process that did everything right)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
