@@ -224,8 +224,9 @@ def cause(name: Optional[str]) -> Cause:
     return _NONE if name is None else CAUSES[name]
 
 
-def suggest(event: Any, name: str) -> str:
-    """One or two sentences for the user about ``event`` diagnosed as ``name``, drawn from its evidence."""
-    entry = CAUSES[name]
+def suggest(event: Any, name: Optional[str]) -> str:
+    """One or two sentences for the user about ``event`` diagnosed as ``name`` (None: undiagnosed), drawn from
+    its evidence."""
+    entry = cause(name)
     found = entry.suggest(event, entry.advice) if entry.suggest is not None else None
     return found if found is not None else entry.advice

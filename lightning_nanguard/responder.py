@@ -26,7 +26,7 @@ from .detect.spikes import LossWatch
 from .detect.sync import StepSync, share_incident, weights_checksum, whereabouts
 from .diagnose.diagnoser import Diagnoser
 from .diagnose.replay import local_gradients, reproduces
-from .diagnose.rules import IncidentContext, persistent_clipping_cause, spike_cause
+from .diagnose.rules import IncidentContext, drifted_replicas_cause, persistent_clipping_cause, spike_cause
 from .errors import NaNGuardError
 from .events import KINDS, NaNEvent
 from .record import StepRecord, UpdateStage, Window
@@ -193,7 +193,7 @@ class Responder:
         extra = share_incident(self.sync, event, extra, record.local, own_norm=flags.grad_norm if replica else None,
                                recomputed=recomputed)  # one account for all: the rank that produced the fault
         if self.sync.distributed:  # the suggestion names where the chosen rank ran
-            event.suggestion = suggest(event, event.cause or "unknown")
+            event.suggestion = suggest(event, event.cause)
 
         self.evidence.grads_were_finite = math.isfinite(flags.grad_norm) if cfg.check.gradients else None
         plan = self.recovery.plan(record.step, event, clip_armed=self.clipper.armed)
@@ -519,11 +519,11 @@ class Responder:
         sums = [p["checksum"] for p in gathered]
         common, agreeing = Counter(sums).most_common(1)[0]
         odd = [r for r, c in enumerate(sums) if c != common] if agreeing * 2 > len(sums) else []
-        how = "majority" if odd else "unknown"
+        how = "majority" if odd else "untold"
         for key in ("rank", "host", "device", "local_rank"):  # the same account on every rank (rank 0's: unknown)
             setattr(event, key, gathered[odd[0] if odd else 0][key])
         newest = self.recovery.store.newest.step if self.recovery.store and self.recovery.store.newest else None
-        event.cause = "unknown"
+        event.cause = drifted_replicas_cause()
         event.details.update(detected_at="snapshot", ranks=odd, replica={
             "weights_checksums": sums, "odd_ranks": odd, "found_by": how, "agreed_at_step": newest})
         who = where_it_ran(event) if odd else "some rank (two ranks: no majority tells which)"

@@ -244,11 +244,11 @@ def test_the_odd_rank_is_found_by_majority_or_by_the_recomputed_norm():
     nan = float("nan")
     assert odd_ranks([2.0, 2.0, 2.5], 1e-3) == ([2], "majority")
     assert odd_ranks([2.0, nan, 2.0, 2.0], 1e-3) == ([1], "majority")
-    assert odd_ranks([1.0, 2.0, 3.0], 1e-3) == ([], "unknown")  # no majority, nothing recomputed
+    assert odd_ranks([1.0, 2.0, 3.0], 1e-3) == ([], "untold")  # no majority, nothing recomputed
     assert odd_ranks([2.0, 2.5], 1e-3, recomputed=2.0000001) == ([1], "recomputed")
     assert odd_ranks([2.0, nan], 1e-3, recomputed=2.0) == ([1], "recomputed")
-    assert odd_ranks([2.0, 2.5], 1e-3, recomputed=2.25) == ([], "unknown")  # halfway: neither copy is clearly wrong
-    assert odd_ranks([2.0, 2.5], 1e-3) == ([], "unknown")
+    assert odd_ranks([2.0, 2.5], 1e-3, recomputed=2.25) == ([], "untold")  # halfway: neither copy is clearly wrong
+    assert odd_ranks([2.0, 2.5], 1e-3) == ([], "untold")
 
 
 def test_the_weights_checksum_is_exact_and_sees_a_flipped_bit():

@@ -109,7 +109,7 @@ def odd_ranks(norms: Sequence[float], limit: float, recomputed: Optional[float] 
     With 3 or more ranks, by majority: the ranks whose norm is not within ``limit`` (relative) of a norm that more
     than half of the ranks share. Else (2 ranks, or no majority), from ``recomputed``, the norm of the reduced
     gradient recomputed from every rank's replayed local gradient: the rank farther from it, if it is at least
-    twice as far as the other. ``([], "unknown")`` when neither tells.
+    twice as far as the other. ``([], "untold")`` when neither tells.
     """
     def close(a: float, b: float) -> bool:
         if math.isnan(a) or math.isnan(b):
@@ -126,7 +126,7 @@ def odd_ranks(norms: Sequence[float], limit: float, recomputed: Optional[float] 
         order = sorted(range(world), key=lambda r: far[r])
         if far[order[-1]] > 0 and far[order[-1]] >= 2 * far[order[-2]]:
             return [order[-1]], "recomputed"
-    return [], "unknown"
+    return [], "untold"
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -445,3 +445,9 @@ def spike_cause(grad_norm_zscore: Optional[float], z_threshold: float) -> str:
 def persistent_clipping_cause() -> str:
     """The adaptive clip acting on many steps in a row: the gradient norm grows faster than its statistics."""
     return "exploding_gradient"
+
+
+def drifted_replicas_cause() -> str:
+    """DDP replicas whose weights drifted apart between two snapshots: nothing tells why (a fault too small for the
+    per-step check, or an update one rank made alone)."""
+    return "unknown"

@@ -2,7 +2,7 @@
 
 ``report`` reads ``events.jsonl`` files (PATH is one file, or a folder searched recursively) and prints one
 row per incident plus totals, and where they happened: per host and rank, the incidents of each cause, hosts
-with repeated faults that did not come back (cause ``transient``) first, each named with its rank, device and
+with repeated faults that did not come back (a cause that counts against the hardware) first, each named with its rank, device and
 steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and skipped; a
 missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
 status 2 and one line on stderr, never a traceback.
@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, TextIO
 
+from ..causes import CAUSES
 from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
 
 __all__ = ["main", "read_events", "find_event_files", "InputError"]
@@ -121,6 +122,8 @@ def _totals(events: list[dict[str, Any]], files: int) -> dict[str, Any]:
 
 UNKNOWN_RANK = "?"  # several ranks, none with evidence of its own (details.ranks empty)
 REPEATED = 2  # faults that did not come back, on one rank, that make its row come first
+# the cause of a fault that did not come back on replay: it counts against the rank's hardware (its own column)
+FAULTS = next(c.name for c in CAUSES.values() if c.hardware_fault)
 
 
 def _places(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -136,17 +139,17 @@ def _places(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = rows.setdefault((host, rank), {"host": host, "rank": rank,
                                              "device": (e.get("device") or "-") if known else "-",
                                              "local_rank": e.get("local_rank"), "incidents": 0, "causes": Counter(),
-                                             "transient": 0, "transient_steps": []})
+                                             FAULTS: 0, FAULTS + "_steps": []})
         row["incidents"] += 1
         row["causes"][str(e.get("cause") or "none")] += 1
-        if e.get("cause") == "transient":
-            row["transient"] += 1
-            row["transient_steps"].append(e.get("step"))
+        if e.get("cause") == FAULTS:
+            row[FAULTS] += 1
+            row[FAULTS + "_steps"].append(e.get("step"))
     host_transients = Counter()
     for row in rows.values():
-        host_transients[row["host"]] += row["transient"]
+        host_transients[row["host"]] += row[FAULTS]
     ordered = sorted(rows.values(), key=lambda r: (r["host"] == UNKNOWN_RANK, -(host_transients[r["host"]] >= REPEATED),
-                                                  -host_transients[r["host"]], r["host"], -r["transient"],
+                                                  -host_transients[r["host"]], r["host"], -r[FAULTS],
                                                   -r["incidents"], r["rank"]))
     return [dict(r, causes=dict(r["causes"].most_common())) for r in ordered]
 
@@ -182,16 +185,16 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def _write_places(places: list[dict[str, Any]], out: TextIO) -> None:
     """Where the incidents happened, hosts with repeated faults that did not come back first."""
-    header = ("host", "rank", "device", "incidents", "transient", "causes")
-    rows = [[p["host"], p["rank"], str(p["device"]), str(p["incidents"]), str(p["transient"]), _fmt_counts(p["causes"])]
+    header = ("host", "rank", "device", "incidents", FAULTS, "causes")
+    rows = [[p["host"], p["rank"], str(p["device"]), str(p["incidents"]), str(p[FAULTS]), _fmt_counts(p["causes"])]
             for p in places]
     out.write("\nby host and rank (hosts with repeated faults that did not come back first):\n")
     out.write(_table(rows, header) + "\n")
     for p in places:
-        if p["transient"] >= REPEATED:
+        if p[FAULTS] >= REPEATED:
             rank = "an unknown rank" if p["rank"] == UNKNOWN_RANK else f"rank {p['rank']}"
-            steps = ", ".join(str(s) for s in p["transient_steps"])
-            out.write(f"suspect: {rank} on host {p['host']} ({p['device']}) had {p['transient']} faults that did not "
+            steps = ", ".join(str(s) for s in p[FAULTS + "_steps"])
+            out.write(f"suspect: {rank} on host {p['host']} ({p['device']}) had {p[FAULTS]} faults that did not "
                       f"come back (steps {steps}): test that device or exclude the host\n")
 
 
