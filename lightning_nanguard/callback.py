@@ -268,10 +268,15 @@ class NaNGuard(pl.Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._flow.flush(trainer, pl_module)  # the last lagged step's flags
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
-        if self.config.check.parameters and not self._recovery.stopped and self._evidence.weights.find(pl_module):
+        checked = self.config.check.parameters and not self._recovery.stopped
+        bad = checked and bool(self._evidence.weights.find(pl_module))
+        if checked and trainer.world_size > 1:  # every rank decides alike (a sharded rollback reads every rank)
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if bad:
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
         elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
             self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
+        self._recovery.finish()  # snapshot writes in flight are done (a failed one reported)
         self._stop_hooks()
         self._recorder.flush()
 
@@ -296,6 +301,7 @@ class NaNGuard(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._flow.abort()
+        self._recovery.finish()
         self._stop_hooks()
         self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
         self._recorder.flush()
