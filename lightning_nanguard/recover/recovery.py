@@ -258,7 +258,6 @@ class Recovery:
         kept, and make the module norms of every snapshot readable (:meth:`reference_norms`; under a sharded store
         one collective, which :meth:`reference_norms`, asked by only some ranks' diagnoses, must not issue)."""
         if self.store is not None:
-            self.store.settle()
             self.store.prepare_norms(norms)
 
     def reference_norms(self, step: int, norms: Norms) -> Optional[tuple[int, dict[str, float]]]:

@@ -237,8 +237,9 @@ class ShardedStore(SnapshotStore):
         """Every snapshot of the ring gets the 2-norms of its module's floating tensors: each rank computes those of
         the tensors it owns, into one float64 vector with zeros elsewhere, and one ``all_reduce`` (a sum: exact)
         completes it on every rank. Nothing when every snapshot has them already (the same on every rank: the ring
-        is)."""
-        need = [s for s in self.ring if s.norms is None and not s.failed]
+        is, once :meth:`settle` has dropped the snapshots some rank could not keep)."""
+        self.settle()
+        need = [s for s in self.ring if s.norms is None]
         if not need:
             return
         entries: list[tuple[int, str, int]] = []  # (snapshot, name, flat index): the same list on every rank
@@ -271,11 +272,17 @@ class ShardedStore(SnapshotStore):
     # --------------------------------------------------------------------------- writes and device copies
 
     def poll(self) -> None:
-        self.inner.poll()
+        for snap in list(self.ring):
+            if snap.share is not None:
+                self.inner._check(snap.share, wait=False)
         self._failed_shares()
 
     def flush(self) -> None:
-        self.inner.flush()
+        if self.inner._copier is not None:
+            self.inner._copier.wait()
+        for snap in list(self.ring):
+            if snap.share is not None:
+                self.inner._check(snap.share, wait=True)
         self._failed_shares()
 
     def settle(self) -> None:
@@ -291,8 +298,8 @@ class ShardedStore(SnapshotStore):
         self._drop_failed()
 
     def close(self) -> None:
+        self.flush()
         self.inner.close()
-        self._failed_shares()
 
     def before_forward(self) -> None:
         self.inner.before_forward()

@@ -184,8 +184,10 @@ class SnapshotStore:
         return self.load(snap)["module"]
 
     def prepare_norms(self, norms: Norms) -> None:
-        """Make :meth:`module_norms` answerable for every snapshot of the ring (a collective under a
-        :class:`~.sharded.ShardedStore`; nothing to do here: the norms are computed when asked)."""
+        """Drop the snapshots that could not be kept (:meth:`settle`), and make :meth:`module_norms` answerable for
+        every other snapshot of the ring (a collective under a :class:`~.sharded.ShardedStore`; here the norms are
+        computed when asked)."""
+        self.settle()
 
     def module_norms(self, snap: Snapshot, norms: Norms) -> Optional[dict[str, float]]:
         """2-norms of the floating module tensors of ``snap`` by name (computed once per snapshot with
@@ -201,11 +203,18 @@ class SnapshotStore:
 
     def poll(self) -> None:
         """Report the writes that failed since the last look (a warning; :attr:`failures`), without waiting."""
+        for snap in list(self.ring):
+            self._check(snap, wait=False)
 
     def flush(self) -> None:
         """Wait for every copy and write in flight, and report the ones that failed."""
         if self._copier is not None:
             self._copier.wait()
+        for snap in list(self.ring):
+            self._check(snap, wait=True)
+
+    def _check(self, snap: Snapshot, wait: bool) -> None:
+        """Is ``snap``'s write done (waited for with ``wait``)? Then report it if it failed (a store that writes)."""
 
     def settle(self) -> None:
         """Before a snapshot is chosen as a rollback target: :meth:`flush`, then drop the snapshots that could not
@@ -332,7 +341,7 @@ class DiskStore(SnapshotStore):
         if directory is None:
             raise ValueError("disk snapshots need a directory")
         self.directory = Path(directory)
-        self._writer = SnapshotWriter() if background else None
+        self.writer: Optional[SnapshotWriter] = SnapshotWriter() if background else None
         self._staging = [_Staging() for _ in range(max(1, depth))]
         self._turn = 0
 
@@ -340,7 +349,7 @@ class DiskStore(SnapshotStore):
         self.directory.mkdir(parents=True, exist_ok=True)
         snap.path = path = self.directory / f"snapshot-step{snap.step}.pt"
         snap.write = None
-        if self._writer is None:
+        if self.writer is None:
             write_atomic(unflatten(skeleton, live), path)
             snap.nbytes = snap.total_nbytes = path.stat().st_size
             return
@@ -353,22 +362,22 @@ class DiskStore(SnapshotStore):
         snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in tensors)
         copier = self._copier
         before = (lambda: copier.backend.synchronize(event)) if event is not None and copier is not None else None
-        snap.write = staging.write = self._writer.submit(path, lambda: unflatten(skeleton, tensors), before)
+        snap.write = staging.write = self.writer.submit(path, lambda: unflatten(skeleton, tensors), before)
 
     def load(self, snap: Snapshot) -> Any:
-        self._settle_write(snap, wait=True)
+        self._check(snap, wait=True)
         if snap.failed:
             raise RuntimeError(f"the snapshot of step {snap.step} was not written ({snap.failed})")
         assert snap.path is not None
         return torch.load(snap.path, map_location="cpu", weights_only=False)
 
     def _forget(self, snap: Snapshot) -> None:
-        self._settle_write(snap, wait=True)
-        if snap.path is not None:
+        self._check(snap, wait=True)
+        if snap.path is not None and not snap.failed:  # a failed write left nothing of ours at its path
             snap.path.unlink(missing_ok=True)
-            snap.path = None
+        snap.path = None
 
-    def _settle_write(self, snap: Snapshot, wait: bool) -> None:
+    def _check(self, snap: Snapshot, wait: bool) -> None:
         """Done with ``snap``'s write (waiting for it with ``wait``)? Then report a failure and forget it."""
         write = snap.write
         if write is None:
@@ -380,19 +389,10 @@ class DiskStore(SnapshotStore):
             if write.error is not None and not snap.failed:
                 self._report(snap, write.path, write.error)
 
-    def poll(self) -> None:
-        for snap in list(self.ring):
-            self._settle_write(snap, wait=False)
-
-    def flush(self) -> None:
-        super().flush()
-        for snap in list(self.ring):
-            self._settle_write(snap, wait=True)
-
     def close(self) -> None:
         self.flush()
-        if self._writer is not None:
-            self._writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def make_store(mode: str, keep: int, directory: Optional[Path] = None, shards: int = 1, rank: int = 0) -> SnapshotStore:

@@ -29,7 +29,10 @@ def write_atomic(obj: Any, path: Path) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # not a file of ours (a folder in its way): leave it
+            pass
         raise
 
 
@@ -65,6 +68,11 @@ class SnapshotWriter:
     def __init__(self) -> None:
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
+
+    @property
+    def running(self) -> bool:
+        """The writer thread is alive (between the first write and :meth:`close`)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def submit(self, path: Path, build: Callable[[], Any], before: Optional[Callable[[], None]] = None,
                after: Optional[Callable[[], None]] = None) -> Write:
