@@ -288,3 +288,18 @@ def test_the_shard_plan_gives_every_tensor_one_owner_balanced_by_bytes():
         total = sum(s for i, s in enumerate(sizes) if i != 7)
         assert sum(plan.loads) == total
         assert max(plan.loads) - total / world <= max(sizes) and total / world - min(plan.loads) <= max(sizes)
+
+
+def test_only_a_replicated_strategy_shards_its_snapshots():
+    """DDP (every start method) holds the same state on every rank: sharded. FSDP, model parallelism and DeepSpeed
+    (whose ZeRO stages subclass DDP but partition the optimizer state) keep what each rank holds."""
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    from lightning_nanguard.detect.sync import replicates_state
+
+    class DeepSpeedStrategy(DDPStrategy):  # the name is what counts (no deepspeed install needed)
+        pass
+
+    assert replicates_state(DDPStrategy()) and replicates_state(DDPStrategy(start_method="spawn"))
+    assert not replicates_state(FSDPStrategy()) and not replicates_state(DeepSpeedStrategy())
+    assert not replicates_state(SingleDeviceStrategy(torch.device("cpu")))

@@ -30,7 +30,8 @@ from .amp import grad_scaler, reads_found_inf
 from .kernels import total_norm
 from .vector import SCHEMA
 
-__all__ = ["StepSync", "shards_gradients", "local_tensor", "local_norm_power", "share_incident", "choose_sync"]
+__all__ = ["StepSync", "shards_gradients", "replicates_state", "local_tensor", "local_norm_power", "share_incident",
+           "choose_sync"]
 
 _SHARDING_NAMES = ("FSDP", "FullyShardedDataParallel", "ModelParallel")
 _EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion")
@@ -40,6 +41,15 @@ def shards_gradients(strategy: Any) -> bool:
     """Does ``strategy`` shard gradients across ranks? (duck-typed on the class names, no isinstance)"""
     names = [cls.__name__ for cls in type(strategy).__mro__]
     return any(key in name for name in names for key in _SHARDING_NAMES)
+
+
+def replicates_state(strategy: Any) -> bool:
+    """Does every rank of ``strategy`` hold the same whole training state (DDP and its start methods)? Not a
+    sharding strategy, and not DeepSpeed (whose ZeRO stages partition the optimizer state). Duck-typed on the class
+    names."""
+    names = [cls.__name__ for cls in type(strategy).__mro__]
+    return any("DDP" in name for name in names) and not any("DeepSpeed" in name for name in names) \
+        and not shards_gradients(strategy)
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config import ClipConfig, RecoveryConfig
 from ..counters import Counters
-from ..detect.sync import shards_gradients
+from ..detect.sync import replicates_state
 from ..events import NaNEvent
 from ..layouts import load_module_state
 from .ladder import Plan, RecoveryLadder
@@ -94,7 +94,7 @@ class Recovery:
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", out_dir: Path) -> None:
         """Fit start: the buffer and metric undo for this module, and the snapshot store (unless ``snapshot:
         off``): under a replicated strategy with several processes (DDP), each rank keeps its share of every
-        snapshot (:class:`~.sharded.ShardedStore`); a sharding strategy (FSDP) keeps its own shard as it is."""
+        snapshot (:class:`~.sharded.ShardedStore`); any other (FSDP, DeepSpeed) keeps what each rank holds."""
         cfg = self.cfg
         self.buffers = BufferUndo(pl_module)
         self.metrics = MetricUndo(pl_module)
@@ -104,7 +104,7 @@ class Recovery:
             world = int(getattr(trainer, "world_size", 1) or 1)
             if cfg.snapshot == "disk" and world > 1:
                 directory = directory / f"rank{trainer.global_rank}"
-            replicated = (world > 1 and not shards_gradients(trainer.strategy) and dist.is_available()
+            replicated = (world > 1 and replicates_state(trainer.strategy) and dist.is_available()
                           and dist.is_initialized() and dist.get_world_size() == world)
             self.store = make_store(cfg.snapshot, cfg.keep_snapshots, directory,
                                     shards=world if replicated else 1, rank=trainer.global_rank)
