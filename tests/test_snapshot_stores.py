@@ -185,10 +185,10 @@ class RecordingBackend:
         self.log.append(("synchronize", event))
 
 
-def test_device_copies_follow_the_step_and_the_next_step_waits_on_the_device():
-    """The copies start after the work queued so far (the optimizer step), buffers first; the next forward waits
-    for the buffers and the next optimizer step for everything, both on the device, once; the host synchronizes
-    only when it reads the copies."""
+def test_device_copies_follow_the_step_and_the_next_update_waits_on_the_device():
+    """The copies start after the work queued so far (the optimizer step), buffers first; the training stream
+    waits for the buffers at once and, at the next optimizer step, for everything, both on the device, once; the
+    host synchronizes only when it reads the copies."""
     backend = RecordingBackend()
     copier = DeviceCopy(backend)
     buf, weight = torch.randn(2), torch.randn(3, 4)
@@ -196,14 +196,12 @@ def test_device_copies_follow_the_step_and_the_next_step_waits_on_the_device():
     done = copier.start([(host_buf, buf)], [(host_weight, weight)])
     assert backend.log == [("record", "main", "e1"), ("wait", "side", "e1"), ("use", "side"),
                            ("copy", "side", (2,)), ("record", "side", "e2"), ("copy", "side", (3, 4)),
-                           ("record", "side", "e3"), ("end", "side")]
+                           ("record", "side", "e3"), ("end", "side"), ("wait", "main", "e2")]
     assert done == "e3" and copier.in_flight
     backend.log.clear()
     for _ in range(2):  # a second call waits for nothing new
-        copier.before_forward()
-    for _ in range(2):
         copier.before_optimizer_step()
-    assert backend.log == [("wait", "main", "e2"), ("wait", "main", "e3")]  # device-side waits only
+    assert backend.log == [("wait", "main", "e3")]  # a device-side wait only
     assert copier.in_flight  # the host has not waited
     copier.wait()
     assert backend.log[-1] == ("synchronize", "e3") and not copier.in_flight
@@ -214,27 +212,27 @@ def test_device_copies_follow_the_step_and_the_next_step_waits_on_the_device():
 
 def test_a_new_device_copy_supersedes_the_unwaited_one():
     """Two snapshots before any wait (copies on one stream run in order): the next optimizer step waits for the
-    newest copy only, and a host read synchronizes once, on it; no buffers-first event is waited for twice."""
+    newest copy only, and a host read synchronizes once, on it; a copy without buffers makes nothing wait at once."""
     backend = RecordingBackend()
     copier = DeviceCopy(backend)
-    a, b = torch.randn(4), torch.randn(4)
-    copier.start([], [(torch.empty(4), a)])
-    copier.before_forward()
-    first = [e for e in backend.log if e[0] == "wait" and e[1] == "main"]
-    copier.start([], [(torch.empty(4), b)])
+    copier.start([], [(torch.empty(4), torch.randn(4))])
+    copier.start([], [(torch.empty(4), torch.randn(4))])
+    assert not [e for e in backend.log if e[0] == "wait" and e[1] == "main"]
     backend.log.clear()
     copier.before_optimizer_step()
-    copier.before_forward()  # already covered by the wait for everything
-    assert backend.log == [("wait", "main", "e6")] and first == [("wait", "main", "e2")]
+    assert backend.log == [("wait", "main", "e4")]
     copier.wait()
-    assert backend.log[-1] == ("synchronize", "e6")
+    assert backend.log[-1] == ("synchronize", "e4") and not copier.in_flight
+    copier.before_optimizer_step()  # after the host waited there is nothing left to wait for
+    assert backend.log[-1] == ("synchronize", "e4")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_memory_snapshot_never_synchronizes_the_host():
     """Under torch.cuda.set_sync_debug_mode("error"), steps that take memory snapshots (fused AdamW, a BatchNorm
-    buffer) never synchronize: the copies go to pinned memory on a side stream, the next forward and optimizer
-    step wait for them on the device. Read back afterwards, each snapshot is bitwise the state it was taken of."""
+    buffer) never synchronize: the copies go to pinned memory on a side stream; the training stream waits for the
+    buffers' copies at once and the next optimizer step for the rest, on the device. Read back afterwards, each
+    snapshot is bitwise the state it was taken of."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -245,7 +243,6 @@ def test_a_cuda_memory_snapshot_never_synchronizes_the_host():
         return {"module": model.state_dict(), "optimizers": [opt.state_dict()]}
 
     def step() -> None:
-        store.before_forward()
         loss = model(torch.randn(32, 64, device="cuda")).square().mean()
         loss.backward()
         store.before_optimizer_step()

@@ -4,9 +4,11 @@ On CUDA, :class:`DeviceCopy` queues a snapshot's copies into pinned host memory 
 
 1. the copies start after the work already queued on the current stream (the optimizer step that made the
    state): an event recorded there, waited for by the side stream, on the device;
-2. the tensors a forward pass writes (the module's buffers: BatchNorm statistics) are copied first; the next
-   forward waits for them on the device (:meth:`DeviceCopy.before_forward`), and the next optimizer step, which
-   writes the parameters and the optimizer state, waits for the rest (:meth:`DeviceCopy.before_optimizer_step`);
+2. the tensors that code other than the optimizer writes (the module's buffers: a forward's BatchNorm statistics,
+   an EMA a hook updates after the step) are copied first, and the current stream waits for those copies at once,
+   on the device (small: buffers). The parameters and the optimizer state, which only an optimizer step writes,
+   are copied while the next forward and backward run: the next optimizer step waits for them, on the device
+   (:meth:`DeviceCopy.before_optimizer_step`);
 3. the host asks whether the copies are done only where it reads them (:meth:`DeviceCopy.wait`: a rollback, a
    load, the disk writer's thread), never on a healthy step.
 
@@ -84,7 +86,6 @@ class DeviceCopy:
 
     def __init__(self, backend: Optional[Backend] = None) -> None:
         self.backend: Backend = backend if backend is not None else CudaBackend()
-        self._forward: Optional[Any] = None  # the next forward waits for this (the buffers are copied)
         self._update: Optional[Any] = None  # the next optimizer step waits for this (everything is copied)
         self._done: Optional[Any] = None  # the host waits for this before it reads a copy
 
@@ -94,36 +95,34 @@ class DeviceCopy:
         return self._done is not None
 
     def start(self, first: Iterable[tuple[Tensor, Tensor]], rest: Iterable[tuple[Tensor, Tensor]]) -> Any:
-        """Queue ``dst <- src`` for every pair, ``first`` (what a forward writes) before ``rest``, after the work
-        queued on the current stream; the host does not wait. Returns the event after the last copy."""
+        """Queue ``dst <- src`` for every pair after the work queued on the current stream, ``first`` (what code
+        other than an optimizer step writes) before ``rest``; the current stream waits for ``first`` on the device,
+        the host for nothing. Returns the event after the last copy."""
         b = self.backend
-        side = b.side()
-        b.wait(side, b.record(b.current()))
+        side, current = b.side(), b.current()
+        b.wait(side, b.record(current))
+        first, rest = list(first), list(rest)
         with b.use(side):
             for dst, src in first:
                 b.copy(dst, src, side)
-            forward = b.record(side)
+            early = b.record(side) if first else None
             for dst, src in rest:
                 b.copy(dst, src, side)
             done = b.record(side)
-        self._forward, self._update, self._done = forward, done, done
+        if early is not None:
+            b.wait(current, early)  # whatever runs next on the current stream may write the buffers
+        self._update, self._done = done, done
         return done
-
-    def before_forward(self) -> None:
-        """The next forward may write the buffers: the current stream waits for their copies (on the device)."""
-        if self._forward is not None:
-            self.backend.wait(self.backend.current(), self._forward)
-            self._forward = None
 
     def before_optimizer_step(self) -> None:
         """The next optimizer step writes the parameters and optimizer state: the current stream waits for every
         copy (on the device)."""
         if self._update is not None:
             self.backend.wait(self.backend.current(), self._update)
-            self._update = self._forward = None
+            self._update = None
 
     def wait(self) -> None:
         """The host waits until every queued copy is in host memory (a read of a snapshot: incident path)."""
         if self._done is not None:
             self.backend.synchronize(self._done)
-            self._done = self._forward = self._update = None
+            self._done = self._update = None

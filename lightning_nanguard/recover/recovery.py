@@ -217,8 +217,6 @@ class Recovery:
     def step_start(self, trainer: "pl.Trainer") -> None:
         """The first micro-batch of an optimizer step: back up the buffers its forward passes will write, and the
         metrics and logged aggregates its training steps will update."""
-        if self.store is not None:
-            self.store.before_forward()  # the forward writes buffers that a snapshot may still be copying (CUDA)
         if self.buffers is not None:
             self.buffers.arm()
         if self.metrics is not None:

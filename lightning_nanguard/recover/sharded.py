@@ -301,9 +301,6 @@ class ShardedStore(SnapshotStore):
         self.flush()
         self.inner.close()
 
-    def before_forward(self) -> None:
-        self.inner.before_forward()
-
     def before_optimizer_step(self) -> None:
         self.inner.before_optimizer_step()
 

@@ -6,7 +6,7 @@ and the GradScaler); :func:`load_training_state` puts it back. A :class:`Snapsho
 :meth:`~SnapshotStore.restore` loads one back into it. Where the tensors live is the implementation's:
 
 - :class:`MemoryStore`: preallocated CPU memory (``copy_``, no allocation in steady state; from CUDA, pinned
-  memory filled on a side stream that the step never waits for on the host: :mod:`.device_copy`);
+  memory filled on a side stream that the host never waits for on a healthy step: :mod:`.device_copy`);
 - :class:`DiskStore`: one atomically written file per snapshot (``torch.save``, ``fsync``, rename), written by a
   background thread (:mod:`.writer`) from a host copy taken on the step like the memory store's;
 - :class:`~.sharded.ShardedStore`: under a replicated strategy (DDP), each rank keeps only its share of every
@@ -98,8 +98,8 @@ class Snapshot:
 
 
 def written_by_forward(skeleton: Any, names: Optional[Iterable[str]]) -> Optional[set[int]]:
-    """The flat indices (:func:`~..tree.flatten`) of the module entries ``names`` (its buffers: what a forward
-    writes); None when not known (then every tensor counts as one)."""
+    """The flat indices (:func:`~..tree.flatten`) of the module entries ``names`` (its buffers: what a forward or
+    a hook writes, not an optimizer step); None when not known (then every tensor counts as one)."""
     if names is None:
         return None
     module = skeleton.get("module") if isinstance(skeleton, Mapping) else None
@@ -153,8 +153,8 @@ class SnapshotStore:
     def take(self, step: int, state: dict[str, Any], meta: dict[str, Any],
              buffers: Optional[Iterable[str]] = None) -> Snapshot:
         """Keep ``state`` (live tensors, copied here) as the newest snapshot, evicting the oldest. ``buffers``: the
-        names of ``state["module"]``'s entries that a forward writes (copied first from a device; see
-        :mod:`.device_copy`); None: not known."""
+        names of ``state["module"]``'s entries that code other than an optimizer step writes (copied first from a
+        device, and waited for on the device at once; see :mod:`.device_copy`); None: not known (all of them)."""
         self.poll()
         skeleton, live = flatten(state)
         first = written_by_forward(skeleton, buffers)
@@ -225,11 +225,6 @@ class SnapshotStore:
     def close(self) -> None:
         """End of fit (or an exception): :meth:`flush`, and end the writer thread."""
         self.flush()
-
-    def before_forward(self) -> None:
-        """A forward is about to write the buffers: it waits, on the device, for their copies (CUDA)."""
-        if self._copier is not None:
-            self._copier.before_forward()
 
     def before_optimizer_step(self) -> None:
         """An optimizer step is about to write the weights and its state: it waits, on the device, for the copies
