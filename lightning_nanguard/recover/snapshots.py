@@ -367,9 +367,13 @@ class DiskStore(SnapshotStore):
         return torch.load(snap.path, map_location="cpu", weights_only=False)
 
     def _forget(self, snap: Snapshot) -> None:
+        # its write is done by now in practice (the oldest snapshot; the staging buffers wait for it anyway)
         self._check(snap, wait=True)
         if snap.path is not None and not snap.failed:  # a failed write left nothing of ours at its path
-            snap.path.unlink(missing_ok=True)
+            if self.writer is not None:
+                self.writer.remove(snap.path)  # freeing a large file's blocks: on the writer thread
+            else:
+                snap.path.unlink(missing_ok=True)
         snap.path = None
 
     def _check(self, snap: Snapshot, wait: bool) -> None:

@@ -2,8 +2,9 @@
 
 :func:`write_atomic` is how a snapshot file is written (``torch.save`` to a temporary name, ``fsync``, rename):
 a reader finds the whole file or none, and a failed write removes its temporary file. :class:`SnapshotWriter`
-runs such writes on one background thread, in the order they were submitted; each is a :class:`Write` that the
-training thread can wait for (a rollback to that snapshot, the end of fit) and that says why it failed.
+runs such writes, and the deletion of evicted snapshots' files, on one background thread, in the order they were
+submitted; each write is a :class:`Write` that the training thread can wait for (a rollback to that snapshot, the
+end of fit) and that says why it failed.
 """
 
 from __future__ import annotations
@@ -77,17 +78,31 @@ class SnapshotWriter:
     def submit(self, path: Path, build: Callable[[], Any], before: Optional[Callable[[], None]] = None,
                after: Optional[Callable[[], None]] = None) -> Write:
         write = Write(path)
+        self._put((write, build, before, after))
+        return write
+
+    def remove(self, path: Path) -> None:
+        """Delete ``path`` on the writer thread, after the writes submitted before (freeing a large file's blocks
+        takes milliseconds that the step should not wait for)."""
+        self._put(path)
+
+    def _put(self, job: Any) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="nanguard-snapshot-writer", daemon=True)
             self._thread.start()
-        self._queue.put((write, build, before, after))
-        return write
+        self._queue.put(job)
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
                 return
+            if isinstance(job, Path):
+                try:
+                    job.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                continue
             write, build, before, after = job
             try:
                 if before is not None:
