@@ -283,6 +283,9 @@ class ShardedStore(SnapshotStore):
         for snap in list(self.ring):
             if snap.share is not None:
                 self.inner._check(snap.share, wait=True)
+        writer = getattr(self.inner, "writer", None)
+        if writer is not None:
+            writer.drain()  # the deletions of evicted files too
         self._failed_shares()
 
     def settle(self) -> None:

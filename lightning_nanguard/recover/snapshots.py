@@ -388,6 +388,11 @@ class DiskStore(SnapshotStore):
             if write.error is not None and not snap.failed:
                 self._report(snap, write.path, write.error)
 
+    def flush(self) -> None:
+        super().flush()
+        if self.writer is not None:
+            self.writer.drain()  # the deletions of evicted files too
+
     def close(self) -> None:
         self.flush()
         if self.writer is not None:

@@ -96,12 +96,14 @@ class SnapshotWriter:
         while True:
             job = self._queue.get()
             if job is None:
+                self._queue.task_done()
                 return
             if isinstance(job, Path):
                 try:
                     job.unlink(missing_ok=True)
                 except OSError:
                     pass
+                self._queue.task_done()
                 continue
             write, build, before, after = job
             try:
@@ -114,6 +116,12 @@ class SnapshotWriter:
                 if after is not None:
                     after()
                 write._done.set()
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every write and deletion submitted so far is done."""
+        if self.running:
+            self._queue.join()
 
     def close(self) -> None:
         """Finish the writes submitted so far, then end the thread."""
