@@ -251,7 +251,8 @@ def snapshot_checks() -> dict:
     device = "cuda" if CUDA else "cpu"
     n = 85_000_000 // 3 if CUDA else 300_000  # parameters: weights + 2 moments = 12 bytes each
     chunks = [torch.randn(n // 8, device=device) for _ in range(24)]  # 8 "layers" x (weight, exp_avg, exp_avg_sq)
-    state = {"module": {f"w{i}": chunks[i] for i in range(8)}, "optimizers": [{"state": chunks[8:], "param_groups": []}]}
+    state = {"module": {f"w{i}": chunks[i] for i in range(8)},
+             "optimizers": [{"state": chunks[8:], "param_groups": []}]}
     store = MemoryStore(keep=2)
     for _ in range(3):  # allocate both snapshots' pinned buffers
         store.take(0, state, {})

@@ -198,7 +198,8 @@ def ddp_rows(quick: bool, before: Optional[Path], repeats: int) -> list[dict]:
                        "rollback_ms": med(r["rollback_ms"] for r in r0s)}
                 for key in ("", "cpu_"):
                     row[f"{key}step_ms"] = med(r[f"{key}step_ms"] for r in r0s)
-                    row[f"{key}snapshot_step_ratio"] = med(r[f"{key}snapshot_step_ms"] / r[f"{key}step_ms"] for r in r0s)
+                    row[f"{key}snapshot_step_ratio"] = med(r[f"{key}snapshot_step_ms"] / r[f"{key}step_ms"]
+                                                           for r in r0s)
                     row[f"{key}next_steps_ratio"] = med(r[f"{key}next_steps_ms"] / r[f"{key}step_ms"] for r in r0s)
                 rows.append(row)
                 print(f"  ddp {ranks} rank(s) {code} {mode}: extra {['%.0f' % e for e in row['extra_peak_mib']]} MiB, "
@@ -380,10 +381,11 @@ def report(out: dict, every: int, keep: int, batch: int) -> str:
         lines.append("")
     if out.get("projection"):
         p = out["projection"]
-        lines += [f"Projection for a node of 8 GPUs, 2 snapshots kept, {p['bytes_per_param']} bytes per parameter (fp32 "
-                  f"weights and Adam's two moments). Measured here: torch.save + fsync {p['disk_gbps']:.2f} GB/s (one "
-                  f"disk per node, shared by its ranks). ASSUMED (no GPU was lent): {p['d2h_gbps_assumed']:.0f} GB/s "
-                  "device to host per GPU. Host RAM is per rank; stalls are per snapshot, on the host.", "",
+        lines += [f"Projection for a node of 8 GPUs, 2 snapshots kept, {p['bytes_per_param']} bytes per parameter "
+                  f"(fp32 weights and Adam's two moments). Measured here: torch.save + fsync {p['disk_gbps']:.2f} GB/s "
+                  f"(one disk per node, shared by its ranks). ASSUMED (no GPU was lent): "
+                  f"{p['d2h_gbps_assumed']:.0f} GB/s device to host per GPU. Host RAM is per rank; stalls are per "
+                  "snapshot, on the host.", "",
                   "| model | strategy | state GB | RAM memory today GB | RAM memory after GB | RAM disk today GB "
                   "| RAM disk after GB | stall memory today s | stall memory after s (device copy, overlapped) "
                   "| stall disk today s | stall disk after s (node's write, off the step) |",
@@ -426,8 +428,9 @@ def main() -> None:
     suffix = "-quick" if args.quick else ""
     path = out_dir / f"snapshot{suffix}.json"
     previous = json.loads(path.read_text()) if path.exists() and args.only else {}
-    out: dict[str, Any] = {**previous, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                           "machine": common.machine(), "snapshot_every": every, "keep_snapshots": keep}
+    out: dict[str, Any] = {**previous, "machine": common.machine(), "snapshot_every": every, "keep_snapshots": keep}
+    if "stores" in parts or "ddp" in parts or "date" not in out:  # the date of the measurements
+        out["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     start = time.perf_counter()
     if "stores" in parts:
         repeats = 3 if args.quick else 7

@@ -339,10 +339,13 @@ class NaNGuard(pl.Callback):
             return
         exempt = self._evidence.weights.exempt
         bad = nonfinite_entries(checkpoint, exempt=exempt)  # weights and optimizer states
-        # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision
+        # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision; so
+        # must DDP ranks when reading a snapshot is a collective (each rank keeps a share of it)
         sync = self._flow.sync
-        if sync.sharded and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
-            bad = [{"name": "(a shard on another rank)"}]
+        store = self._recovery.store
+        agree = sync.sharded or (sync.distributed and store is not None and store.collective)
+        if agree and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
+            bad = [{"name": "(a shard on another rank)" if sync.sharded else "(a weight on another rank)"}]
         if not bad:
             return
         # the checkpoint would carry non-finite state: restore known-good state and save that instead

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch import Tensor
 
-__all__ = ["children", "keyed", "iter_leaves", "iter_tensors", "map_leaves", "map_tensors", "flatten", "unflatten", "slot"]
+__all__ = ["children", "keyed", "iter_leaves", "iter_tensors", "map_leaves", "map_tensors", "flatten", "unflatten",
+           "slot"]
 
 
 def _is_namedtuple(obj: Any) -> bool:

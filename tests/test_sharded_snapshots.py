@@ -52,6 +52,7 @@ def test_a_sharded_rollback_restores_every_rank_bitwise_like_the_unsharded_store
             assert all(len(r["after_rollback"][0][key]) == len(first) and all(
                 torch.equal(a, b) for a, b in zip(r["after_rollback"][0][key], first)) for r in runs), (mode, key)
         assert all(all(torch.equal(a, b) for a, b in zip(r["final"], runs[0]["final"])) for r in runs)
+        assert len(runs[0]["checkpoints"]) == 2  # steps 5 and 10: checked on every rank alike, then written
         # reading a snapshot after the fit rebuilds it on every rank, and the norms the diagnosis reads are the
         # unsharded snapshot's, exactly
         assert all(r["load_module_same"] and r["norms_set"] and all(r["norms_same"].values()) for r in runs), mode
@@ -88,8 +89,9 @@ def test_sharded_collectives_are_the_same_on_every_rank_and_only_on_incidents(sh
         norms = [n for name, n in runs[0]["calls"] if name == "all_reduce" and n not in (1, 5) and n % 7 == 0
                  and n >= 7]
         assert norms and sum(norms) // 7 <= runs[0]["counters"]["snapshots"], (mode, runs[0]["calls"])
-        # every other all_reduce: the step's evidence (5 numbers), the train-end weight check (1) and, for disk
-        # snapshots, which snapshots every rank wrote (one flag per snapshot of the ring) on the incident path
+        # every other all_reduce: the step's evidence (5 numbers), the checkpoint and train-end weight checks (1)
+        # and, for disk snapshots, which snapshots every rank wrote (one flag per snapshot of the ring) on the
+        # incident path
         others = [n for name, n in runs[0]["calls"] if name == "all_reduce" and n not in norms and n not in (1, 5)]
         incidents = runs[0]["counters"]["incidents"]
         assert (not others) if mode == "memory" else (all(n <= 3 for n in others) and len(others) <= 2 * incidents)

@@ -36,7 +36,7 @@ from lightning_nanguard.recover.snapshots import MemoryStore, training_state  # 
 from lightning_nanguard.tree import flatten  # noqa: E402
 
 STEPS = 14
-BAD = (7, 8, 9)  # optimizer steps where rank 1's loss is NaN: three incidents in a row, the third rolls back (max_skips: 2)
+BAD = (7, 8, 9)  # optimizer steps where rank 1's loss is NaN: three incidents in a row, the third rolls back
 FAILED_STEP = 6  # disk fit: rank 1 cannot write its share of this snapshot
 
 
@@ -116,9 +116,11 @@ def fit(out: Path, mode: str) -> dict:
     guard = NaNGuard(recovery={"snapshot": mode, "snapshot_every": 3, "max_skips": 2, "keep_snapshots": 3},
                      logging={"loggers": False})
     probe = Probe(guard)
+    # checkpoints: the guard checks each one, every rank agreeing (one all_reduce of one flag) before it may roll back
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=5, save_top_k=-1)
     trainer = pl.Trainer(accelerator="cpu", devices=int(sys.argv[2]), strategy="ddp", max_steps=STEPS,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(root), callbacks=[guard, probe])
+                         logger=False, enable_checkpointing=True, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(root), callbacks=[guard, probe, ckpt])
     start = len(ddp_guard.CALLS)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -146,6 +148,7 @@ def fit(out: Path, mode: str) -> dict:
         "files": sorted(p.name for p in (root / "nanguard" / "snapshots" / f"rank{trainer.global_rank}").iterdir())
         if mode == "disk" else [],
         "final": [t.clone() for t in tensors(training_state(trainer, trainer.lightning_module))],
+        "checkpoints": sorted(p.name for p in (root / "ckpt").glob("*.ckpt")) if trainer.global_rank == 0 else [],
     }
 
 
