@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
-from .console import say
+from .console import say, warn
 from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
@@ -301,7 +301,10 @@ class NaNGuard(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._flow.abort()
-        self._recovery.finish()
+        try:
+            self._recovery.finish()  # the snapshot writes in flight end (a failed one reported)
+        except Exception as exc:  # noqa: BLE001  (never hide the exception that ends the fit behind our own)
+            warn(f"[nanguard] the snapshot writes could not be finished after the error: {exc!r}")
         self._stop_hooks()
         self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
         self._recorder.flush()

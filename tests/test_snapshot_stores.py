@@ -137,6 +137,33 @@ def test_the_end_of_fit_waits_for_the_last_disk_write(tmp_path, fit_steps):
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["snapshot-step3.pt", "snapshot-step6.pt"]
 
 
+class FailsAt(ExtraState):
+    """Raises in ``training_step`` at step ``fail``."""
+
+    def __init__(self, extra: Any, fail: int) -> None:
+        super().__init__(extra)
+        self.fail = fail
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == self.fail:
+            raise RuntimeError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_waits_for_the_disk_write_in_flight_and_propagates(tmp_path, fit_steps):
+    """The fit raises one step after a snapshot that takes 0.3 s to write: the user's error propagates unchanged,
+    and the snapshot is on disk, whole, with the writer thread ended."""
+    guard = _disk_guard(tmp_path, snapshot_every=2)
+    spy = models.SnapshotSpy(guard)
+    with pytest.raises(RuntimeError, match="the user's own error"):
+        fit_steps(FailsAt(lambda step: SlowToPickle(0.3 if step == 4 else 0.0), fail=5), [guard, spy], steps=8)
+    assert not guard.snapshots.writer.running and guard.snapshots.newest.step == 4
+    on_disk = torch.load(tmp_path / "snaps" / "snapshot-step4.pt", weights_only=False)
+    assert _same(on_disk["module"], spy.states[4]["module"])
+    assert _same(on_disk["optimizers"], spy.states[4]["optimizers"])
+    assert not list((tmp_path / "snaps").glob("*.tmp"))
+
+
 def test_write_atomic_never_leaves_half_a_file(tmp_path):
     path = tmp_path / "snapshot.pt"
     write_atomic({"w": torch.ones(3)}, path)
