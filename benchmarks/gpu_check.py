@@ -10,6 +10,11 @@
 3. ``16-mixed`` with a real CUDA GradScaler: routine overflows are no incident; a NaN loss is, for a fused
    and a non-fused AdamW, eager and lagged, with the same events.
 4. ``bf16-mixed``: a NaN is a real incident.
+5. Snapshots (issue 20): the synchronising calls on the steps that take a memory snapshot against the other steps
+   (lagged guard, ``snapshot_every: 4``; the known-good checks before a snapshot still read a flag), and the
+   stall of one memory snapshot of a ~1 GB fp32 state (weights + Adam moments of 85M parameters): the host time of
+   ``MemoryStore.take`` with the side stream, the same followed by ``torch.cuda.synchronize()`` (what a snapshot
+   cost before), and the device-to-host bandwidth the copy reached.
 
     python benchmarks/gpu_check.py [OUT.json]          # about 5 min on one GPU
     python benchmarks/gpu_check.py --quick [OUT.json]  # d=256 only, one repeat
@@ -217,6 +222,61 @@ def mixed_checks() -> dict:
     return out
 
 
+class SnapshotSteps(pl.Callback):
+    """After the guard: the indices of the steps at whose end it took a snapshot."""
+
+    def __init__(self, guard: NaNGuard) -> None:
+        self.guard, self.seen, self.steps, self.n = guard, 0, set(), 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.guard.counters["snapshots"] != self.seen:
+            self.seen = self.guard.counters["snapshots"]
+            self.steps.add(self.n)
+        self.n += 1
+
+
+def snapshot_checks() -> dict:
+    """Syncs per snapshot step, and the host stall of one memory snapshot with and without waiting for the copy."""
+    from lightning_nanguard.recover.snapshots import MemoryStore
+
+    counter = SyncCounter()
+    g = NaNGuard(check={"sync": "lagged"}, recovery={"snapshot_every": 4}, logging=QUIET)
+    steps = SnapshotSteps(g)
+    pl.seed_everything(0, verbose=False)
+    fit(TinyLM(d=256 if CUDA else 32, layers=2), [counter, g, steps, counter.end], steps=16)
+    per = counter.per_step
+    snap = [n for i, n in enumerate(per) if i in steps.steps and i > 0]
+    other = [n for i, n in enumerate(per) if i not in steps.steps and i > 2]
+    out: dict = {"syncs_snapshot_steps": snap, "syncs_other_steps_median": statistics.median(other) if other else None}
+    device = "cuda" if CUDA else "cpu"
+    n = 85_000_000 // 3 if CUDA else 300_000  # parameters: weights + 2 moments = 12 bytes each
+    chunks = [torch.randn(n // 8, device=device) for _ in range(24)]  # 8 "layers" x (weight, exp_avg, exp_avg_sq)
+    state = {"module": {f"w{i}": chunks[i] for i in range(8)},
+             "optimizers": [{"state": chunks[8:], "param_groups": []}]}
+    store = MemoryStore(keep=2)
+    for _ in range(3):  # allocate both snapshots' pinned buffers
+        store.take(0, state, {})
+    store.flush()
+    side, blocking = [], []
+    for _ in range(5):
+        _sync()
+        t = time.perf_counter()
+        store.take(0, state, {})
+        side.append(time.perf_counter() - t)
+        store.flush()  # the host waits for the copy here (outside the step): the copy's own time
+        copy = time.perf_counter() - t
+        _sync()
+        t = time.perf_counter()
+        store.take(0, state, {})
+        _sync()  # before issue 20 a snapshot ended in torch.cuda.synchronize()
+        blocking.append(time.perf_counter() - t)
+    nbytes = sum(c.numel() * c.element_size() for c in chunks)
+    out.update({"state_gb": nbytes / 1e9, "side_stream_host_ms": 1e3 * statistics.median(side),
+                "with_synchronize_ms": 1e3 * statistics.median(blocking),
+                "d2h_gbps": nbytes / statistics.median(blocking) / 1e9, "last_copy_ms": 1e3 * copy})
+    return out
+
+
 def table(out: dict) -> str:
     lines = ["| precision, model | plain ms | NaNGuard() ms | x plain | eager ms | x plain |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -226,6 +286,12 @@ def table(out: dict) -> str:
                      f"| {r['ratio_eager']:.3f} |")
     lines += ["", "| syncs per healthy step | median | max |", "|---|---:|---:|"]
     lines += [f"| {k} | {v['median']} | {v['max']} |" for k, v in out["syncs_per_step"].items()]
+    if "snapshots" in out:
+        sn = out["snapshots"]
+        lines += ["", f"Snapshots: syncs on snapshot steps {sn['syncs_snapshot_steps']} (other steps, median: "
+                      f"{sn['syncs_other_steps_median']}); one memory snapshot of {sn['state_gb']:.2f} GB: host "
+                      f"{sn['side_stream_host_ms']:.1f} ms with the side stream, {sn['with_synchronize_ms']:.1f} ms "
+                      f"waiting for the copy as before ({sn['d2h_gbps']:.1f} GB/s device to host)."]
     return "\n".join(lines)
 
 
@@ -243,6 +309,7 @@ def main() -> None:
     out["syncs_per_step"] = sync_counts(256 if CUDA else 32)
     out["step_time"] = step_times(dims, repeats)
     out.update(mixed_checks())
+    out["snapshots"] = snapshot_checks()
     out["seconds"] = round(time.perf_counter() - start, 1)
     text = json.dumps(out, indent=1, default=str)
     print(text)

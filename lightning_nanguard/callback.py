@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
-from .console import say
+from .console import say, warn
 from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
@@ -272,10 +272,15 @@ class NaNGuard(pl.Callback):
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._flow.flush(trainer, pl_module)  # the last lagged step's flags
         # the last step's parameters have not been read yet: never leave a non-finite weight behind
-        if self.config.check.parameters and not self._recovery.stopped and self._evidence.weights.find(pl_module):
+        checked = self.config.check.parameters and not self._recovery.stopped
+        bad = checked and bool(self._evidence.weights.find(pl_module))
+        if checked and trainer.world_size > 1:  # every rank decides alike (a sharded rollback reads every rank)
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if bad:
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
         elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
             self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
+        self._recovery.finish()  # snapshot writes in flight are done (a failed one reported)
         self._stop_hooks()
         self._recorder.flush()
 
@@ -300,6 +305,10 @@ class NaNGuard(pl.Callback):
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._flow.abort()
+        try:
+            self._recovery.finish()  # the snapshot writes in flight end (a failed one reported)
+        except Exception as exc:  # noqa: BLE001  (never hide the exception that ends the fit behind our own)
+            warn(f"[nanguard] the snapshot writes could not be finished after the error: {exc!r}")
         self._stop_hooks()
         self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
         self._recorder.flush()
@@ -337,10 +346,13 @@ class NaNGuard(pl.Callback):
             return
         exempt = self._evidence.weights.exempt
         bad = nonfinite_entries(checkpoint, exempt=exempt)  # weights and optimizer states
-        # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision
+        # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision; so
+        # must DDP ranks when reading a snapshot is a collective (each rank keeps a share of it)
         sync = self._flow.sync
-        if sync.sharded and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
-            bad = [{"name": "(a shard on another rank)"}]
+        store = self._recovery.store
+        agree = sync.sharded or (sync.distributed and store is not None and store.collective)
+        if agree and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
+            bad = [{"name": "(a shard on another rank)" if sync.sharded else "(a weight on another rank)"}]
         if not bad:
             return
         # the checkpoint would carry non-finite state: restore known-good state and save that instead

@@ -192,7 +192,8 @@ class RecoveryConfig(_Section):
              "one step would still move the weights too far)", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
     min_lr_scale: float = _opt(1e-4, "floor of the cumulative LR scale", lo=0.0, hi=1.0, lo_open=True)
     snapshot: Literal["memory", "disk", "off"] = _opt(
-        "memory", "where known-good state is kept: preallocated CPU memory, atomic files, or nowhere")
+        "memory", "where known-good state is kept: preallocated CPU memory, atomic files written in the background, "
+                  "or nowhere (under DDP each rank keeps 1/N of it)")
     snapshot_every: int = _opt(20, "healthy optimizer steps between snapshots", lo=1)
     keep_snapshots: int = _opt(2, "snapshots kept (older ones are the targets of further rollbacks)", lo=1)
     snapshot_dir: Optional[str] = _opt(None, "folder for disk snapshots (default: <log_dir>/nanguard/snapshots)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "NaNGuardError"]
+__all__ = ["ConfigError", "NaNGuardError", "SnapshotWriteWarning"]
 
 
 class ConfigError(ValueError):
@@ -12,3 +12,8 @@ class ConfigError(ValueError):
 class NaNGuardError(RuntimeError):
     """Raised when NaNGuard gives up and ``recovery.on_give_up`` is ``"raise"``, or when it refuses to write a
     checkpoint holding non-finite tensors it has no known-good state to replace with."""
+
+
+class SnapshotWriteWarning(RuntimeWarning):
+    """A snapshot could not be written (``recovery.snapshot: disk``): no file was left behind, and the guard never
+    rolls back to it."""

@@ -24,6 +24,7 @@ from .detect.evidence import StepEvidence
 from .detect.find import find_batch_nonfinite
 from .detect.spikes import LossWatch
 from .detect.sync import StepSync, share_incident, weights_checksum, whereabouts
+from .diagnose import dynamics
 from .diagnose.diagnoser import Diagnoser
 from .diagnose.replay import local_gradients, reproduces
 from .diagnose.rules import IncidentContext, drifted_replicas_cause, persistent_clipping_cause, spike_cause
@@ -103,12 +104,17 @@ class Responder:
 
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  record: Optional[StepRecord] = None, **evidence: Any) -> IncidentContext:
+        """The diagnosis' context of ``event``. Called on every rank at the same point of an incident (each caller's
+        trigger is agreed across ranks), so it may issue a collective: the snapshots' module norms, which the
+        diagnosis reads from a sharded store (:meth:`.Recovery.prepare_reference`)."""
         if record is not None:  # the LRs the step ran at (judged late, its scheduler stepped since)
             evidence["step_lrs"] = {id(g): lr for g, lr in zip(record.optimizer.param_groups, record.lrs)}
+        recovery = self.recovery
+        recovery.prepare_reference(dynamics.norms)
         return self.diagnoser.context(trainer, pl_module, event, norm_history=list(self.clipper.history),
                                       norm_history_end=self.clipper.history_end,
-                                      lr_cut_step=self.recovery.lr_cut_step,
-                                      loss_history=list(self.losses.history), reference=self.recovery.weights_at,
+                                      lr_cut_step=recovery.lr_cut_step, loss_history=list(self.losses.history),
+                                      reference=lambda step: recovery.reference_norms(step, dynamics.norms),
                                       norm_type=self.config.clip.norm_type, **evidence)
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
@@ -492,10 +498,18 @@ class Responder:
         final = reproduces(trainer, pl_module, window.batches, window.rng, norm_type, window.step)
         snapshot: Optional[bool] = None
         step: Optional[int] = None
-        if final is not False:
-            with self.recovery.newest_weights(pl_module) as step:
-                snapshot = None if step is None else reproduces(trainer, pl_module, window.batches, window.rng,
-                                                                norm_type, window.step)
+        rerun = final is not False
+        store = self.recovery.store
+        if trainer.world_size > 1 and store is not None and store.collective:
+            # reading a sharded snapshot is a collective: every rank loads it if any rank reruns on it
+            load = trainer.strategy.reduce_boolean_decision(rerun, all=False)
+        else:
+            load = rerun
+        if load:
+            with self.recovery.newest_weights(pl_module) as snapshot_step:
+                if rerun and snapshot_step is not None:
+                    step = snapshot_step
+                    snapshot = reproduces(trainer, pl_module, window.batches, window.rng, norm_type, window.step)
         suspect = final is not False and snapshot is not True
         if trainer.world_size > 1:  # each rank reruns its own batch: restore on every rank if one says so
             suspect = trainer.strategy.reduce_boolean_decision(suspect, all=False)

@@ -91,6 +91,7 @@ class StepFlow:
                               optimizer: torch.optim.Optimizer) -> None:
         """``on_before_optimizer_step``: judge the step now (eager), or stage it to be judged one step later
         (lagged) after reading the previous one's flags."""
+        self.recovery.before_update()  # a snapshot's device copies finish before the update writes (no host wait)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         scaler = grad_scaler(trainer)
         if scaler is not None:

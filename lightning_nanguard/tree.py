@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch import Tensor
 
-__all__ = ["children", "keyed", "iter_leaves", "iter_tensors", "map_leaves", "map_tensors", "flatten", "unflatten"]
+__all__ = ["children", "keyed", "iter_leaves", "iter_tensors", "map_leaves", "map_tensors", "flatten", "unflatten",
+           "slot"]
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -112,6 +113,11 @@ def flatten(obj: Any) -> tuple[Any, list[Tensor]]:
         return copy.deepcopy(leaf)
 
     return map_leaves(obj, take), tensors
+
+
+def slot(leaf: Any) -> Optional[int]:
+    """The index into :func:`flatten`'s tensors that a skeleton leaf stands for (None: not a tensor's place)."""
+    return leaf.i if isinstance(leaf, _Slot) else None
 
 
 def unflatten(skeleton: Any, tensors: list[Tensor], clone: bool = False) -> Any:

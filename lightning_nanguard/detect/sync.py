@@ -57,8 +57,9 @@ def whereabouts(trainer: Any) -> dict[str, Any]:
 
 
 def replicates(strategy: Any, module: Any = None) -> bool:
-    """Does ``strategy`` keep a full replica of the weights on every rank, with gradients all-reduced over all of
-    them (DDP; not a sharding strategy, not DeepSpeed, and no parameter left out of the all-reduce)?"""
+    """Does every rank of ``strategy`` hold the same whole training state, with gradients all-reduced over every
+    parameter (DDP and its start methods)? Not a sharding strategy, not DeepSpeed (whose ZeRO stages partition the
+    optimizer state), and no parameter of ``module`` left out of the all-reduce. Duck-typed on the class names."""
     names = [cls.__name__ for cls in type(strategy).__mro__]
     if shards_gradients(strategy) or any("DeepSpeed" in n for n in names) or not any("DDP" in n for n in names):
         return False

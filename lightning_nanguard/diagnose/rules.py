@@ -98,8 +98,8 @@ class IncidentContext:
     grad_scale: Optional[float] = None  # 16-mixed: the scaler's scale at this step
     only_gradients: bool = False  # the gradients were the only non-finite evidence of the step
     initial: Optional[dynamics.InitialScales] = None  # parameter norms at fit start, read on demand
-    # the newest snapshot at or before a step: (its step, its module state dict), or None
-    reference: Optional[Callable[[int], Optional[tuple[int, dict[str, Any]]]]] = None
+    # the newest snapshot at or before a step: (its step, the 2-norms of its module tensors by name), or None
+    reference: Optional[Callable[[int], Optional[tuple[int, dict[str, float]]]]] = None
     divergence: Optional[dict] = None  # the divergence watch's evidence (a divergence event)
     # the learning rates the step ran at, by param group (id of the group -> LR): a step judged one step late
     # finds its scheduler stepped since
@@ -250,7 +250,7 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
         found = ctx.reference(step)
         if found is not None:
             trainable = [n for n, p in ctx.pl_module.named_parameters() if p.requires_grad and n in found[1]]
-            reference = (found[0], dict(zip(trainable, dynamics.norms(found[1][n] for n in trainable))))
+            reference = (found[0], {n: found[1][n] for n in trainable})
     initial = ctx.initial.read() if ctx.initial is not None else {}
     if reference is None and initial:
         reference = (0, initial)

@@ -14,15 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
+import torch.distributed as dist
+
 from ..config import ClipConfig, RecoveryConfig
 from ..counters import Counters
+from ..detect.sync import replicates
 from ..events import NaNEvent
 from ..layouts import load_module_state
 from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
 from .lr import current_lrs, scale_lr
 from .metrics import MetricUndo
-from .snapshots import Snapshot, SnapshotStore, make_store
+from .snapshots import Norms, Snapshot, SnapshotStore, make_store
 from .undo import BufferUndo, skip_step
 
 if TYPE_CHECKING:
@@ -92,16 +95,27 @@ class Recovery:
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", out_dir: Path) -> None:
         """Fit start: the buffer and metric undo for this module, and the snapshot store (unless ``snapshot:
-        off``)."""
+        off``): under a replicated strategy with several processes (DDP), each rank keeps its share of every
+        snapshot (:class:`~.sharded.ShardedStore`); any other (FSDP, DeepSpeed) keeps what each rank holds."""
         cfg = self.cfg
         self.buffers = BufferUndo(pl_module)
         self.metrics = MetricUndo(pl_module)
         self.store = None
         if cfg.snapshot != "off":
             directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"
-            if cfg.snapshot == "disk" and trainer.world_size > 1:
+            world = int(getattr(trainer, "world_size", 1) or 1)
+            if cfg.snapshot == "disk" and world > 1:
                 directory = directory / f"rank{trainer.global_rank}"
-            self.store = make_store(cfg.snapshot, cfg.keep_snapshots, directory)
+            replicated = (world > 1 and replicates(trainer.strategy, pl_module) and dist.is_available()
+                          and dist.is_initialized() and dist.get_world_size() == world)
+            self.store = make_store(cfg.snapshot, cfg.keep_snapshots, directory,
+                                    shards=world if replicated else 1, rank=trainer.global_rank)
+
+    def finish(self) -> None:
+        """End of fit, or an exception: wait for the snapshot writes in flight (a failed one is reported) and end
+        the writer thread."""
+        if self.store is not None:
+            self.store.close()
 
     @property
     def can_roll_back(self) -> bool:
@@ -216,6 +230,12 @@ class Recovery:
         if self.metrics is not None:
             self.metrics.arm(getattr(trainer, "_results", None))  # Lightning's results of the running loop
 
+    def before_update(self) -> None:
+        """``on_before_optimizer_step``: the update writes weights and optimizer state that a snapshot may still be
+        copying; the device waits for the copies (CUDA), the host does not."""
+        if self.store is not None:
+            self.store.before_optimizer_step()
+
     # ------------------------------------------------------------------------------------------ snapshots
 
     def snapshot_due(self, ahead: int = 0) -> bool:
@@ -239,13 +259,21 @@ class Recovery:
         self.counters.add("snapshots")
         self._ladder.snapshot_taken()
 
-    def weights_at(self, step: int) -> Optional[tuple[int, dict[str, Any]]]:
-        """``(snapshot step, module state dict)`` of the newest snapshot taken at or before ``step`` (a state from
-        before a divergence began), or None (incident time only: it loads a copy)."""
+    def prepare_reference(self, norms: Norms) -> None:
+        """Before an incident's diagnosis, on every rank at the same point: drop the snapshots that could not be
+        kept, and make the module norms of every snapshot readable (:meth:`reference_norms`; under a sharded store
+        one collective, which :meth:`reference_norms`, asked by only some ranks' diagnoses, must not issue)."""
+        if self.store is not None:
+            self.store.prepare_norms(norms)
+
+    def reference_norms(self, step: int, norms: Norms) -> Optional[tuple[int, dict[str, float]]]:
+        """``(snapshot step, {name: 2-norm})`` of the module tensors of the newest snapshot taken at or before
+        ``step`` (the weights from before a divergence began), or None (incident time only: it reads a copy)."""
         snap = self.store.newest_before(step) if self.store is not None else None
         if snap is None or self.store is None:
             return None
-        return snap.step, self.store.load(snap)["module"]
+        found = self.store.module_norms(snap, norms)
+        return None if found is None else (snap.step, found)
 
     def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int,
                  keep_step: bool = False) -> Snapshot:
@@ -277,11 +305,13 @@ class Recovery:
     def newest_weights(self, pl_module: "pl.LightningModule") -> Iterator[Optional[int]]:
         """Inside the block the module holds the newest snapshot's weights and buffers (the block gets its step;
         None, and nothing changed, without one); its own are put back after it. Optimizers are not touched."""
+        if self.store is not None:
+            self.store.settle()
         if not self.store or self.store.newest is None:
             yield None
             return
         own = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        load_module_state(pl_module, self.store.load(self.store.newest)["module"])
+        load_module_state(pl_module, self.store.load_module(self.store.newest))
         try:
             yield self.store.newest.step
         finally:
@@ -291,6 +321,8 @@ class Recovery:
                        scaler_overflows: int = 0) -> Optional[int]:
         """Roll back to the newest snapshot (fit ends while recovery is unfinished); returns its step, or None
         without one."""
+        if self.store is not None:
+            self.store.settle()
         if not self.store or self.store.newest is None:
             return None
         snap = self.rollback(trainer, pl_module, scaler_overflows)
@@ -322,6 +354,8 @@ class Recovery:
         snapshot) for an event at ``step``; returns what was done. ``keep_step``: see :meth:`rollback` (not for a
         give-up, nor when going further back)."""
         done = Applied()
+        if self.store is not None and (plan.give_up or plan.rollback):
+            self.store.settle()  # a snapshot whose write failed is no target (every rank agrees)
         if plan.give_up:
             self.stop()
             if self.store:

@@ -5,30 +5,37 @@ and the GradScaler); :func:`load_training_state` puts it back. A :class:`Snapsho
 ``keep`` of them and owns both directions: :meth:`~SnapshotStore.capture` takes the state of a fit,
 :meth:`~SnapshotStore.restore` loads one back into it. Where the tensors live is the implementation's:
 
-- :class:`MemoryStore`: preallocated CPU memory (``copy_``, no allocation in steady state);
-- :class:`DiskStore`: one atomically written file per snapshot (``torch.save``, ``fsync``, rename).
+- :class:`MemoryStore`: preallocated CPU memory (``copy_``, no allocation in steady state; from CUDA, pinned
+  memory filled on a side stream that the host never waits for on a healthy step: :mod:`.device_copy`);
+- :class:`DiskStore`: one atomically written file per snapshot (``torch.save``, ``fsync``, rename), written by a
+  background thread (:mod:`.writer`) from a host copy taken on the step like the memory store's;
+- :class:`~.sharded.ShardedStore`: under a replicated strategy (DDP), each rank keeps only its share of every
+  snapshot, in a memory or disk store, and a read rebuilds the whole state from every rank's share.
 
-A new store (e.g. one that shards the state of a replicated strategy across ranks) implements ``_keep``,
-``load`` and ``_forget``.
+A new store implements ``_keep``, ``load`` and ``_forget``.
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 
 from ..detect.amp import grad_scaler
+from ..errors import SnapshotWriteWarning
 from ..layouts import copy_to_cpu, is_strided, load_module_state, nbytes
-from ..tree import flatten, unflatten
+from ..tree import flatten, slot, unflatten
+from .device_copy import DeviceCopy
+from .writer import SnapshotWriter, Write, write_atomic
 
 __all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state",
-           "load_training_state", "restorable_scaler_state"]
+           "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms"]
 
 
 def training_state(trainer: Any, pl_module: Any) -> dict[str, Any]:
@@ -67,6 +74,10 @@ def load_training_state(trainer: Any, pl_module: Any, state: dict[str, Any], sca
         scaler.load_state_dict(restorable_scaler_state(state["scaler"], scaler.get_scale(), scaler_overflows))
 
 
+
+Norms = Callable[[Iterable[Tensor]], list[float]]  # tensors -> their 2-norms (the diagnosis' own function)
+
+
 @dataclass
 class Snapshot:
     """Known-good training state at ``step``: where its tensors are (the store's business) and the guard's meta
@@ -77,41 +88,83 @@ class Snapshot:
     tensors: list[Tensor] = field(default_factory=list)
     path: Optional[Path] = None
     meta: dict[str, Any] = field(default_factory=dict)
-    nbytes: int = 0
+    nbytes: int = 0  # the bytes this process holds for it (its share under a ShardedStore)
+    total_nbytes: int = 0  # the bytes of the whole state
+    write: Optional[Write] = None  # its file, while a DiskStore's writer thread may still be writing it
+    failed: Optional[str] = None  # why it could not be kept (a failed write): never a rollback target
+    share: Optional["Snapshot"] = None  # ShardedStore: this rank's share, kept by the inner store
+    norms: Optional[dict[str, float]] = None  # 2-norms of the module's floating tensors, once computed
+    plan: Any = None  # ShardedStore: which rank keeps which tensor
+
+
+def written_by_forward(skeleton: Any, names: Optional[Iterable[str]]) -> Optional[set[int]]:
+    """The flat indices (:func:`~..tree.flatten`) of the module entries ``names`` (its buffers: what a forward or
+    a hook writes, not an optimizer step); None when not known (then every tensor counts as one)."""
+    if names is None:
+        return None
+    module = skeleton.get("module") if isinstance(skeleton, Mapping) else None
+    if not isinstance(module, Mapping):
+        return set()
+    return {i for i in (slot(module.get(n)) for n in names) if i is not None}
 
 
 class SnapshotStore:
-    """A ring of the newest ``keep`` known-good states of a fit (module docstring)."""
+    """A ring of the newest ``keep`` known-good states of a fit (module docstring).
+
+    Attributes:
+        failures: ``{"step", "path", "error"}`` of each snapshot that could not be kept (a failed write); such a
+            snapshot is never a rollback target.
+        waits: reads that had to wait for a write still in flight.
+        collective: reading a snapshot is a collective (:class:`~.sharded.ShardedStore`): every rank must make
+            the same reads (``load``, ``restore``, ``settle``, ``prepare_norms``) in the same order.
+    """
+
+    mode = ""
+    collective = False
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
         self.ring: deque[Snapshot] = deque()
         self._spare: list[Snapshot] = []  # evicted snapshots, reused by the next capture
+        self.failures: list[dict[str, Any]] = []
+        self._waits = 0
+        self._copier: Optional[DeviceCopy] = None  # device-to-host copies on a side stream (CUDA only)
 
     def __len__(self) -> int:
         return len(self.ring)
+
+    @property
+    def waits(self) -> int:
+        return self._waits
 
     @property
     def newest(self) -> Optional[Snapshot]:
         return self.ring[-1] if self.ring else None
 
     def newest_before(self, step: int) -> Optional[Snapshot]:
-        """The newest snapshot taken at or before ``step``, or None."""
-        return next((snap for snap in reversed(self.ring) if snap.step <= step), None)
+        """The newest snapshot taken at or before ``step`` that was kept (not failed), or None."""
+        return next((snap for snap in reversed(self.ring) if snap.step <= step and not snap.failed), None)
 
     def capture(self, trainer: Any, pl_module: Any, step: int, meta: dict[str, Any]) -> Snapshot:
         """Keep the fit's state now (:func:`training_state`) as the newest snapshot, evicting the oldest."""
-        return self.take(step, training_state(trainer, pl_module), meta)
+        buffers = [name for name, _ in pl_module.named_buffers()]
+        return self.take(step, training_state(trainer, pl_module), meta, buffers=buffers)
 
-    def take(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> Snapshot:
-        """Keep ``state`` (live tensors, copied here) as the newest snapshot, evicting the oldest."""
+    def take(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+             buffers: Optional[Iterable[str]] = None) -> Snapshot:
+        """Keep ``state`` (live tensors, copied here) as the newest snapshot, evicting the oldest. ``buffers``: the
+        names of ``state["module"]``'s entries that code other than an optimizer step writes (copied first from a
+        device, and waited for on the device at once; see :mod:`.device_copy`); None: not known (all of them)."""
+        self.poll()
+        skeleton, live = flatten(state)
+        first = written_by_forward(skeleton, buffers)
         while len(self.ring) >= self.keep:  # evict first, so that at most `keep` copies ever exist
             old = self.ring.popleft()
             self._forget(old)
             self._spare.append(old)
         snap = self._spare.pop() if self._spare else Snapshot(step=step)
-        snap.step, snap.meta = step, dict(meta)
-        self._keep(snap, state)
+        snap.step, snap.meta, snap.failed, snap.norms = step, dict(meta), None, None
+        self._keep(snap, skeleton, live, first)
         self.ring.append(snap)
         return snap
 
@@ -126,13 +179,106 @@ class SnapshotStore:
             self._forget(snap)
             self._spare.append(snap)
 
+    def load_module(self, snap: Snapshot) -> dict[str, Any]:
+        """The module state dict of ``snap`` (fresh tensors)."""
+        return self.load(snap)["module"]
+
+    def prepare_norms(self, norms: Norms) -> None:
+        """Drop the snapshots that could not be kept (:meth:`settle`), and make :meth:`module_norms` answerable for
+        every other snapshot of the ring (a collective under a :class:`~.sharded.ShardedStore`; here the norms are
+        computed when asked)."""
+        self.settle()
+
+    def module_norms(self, snap: Snapshot, norms: Norms) -> Optional[dict[str, float]]:
+        """2-norms of the floating module tensors of ``snap`` by name (computed once per snapshot with
+        ``norms``), or None where they cannot be had without a collective."""
+        if snap.norms is None:
+            module = self.load_module(snap)
+            named = [(n, t) for n, t in module.items() if isinstance(t, Tensor) and is_strided(t)
+                     and t.is_floating_point()]
+            snap.norms = dict(zip([n for n, _ in named], norms(t for _, t in named)))
+        return snap.norms
+
+    # ------------------------------------------------------------------------------- writes and device copies
+
+    def poll(self) -> None:
+        """Report the writes that failed since the last look (a warning; :attr:`failures`), without waiting."""
+        for snap in list(self.ring):
+            self._check(snap, wait=False)
+
+    def flush(self) -> None:
+        """Wait for every copy and write in flight, and report the ones that failed."""
+        if self._copier is not None:
+            self._copier.wait()
+        for snap in list(self.ring):
+            self._check(snap, wait=True)
+
+    def _check(self, snap: Snapshot, wait: bool) -> None:
+        """Is ``snap``'s write done (waited for with ``wait``)? Then report it if it failed (a store that writes)."""
+
+    def settle(self) -> None:
+        """Before a snapshot is chosen as a rollback target: :meth:`flush`, then drop the snapshots that could not
+        be kept from the ring (collective under a :class:`~.sharded.ShardedStore`)."""
+        self.flush()
+        self._drop_failed()
+
+    def close(self) -> None:
+        """End of fit (or an exception): :meth:`flush`, and end the writer thread."""
+        self.flush()
+
+    def before_optimizer_step(self) -> None:
+        """An optimizer step is about to write the weights and its state: it waits, on the device, for the copies
+        (CUDA)."""
+        if self._copier is not None:
+            self._copier.before_optimizer_step()
+
+    def _drop_failed(self) -> None:
+        for snap in [s for s in self.ring if s.failed]:
+            self.ring.remove(snap)
+            self._forget(snap)
+            self._spare.append(snap)
+
+    def _report(self, snap: Snapshot, path: Optional[Path], error: str) -> None:
+        snap.failed = error
+        self.failures.append({"step": snap.step, "path": None if path is None else str(path), "error": error})
+        warnings.warn(f"[nanguard] the snapshot of step {snap.step} could not be written ({error}); no file was left "
+                      f"at {path}, and it is no rollback target", SnapshotWriteWarning, stacklevel=3)
+
+    def _host_copy(self, buffers: list[Tensor], live: list[Tensor],
+                   first: Optional[set[int]]) -> tuple[list[Tensor], Optional[Any]]:
+        """Copy ``live`` into the host ``buffers`` (allocated again only where the shapes changed; pinned for CUDA
+        tensors): CPU tensors with ``copy_``, CUDA ones queued on the side stream (the host does not wait), the
+        ``first`` indices first. Returns the buffers and the event after the device copies (None: none)."""
+        same = len(buffers) == len(live) and all(
+            (a.shape == b.shape and a.dtype == b.dtype) if is_strided(b) else not is_strided(a)
+            for a, b in zip(buffers, live))
+        if not same:
+            pin = any(t.is_cuda for t in live) and torch.cuda.is_available()
+            buffers = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) if is_strided(t)
+                       else t for t in live]  # sparse tensors are copied below, in their own layout
+        early: list[tuple[Tensor, Tensor]] = []
+        late: list[tuple[Tensor, Tensor]] = []
+        for i, (dst, src) in enumerate(zip(buffers, live)):
+            if not is_strided(src):  # a sparse buffer: a fresh copy (its number of stored elements may change)
+                buffers[i] = copy_to_cpu(src)
+            elif src.is_cuda:
+                (early if first is None or i in first else late).append((dst, src))
+            else:
+                dst.copy_(src)
+        if not early and not late:
+            return buffers, None
+        if self._copier is None:
+            self._copier = DeviceCopy()
+        return buffers, self._copier.start(early, late)
+
     # ------------------------------------------------------------------------- what an implementation does
 
-    def _keep(self, snap: Snapshot, state: dict[str, Any]) -> None:
-        """Copy ``state`` into ``snap`` (set ``snap.nbytes``)."""
+    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
+        """Copy the tensors ``live`` of a state flattened into ``skeleton`` (:func:`~..tree.flatten`) into ``snap``
+        (set ``snap.nbytes`` and ``snap.total_nbytes``); ``first``: see :meth:`_host_copy`."""
         raise NotImplementedError
 
-    def load(self, snap: Snapshot) -> dict[str, Any]:
+    def load(self, snap: Snapshot) -> Any:
         """The snapshot's state as fresh tensors (never aliasing the snapshot)."""
         raise NotImplementedError
 
@@ -143,72 +289,127 @@ class SnapshotStore:
 class MemoryStore(SnapshotStore):
     """Snapshots in preallocated CPU memory.
 
-    Taking a snapshot copies into buffers allocated on first use (``copy_``, no allocation in steady
-    state); restoring clones again, so neither the live objects nor the snapshot alias each other. Sparse
-    tensors (a graph's adjacency buffer) are copied in their own layout.
+    Taking a snapshot copies into buffers allocated on first use (``copy_``, no allocation in steady state);
+    restoring clones again, so neither the live objects nor the snapshot alias each other. Sparse tensors (a
+    graph's adjacency buffer) are copied in their own layout. From CUDA the buffers are pinned and filled on a
+    side stream (:mod:`.device_copy`); a read waits for the copies.
     """
 
     mode = "memory"
 
-    def _keep(self, snap: Snapshot, state: dict[str, Any]) -> None:
-        snap.skeleton, live = flatten(state)
-        same = len(snap.tensors) == len(live) and all(
-            (a.shape == b.shape and a.dtype == b.dtype) if is_strided(b) else not is_strided(a)
-            for a, b in zip(snap.tensors, live))
-        if not same:
-            pin = any(t.is_cuda for t in live) and torch.cuda.is_available()
-            snap.tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) if is_strided(t)
-                            else t for t in live]  # sparse tensors are copied below, in their own layout
-        non_blocking = any(t.is_cuda for t in live)
-        for i, (dst, src) in enumerate(zip(snap.tensors, live)):
-            if is_strided(src):
-                dst.copy_(src, non_blocking=non_blocking)
-            else:  # a sparse buffer: a fresh copy (its number of stored elements may change)
-                snap.tensors[i] = copy_to_cpu(src)
-        if non_blocking:
-            torch.cuda.synchronize()
-        snap.nbytes = sum(nbytes(t) for t in snap.tensors)
+    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
+        snap.skeleton = skeleton
+        snap.tensors, _ = self._host_copy(snap.tensors, live, first)
+        snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in snap.tensors)
 
-    def load(self, snap: Snapshot) -> dict[str, Any]:
+    def load(self, snap: Snapshot) -> Any:
+        if self._copier is not None:
+            self._copier.wait()
         return unflatten(snap.skeleton, snap.tensors, clone=True)
 
 
+class _Staging:
+    """Host buffers that one write at a time reads from."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.write: Optional[Write] = None
+
+
 class DiskStore(SnapshotStore):
-    """Snapshots as files in ``directory``: written to a temporary name, fsynced, then renamed."""
+    """Snapshots as files in ``directory``: written to a temporary name, fsynced, then renamed.
+
+    The step copies the state into preallocated host buffers (as :class:`MemoryStore` does) and hands them to a
+    writer thread (:class:`~.writer.SnapshotWriter`), which saves, fsyncs and renames the file while training
+    goes on. ``depth`` sets of buffers bound the writes in flight: a snapshot due while they are all being
+    written waits for the oldest. Reading a snapshot whose write is in flight waits for it (:attr:`waits`); a
+    failed write leaves no file, is reported (:class:`~..errors.SnapshotWriteWarning`, :attr:`failures`) and is
+    never a rollback target. ``background=False`` writes on the step, from the live tensors (the behaviour before
+    the writer thread).
+    """
 
     mode = "disk"
 
-    def __init__(self, keep: int = 2, directory: Optional[Path] = None) -> None:
+    def __init__(self, keep: int = 2, directory: Optional[Path] = None, background: bool = True,
+                 depth: int = 1) -> None:
         super().__init__(keep)
         if directory is None:
             raise ValueError("disk snapshots need a directory")
         self.directory = Path(directory)
+        self.writer: Optional[SnapshotWriter] = SnapshotWriter() if background else None
+        self._staging = [_Staging() for _ in range(max(1, depth))]
+        self._turn = 0
 
-    def _keep(self, snap: Snapshot, state: dict[str, Any]) -> None:
+    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"snapshot-step{snap.step}.pt"
-        tmp = path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        snap.path = path
-        snap.nbytes = path.stat().st_size
+        snap.path = path = self.directory / f"snapshot-step{snap.step}.pt"
+        snap.write = None
+        if self.writer is None:
+            write_atomic(unflatten(skeleton, live), path)
+            snap.nbytes = snap.total_nbytes = path.stat().st_size
+            return
+        staging = self._staging[self._turn]
+        self._turn = (self._turn + 1) % len(self._staging)
+        if staging.write is not None:
+            staging.write.wait()  # the bound on writes in flight: these buffers are still being written
+        staging.tensors, event = self._host_copy(staging.tensors, live, first)
+        tensors = list(staging.tensors)
+        snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in tensors)
+        copier = self._copier
+        before = (lambda: copier.backend.synchronize(event)) if event is not None and copier is not None else None
+        snap.write = staging.write = self.writer.submit(path, lambda: unflatten(skeleton, tensors), before)
 
-    def load(self, snap: Snapshot) -> dict[str, Any]:
+    def load(self, snap: Snapshot) -> Any:
+        self._check(snap, wait=True)
+        if snap.failed:
+            raise RuntimeError(f"the snapshot of step {snap.step} was not written ({snap.failed})")
         assert snap.path is not None
         return torch.load(snap.path, map_location="cpu", weights_only=False)
 
     def _forget(self, snap: Snapshot) -> None:
-        if snap.path is not None:
-            snap.path.unlink(missing_ok=True)
-            snap.path = None
+        # its write is done by now in practice (the oldest snapshot; the staging buffers wait for it anyway)
+        self._check(snap, wait=True)
+        if snap.path is not None and not snap.failed:  # a failed write left nothing of ours at its path
+            if self.writer is not None:
+                self.writer.remove(snap.path)  # freeing a large file's blocks: on the writer thread
+            else:
+                snap.path.unlink(missing_ok=True)
+        snap.path = None
+
+    def _check(self, snap: Snapshot, wait: bool) -> None:
+        """Done with ``snap``'s write (waiting for it with ``wait``)? Then report a failure and forget it."""
+        write = snap.write
+        if write is None:
+            return
+        if wait and write.wait():
+            self._waits += 1
+        if write.done:
+            snap.write = None
+            if write.error is not None and not snap.failed:
+                self._report(snap, write.path, write.error)
+
+    def flush(self) -> None:
+        super().flush()
+        if self.writer is not None:
+            self.writer.drain()  # the deletions of evicted files too
+
+    def close(self) -> None:
+        self.flush()
+        if self.writer is not None:
+            self.writer.close()
 
 
-def make_store(mode: str, keep: int, directory: Optional[Path] = None) -> SnapshotStore:
-    """The store for ``recovery.snapshot`` (``memory`` or ``disk``)."""
+def make_store(mode: str, keep: int, directory: Optional[Path] = None, shards: int = 1, rank: int = 0) -> SnapshotStore:
+    """The store for ``recovery.snapshot`` (``memory`` or ``disk``); ``shards > 1``: a replicated strategy's
+    ``shards`` ranks each keep their share (:class:`~.sharded.ShardedStore`, this process being ``rank``)."""
     if mode == "memory":
-        return MemoryStore(keep)
-    if mode == "disk":
-        return DiskStore(keep, directory)
-    raise ValueError(f"snapshot mode must be 'memory' or 'disk', got {mode!r}")
+        store: SnapshotStore = MemoryStore(keep)
+    elif mode == "disk":
+        store = DiskStore(keep, directory)
+    else:
+        raise ValueError(f"snapshot mode must be 'memory' or 'disk', got {mode!r}")
+    if shards > 1:
+        from .sharded import ShardedStore  # it builds on this module
+
+        return ShardedStore(store, shards, rank)
+    return store

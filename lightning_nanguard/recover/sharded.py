@@ -1,0 +1,315 @@
+"""A replicated strategy's snapshots split across ranks: each rank keeps 1/N of every snapshot.
+
+Under DDP every rank holds the same weights and optimizer state, so N full copies of a snapshot are N - 1 too
+many. :class:`ShardPlan` gives every tensor of the flattened state (:func:`~..tree.flatten`) one owner, balanced by
+bytes (largest first, to the rank holding least; ties to the lower index and rank). It is computed from the
+shapes and dtypes alone, so every rank computes the same plan without a word. The module's buffers go to rank 0,
+the rank DDP broadcasts buffers from at every forward: after a rollback every rank holds rank 0's buffers, which is
+what the next forward would give them anyway. Tensors that are not strided (a sparse buffer) are kept by every
+rank.
+
+:class:`ShardedStore` keeps this rank's share in an inner store (:class:`~.snapshots.MemoryStore`, or
+:class:`~.snapshots.DiskStore`: each rank writes only its share, to its own file) and rebuilds the whole state on
+every rank when a snapshot is read: for each owner, one ``broadcast`` per bucket of its tensors' bytes
+(:data:`BUCKET_BYTES` at most) on the default process group (on the CPU with gloo, through the device with NCCL).
+Taking a snapshot issues no collective. Reading one is a collective, on the incident path only: every rank must
+read the same snapshots in the same order, as the guard's incident path does (it runs on every rank, in lockstep).
+
+The diagnosis reads an older snapshot's module weights only through their 2-norms (:meth:`ShardedStore.module_norms`):
+:meth:`ShardedStore.prepare_norms`, called on every rank before an incident's diagnosis, has each rank compute the
+norms of the module tensors it owns and one ``all_reduce`` of a float64 vector shares them, once per snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Collection, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..layouts import is_strided, nbytes
+from ..tree import flatten, iter_leaves, slot, unflatten
+from .snapshots import Norms, Snapshot, SnapshotStore
+
+__all__ = ["ShardPlan", "ShardedStore", "EVERY_RANK", "BUCKET_BYTES"]
+
+EVERY_RANK = -1  # the owner of a tensor that every rank keeps
+BUCKET_BYTES = 256 * 2**20  # the largest broadcast of a rebuild: its transient memory on top of the state's
+_ALIGN = 64  # tensors start at this byte offset in a bucket (any dtype can view its bytes there)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which rank keeps which tensor of a flattened state.
+
+    Attributes:
+        owners: the owning rank of each tensor, or :data:`EVERY_RANK`.
+        loads: the bytes each rank keeps (tensors kept by every rank not counted).
+    """
+
+    owners: tuple[int, ...]
+    loads: tuple[int, ...]
+
+    @classmethod
+    def balance(cls, sizes: Sequence[int], world: int, to_first: Collection[int] = (),
+                everywhere: Collection[int] = ()) -> "ShardPlan":
+        """Owners for tensors of ``sizes`` bytes over ``world`` ranks: ``to_first`` to rank 0, ``everywhere`` to
+        every rank, the rest largest first to the rank that holds least so far. Every rank but one then holds
+        within one tensor's size of ``total / world``."""
+        owners = [EVERY_RANK] * len(sizes)
+        loads = [0] * world
+        for i in sorted(set(to_first) - set(everywhere)):
+            owners[i] = 0
+            loads[0] += sizes[i]
+        rest = sorted((i for i in range(len(sizes)) if i not in everywhere and i not in to_first),
+                      key=lambda i: (-sizes[i], i))
+        for i in rest:
+            rank = min(range(world), key=lambda r: (loads[r], r))
+            owners[i] = rank
+            loads[rank] += sizes[i]
+        return cls(tuple(owners), tuple(loads))
+
+    def owned(self, rank: int) -> list[int]:
+        """The indices ``rank`` keeps (its own and those every rank keeps), in order."""
+        return [i for i, owner in enumerate(self.owners) if owner in (rank, EVERY_RANK)]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A snapshot's tensors as the plan sees them: their shapes and dtypes, and this rank's share."""
+
+    plan: ShardPlan
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    mine: tuple[int, ...]  # the flat indices of this rank's share, in the share's order
+
+    def nbytes(self, i: int) -> int:
+        return _numel(self.shapes[i]) * _itemsize(self.dtypes[i])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _bytes_of(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class ShardedStore(SnapshotStore):
+    """Each of ``world_size`` ranks keeps its share of every snapshot in ``inner`` (module docstring).
+
+    Attributes:
+        inner: the store of this rank's shares (memory or disk).
+        world_size, rank: the ranks of the default process group, and this one.
+    """
+
+    collective = True
+
+    def __init__(self, inner: SnapshotStore, world_size: int, rank: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+        super().__init__(inner.keep)
+        self.inner = inner
+        self.mode = inner.mode
+        self.world_size, self.rank = int(world_size), int(rank)
+        self.bucket_bytes = int(bucket_bytes)
+        self.failures = inner.failures  # one list: the inner store reports its failed writes there
+        self._layout_key: Any = None
+        self._layout: Optional[_Layout] = None
+
+    @property
+    def waits(self) -> int:
+        return self.inner.waits
+
+    # ------------------------------------------------------------------------------------------ keeping
+
+    def _plan(self, live: list[Tensor], first: Optional[set[int]]) -> _Layout:
+        key = (tuple((tuple(t.shape), t.dtype, is_strided(t)) for t in live), frozenset(first or ()))
+        if key != self._layout_key or self._layout is None:
+            sizes = [nbytes(t) for t in live]
+            everywhere = {i for i, t in enumerate(live) if not is_strided(t)}
+            plan = ShardPlan.balance(sizes, self.world_size, to_first=first or (), everywhere=everywhere)
+            self._layout = _Layout(plan, tuple(tuple(t.shape) for t in live), tuple(t.dtype for t in live),
+                                   tuple(plan.owned(self.rank)))
+            self._layout_key = key
+        return self._layout
+
+    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
+        layout = self._plan(live, first)
+        share = snap.share if snap.share is not None else Snapshot(step=snap.step)
+        share.step, share.failed, share.meta = snap.step, None, {}
+        share_skeleton, share_live = flatten([live[i] for i in layout.mine])
+        share_first = None if first is None else {j for j, i in enumerate(layout.mine) if i in first}
+        self.inner._keep(share, share_skeleton, share_live, share_first)
+        snap.share, snap.skeleton, snap.plan = share, skeleton, layout
+        snap.nbytes = share.nbytes
+        snap.total_nbytes = sum(nbytes(t) for t in live)
+
+    def _forget(self, snap: Snapshot) -> None:
+        if snap.share is not None:
+            self.inner._forget(snap.share)
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    def load(self, snap: Snapshot) -> Any:
+        """The whole state of ``snap``, on every rank (a collective: broadcasts from each owner)."""
+        layout: _Layout = snap.plan
+        tensors = self._rebuild(snap, range(len(layout.shapes)))
+        return unflatten(snap.skeleton, tensors)
+
+    def load_module(self, snap: Snapshot) -> dict[str, Any]:
+        """The module state dict of ``snap``, on every rank (a collective: only the module's tensors move)."""
+        module = snap.skeleton["module"]
+        wanted = [i for _, leaf in iter_leaves(module) if (i := slot(leaf)) is not None]
+        return unflatten(module, self._rebuild(snap, wanted))
+
+    def _own(self, snap: Snapshot) -> dict[int, Tensor]:
+        """This rank's share of ``snap`` (fresh tensors), by flat index."""
+        if snap.failed:
+            raise RuntimeError(f"the snapshot of step {snap.step} was not kept ({snap.failed})")
+        assert snap.share is not None
+        layout: _Layout = snap.plan
+        return dict(zip(layout.mine, self.inner.load(snap.share)))
+
+    def _rebuild(self, snap: Snapshot, wanted: Sequence[int]) -> list[Optional[Tensor]]:
+        """The tensors ``wanted`` of ``snap`` (flat indices; None elsewhere), on every rank: each owner broadcasts
+        its own, packed as bytes into buckets of at most ``bucket_bytes``."""
+        layout: _Layout = snap.plan
+        owners = layout.plan.owners
+        own = self._own(snap)
+        out: list[Optional[Tensor]] = [None] * len(layout.shapes)
+        device = self._device()
+        for i in wanted:
+            if owners[i] in (EVERY_RANK, self.rank):
+                out[i] = own[i]
+            elif layout.nbytes(i) == 0:
+                out[i] = torch.empty(layout.shapes[i], dtype=layout.dtypes[i])
+        for owner in range(self.world_size):
+            moving = [i for i in sorted(set(wanted)) if owners[i] == owner and layout.nbytes(i) > 0]
+            for bucket, offsets, total in self._buckets(layout, moving):
+                buf = torch.empty(total, dtype=torch.uint8, device=device)
+                if owner == self.rank:
+                    for i, off in zip(bucket, offsets):
+                        buf[off:off + layout.nbytes(i)].copy_(_bytes_of(own[i]))
+                dist.broadcast(buf, src=owner)
+                if owner == self.rank:
+                    continue
+                host = buf.cpu()
+                for i, off in zip(bucket, offsets):
+                    out[i] = host[off:off + layout.nbytes(i)].view(layout.dtypes[i]).reshape(layout.shapes[i]).clone()
+        return out
+
+    def _buckets(self, layout: _Layout, indices: list[int]) -> list[tuple[list[int], list[int], int]]:
+        """``indices`` packed in order into buckets: ``(indices, byte offsets, total bytes)``."""
+        buckets: list[tuple[list[int], list[int], int]] = []
+        cur: list[int] = []
+        offs: list[int] = []
+        total = 0
+        for i in indices:
+            size = layout.nbytes(i)
+            if cur and total + size > self.bucket_bytes:
+                buckets.append((cur, offs, total))
+                cur, offs, total = [], [], 0
+            cur.append(i)
+            offs.append(total)
+            total = -(-(total + size) // _ALIGN) * _ALIGN
+        if cur:
+            buckets.append((cur, offs, total))
+        return buckets
+
+    def _device(self) -> torch.device:
+        """Where the broadcasts go: the CPU for gloo (and MPI), the current CUDA device for NCCL."""
+        backend = str(dist.get_backend())
+        if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    # --------------------------------------------------------------------------------- norms for the diagnosis
+
+    def prepare_norms(self, norms: Norms) -> None:
+        """Every snapshot of the ring gets the 2-norms of its module's floating tensors: each rank computes those of
+        the tensors it owns, into one float64 vector with zeros elsewhere, and one ``all_reduce`` (a sum: exact)
+        completes it on every rank. Nothing when every snapshot has them already (the same on every rank: the ring
+        is, once :meth:`settle` has dropped the snapshots some rank could not keep)."""
+        self.settle()
+        need = [s for s in self.ring if s.norms is None]
+        if not need:
+            return
+        entries: list[tuple[int, str, int]] = []  # (snapshot, name, flat index): the same list on every rank
+        for k, snap in enumerate(need):
+            layout: _Layout = snap.plan
+            for name, leaf in snap.skeleton["module"].items():
+                i = slot(leaf)
+                if i is not None and layout.dtypes[i].is_floating_point and layout.plan.owners[i] != EVERY_RANK:
+                    entries.append((k, name, i))
+        values = torch.zeros(len(entries), dtype=torch.float64)
+        for k, snap in enumerate(need):
+            mine = [(j, i) for j, (kk, _, i) in enumerate(entries) if kk == k and snap.plan.plan.owners[i] == self.rank]
+            if mine:
+                own = self._own(snap)
+                for (j, _), value in zip(mine, norms(own[i] for _, i in mine)):
+                    values[j] = value
+        values = values.to(self._device())
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        found = values.tolist()
+        for snap in need:
+            snap.norms = {}
+        for (k, name, _), value in zip(entries, found):
+            need[k].norms[name] = value  # type: ignore[index]
+
+    def module_norms(self, snap: Snapshot, norms: Norms) -> Optional[dict[str, float]]:
+        """The norms :meth:`prepare_norms` gathered (None if it was not called for ``snap``: never a collective
+        here, where only some ranks may ask)."""
+        return snap.norms
+
+    # --------------------------------------------------------------------------- writes and device copies
+
+    def poll(self) -> None:
+        for snap in list(self.ring):
+            if snap.share is not None:
+                self.inner._check(snap.share, wait=False)
+        self._failed_shares()
+
+    def flush(self) -> None:
+        if self.inner._copier is not None:
+            self.inner._copier.wait()
+        for snap in list(self.ring):
+            if snap.share is not None:
+                self.inner._check(snap.share, wait=True)
+        writer = getattr(self.inner, "writer", None)
+        if writer is not None:
+            writer.drain()  # the deletions of evicted files too
+        self._failed_shares()
+
+    def settle(self) -> None:
+        """:meth:`flush`, then agree across ranks which snapshots every rank kept its share of (one ``all_reduce``,
+        disk only: a write can fail on one rank), and drop the others from the ring on every rank."""
+        self.flush()
+        if self.inner.mode == "disk" and self.ring:
+            kept = torch.tensor([0 if s.failed else 1 for s in self.ring], dtype=torch.int32, device=self._device())
+            dist.all_reduce(kept, op=dist.ReduceOp.MIN)
+            for snap, ok in zip(list(self.ring), kept.tolist()):
+                if not ok and not snap.failed:
+                    self._report(snap, None, "another rank's share could not be written")
+        self._drop_failed()
+
+    def close(self) -> None:
+        self.flush()
+        self.inner.close()
+
+    def before_optimizer_step(self) -> None:
+        self.inner.before_optimizer_step()
+
+    def _failed_shares(self) -> None:
+        """This rank's share could not be written: the snapshot is not whole (decided for all ranks in
+        :meth:`settle`)."""
+        for snap in self.ring:
+            if snap.share is not None and snap.share.failed and not snap.failed:
+                snap.failed = snap.share.failed

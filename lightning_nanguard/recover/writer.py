@@ -1,0 +1,131 @@
+"""Snapshot files written off the training thread: one writer thread, atomic files.
+
+:func:`write_atomic` is how a snapshot file is written (``torch.save`` to a temporary name, ``fsync``, rename):
+a reader finds the whole file or none, and a failed write removes its temporary file. :class:`SnapshotWriter`
+runs such writes, and the deletion of evicted snapshots' files, on one background thread, in the order they were
+submitted; each write is a :class:`Write` that the training thread can wait for (a rollback to that snapshot, the
+end of fit) and that says why it failed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["Write", "SnapshotWriter", "write_atomic"]
+
+
+def write_atomic(obj: Any, path: Path) -> None:
+    """``torch.save(obj)`` to ``path``: a temporary file, fsynced, then renamed; on failure the temporary file is
+    removed and the error raised (``path`` is never half written)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # not a file of ours (a folder in its way): leave it
+            pass
+        raise
+
+
+class Write:
+    """One file being written by a :class:`SnapshotWriter`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.error: Optional[str] = None  # why it failed ("PicklingError: ..."), once done
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> bool:
+        """Wait until the file is written or the write failed; True if it had to wait."""
+        if self._done.is_set():
+            return False
+        self._done.wait()
+        return True
+
+
+class SnapshotWriter:
+    """One background thread writing snapshot files in the order they were submitted.
+
+    ``submit`` hands over ``build`` (called on the writer thread: what to save; it must read only memory the
+    training thread leaves alone until the write is done), ``before`` (e.g. wait for the device copies it reads)
+    and ``after`` (called whatever happened). The thread starts with the first write and ends at :meth:`close`
+    (a later write starts it again).
+    """
+
+    def __init__(self) -> None:
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def running(self) -> bool:
+        """The writer thread is alive (between the first write and :meth:`close`)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, path: Path, build: Callable[[], Any], before: Optional[Callable[[], None]] = None,
+               after: Optional[Callable[[], None]] = None) -> Write:
+        write = Write(path)
+        self._put((write, build, before, after))
+        return write
+
+    def remove(self, path: Path) -> None:
+        """Delete ``path`` on the writer thread, after the writes submitted before (freeing a large file's blocks
+        takes milliseconds that the step should not wait for)."""
+        self._put(path)
+
+    def _put(self, job: Any) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="nanguard-snapshot-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            if isinstance(job, Path):
+                try:
+                    job.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                self._queue.task_done()
+                continue
+            write, build, before, after = job
+            try:
+                if before is not None:
+                    before()
+                write_atomic(build(), write.path)
+            except BaseException as exc:  # noqa: BLE001  (reported by the training thread; never half a file)
+                write.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                if after is not None:
+                    after()
+                write._done.set()
+                self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every write and deletion submitted so far is done."""
+        if self.running:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Finish the writes submitted so far, then end the thread."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._thread = None

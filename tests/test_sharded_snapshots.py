@@ -1,0 +1,125 @@
+"""Sharded snapshots on real DDP (gloo, CPU), 2 and 4 processes: each rank keeps 1/N of every snapshot.
+
+One spawned run per world size (tests/ddp_scripts/ddp_snapshots.py, ~10-30 s) holds two tiny fits, memory and disk
+snapshots. Rank 1 alone sees three NaN losses in a row; the third rolls back on every rank. The run's probe keeps
+an unsharded copy of every snapshot (the single-process MemoryStore) to compare the rollback with.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent / "ddp_scripts" / "ddp_snapshots.py"
+MODES = ("memory", "disk")
+
+
+def _spawn(out: Path, world: int) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MASTER_PORT", None)  # Lightning picks a free port
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(world)], env=env, cwd=str(out),
+                          capture_output=True, text=True, timeout=300)  # a hang (a collective mismatch) fails here
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"snapshots-rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def sharded_run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"sharded{request.param}")
+    return request.param, out, _spawn(out, request.param)
+
+
+@pytest.mark.slow  # one spawned run per world size: ~10 s with 2 ranks, ~20 s with 4 on two cores
+@pytest.mark.ddp
+def test_a_sharded_rollback_restores_every_rank_bitwise_like_the_unsharded_store(sharded_run):
+    world, _, ranks = sharded_run
+    for mode, restored in (("memory", 6), ("disk", 3)):  # disk: rank 1's share of step 6 was not written
+        runs = [r[mode] for r in ranks]
+        assert all(r["sharded"] and r["world_size"] == world for r in runs)
+        assert all(r["events"] == runs[0]["events"] for r in runs)  # same decisions everywhere
+        assert [e[0] for e in runs[0]["events"]] == [7, 8, 9] and "rollback" in runs[0]["events"][-1][2]
+        for r in runs:
+            (after,) = r["after_rollback"]
+            # the restored weights, Adam moments and step counts are the unsharded snapshot's, bitwise
+            assert after["restored_step"] == restored and after["same_as_unsharded"], (mode, r["rank"])
+        for key in ("weights", "optimizer"):  # and the same on every rank
+            first = runs[0]["after_rollback"][0][key]
+            assert all(len(r["after_rollback"][0][key]) == len(first) and all(
+                torch.equal(a, b) for a, b in zip(r["after_rollback"][0][key], first)) for r in runs), (mode, key)
+        assert all(all(torch.equal(a, b) for a, b in zip(r["final"], runs[0]["final"])) for r in runs)
+        assert len(runs[0]["checkpoints"]) == 2  # steps 5 and 10: checked on every rank alike, then written
+        # reading a snapshot after the fit rebuilds it on every rank, and the norms the diagnosis reads are the
+        # unsharded snapshot's, exactly
+        assert all(r["load_module_same"] and r["norms_set"] and all(r["norms_same"].values()) for r in runs), mode
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_each_rank_holds_a_1_over_n_share_of_every_snapshot(sharded_run):
+    world, _, ranks = sharded_run
+    for mode in MODES:
+        runs = [r[mode] for r in ranks]
+        largest = runs[0]["largest"]
+        steps = [s for s, _, _ in runs[0]["held"]]
+        assert all([s for s, _, _ in r["held"]] == steps for r in runs) and len(steps) == 3
+        for k, step in enumerate(steps):
+            held = [r["held"][k][1] for r in runs]
+            total = runs[0]["held"][k][2]
+            assert sum(held) == total  # every tensor has one owner
+            if step > 0:  # the full state (the optimizer has state from step 1 on)
+                assert all(abs(h - total / world) <= largest for h in held), (mode, step, held, total)
+                assert max(held) < total / world + largest and max(held) <= 0.55 * total
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_sharded_collectives_are_the_same_on_every_rank_and_only_on_incidents(sharded_run):
+    world, _, ranks = sharded_run
+    for mode in MODES:
+        runs = [r[mode] for r in ranks]
+        assert all(r["calls"] == runs[0]["calls"] for r in runs), mode  # same collectives, same order: no deadlock
+        rebuild = [c for c in runs[0]["calls"] if c[0] == "broadcast" and c[1] > 1000]
+        assert len(rebuild) == world  # the one rollback: one broadcast from each owner (one bucket each)
+        # the norms of the snapshots an incident has not seen (7 module tensors each) are summed once
+        norms = [n for name, n in runs[0]["calls"] if name == "all_reduce" and n not in (1, 3, 9) and n % 7 == 0
+                 and n >= 7]
+        snapshots = runs[0]["counters"]["snapshots"]
+        assert norms and sum(norms) // 7 <= snapshots, (mode, runs[0]["calls"])
+        # every other all_reduce: the step's evidence (9 numbers), the checkpoint and train-end weight checks (1),
+        # before each snapshot the replicas' agreement (3 numbers: their weights' checksum, finite weights) and, for
+        # disk snapshots, which snapshots every rank wrote (one flag per snapshot of the ring) on the incident path
+        others = [n for name, n in runs[0]["calls"] if name == "all_reduce" and n not in norms and n not in (1, 9)]
+        incidents = runs[0]["counters"]["incidents"]
+        if mode == "memory":
+            assert others == [3] * snapshots, (mode, others)
+        else:
+            assert all(n <= 3 for n in others) and others.count(3) >= snapshots, (mode, others)
+            assert len(others) - snapshots <= 2 * incidents, (mode, others)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_sharded_disk_snapshots_write_each_share_and_agree_on_a_failed_one(sharded_run):
+    world, out, ranks = sharded_run
+    runs = [r["disk"] for r in ranks]
+    for r in runs:
+        folder = out / "disk" / "nanguard" / "snapshots" / f"rank{r['rank']}"
+        steps = [s for s, _, _ in r["held"]]
+        assert 6 not in steps  # dropped on every rank, though only rank 1 failed to write it
+        assert all(f"snapshot-step{s}.pt" in r["files"] for s in steps)
+        assert not [f for f in r["files"] if f.endswith(".tmp")]  # no half file anywhere
+        for step, held, _ in r["held"]:  # each rank wrote only its share
+            share = torch.load(folder / f"snapshot-step{step}.pt", weights_only=False)
+            assert sum(t.numel() * t.element_size() for t in share) == held
+        assert [f["step"] for f in r["failures"]] == [6] and r["warned"], r["rank"]
+        if r["rank"] == 1:
+            assert "IsADirectoryError" in r["failures"][0]["error"]
+            assert (folder / "snapshot-step6.pt").is_dir()  # the obstacle, left alone
+        else:
+            assert "another rank" in r["failures"][0]["error"]
+            assert not (folder / "snapshot-step6.pt").exists()  # its share was written, then dropped
