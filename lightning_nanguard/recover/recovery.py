@@ -25,6 +25,7 @@ from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
 from .lr import current_lrs, scale_lr
 from .metrics import MetricUndo
+from .sharded import ShardedStore
 from .snapshots import Norms, Snapshot, SnapshotStore, make_store
 from .undo import BufferUndo, skip_step
 
@@ -108,8 +109,8 @@ class Recovery:
                 directory = directory / f"rank{trainer.global_rank}"
             replicated = (world > 1 and replicates(trainer.strategy, pl_module) and dist.is_available()
                           and dist.is_initialized() and dist.get_world_size() == world)
-            self.store = make_store(cfg.snapshot, cfg.keep_snapshots, directory,
-                                    shards=world if replicated else 1, rank=trainer.global_rank)
+            store = make_store(cfg.snapshot, cfg.keep_snapshots, directory)
+            self.store = ShardedStore(store, world, trainer.global_rank) if replicated else store
 
     def finish(self) -> None:
         """End of fit, or an exception: wait for the snapshot writes in flight (a failed one is reported) and end

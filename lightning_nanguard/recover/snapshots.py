@@ -399,17 +399,11 @@ class DiskStore(SnapshotStore):
             self.writer.close()
 
 
-def make_store(mode: str, keep: int, directory: Optional[Path] = None, shards: int = 1, rank: int = 0) -> SnapshotStore:
-    """The store for ``recovery.snapshot`` (``memory`` or ``disk``); ``shards > 1``: a replicated strategy's
-    ``shards`` ranks each keep their share (:class:`~.sharded.ShardedStore`, this process being ``rank``)."""
+def make_store(mode: str, keep: int, directory: Optional[Path] = None) -> SnapshotStore:
+    """The store for ``recovery.snapshot`` (``memory`` or ``disk``). (A replicated strategy's ranks each keep their
+    share of it: :class:`~.sharded.ShardedStore` wraps it.)"""
     if mode == "memory":
-        store: SnapshotStore = MemoryStore(keep)
-    elif mode == "disk":
-        store = DiskStore(keep, directory)
-    else:
-        raise ValueError(f"snapshot mode must be 'memory' or 'disk', got {mode!r}")
-    if shards > 1:
-        from .sharded import ShardedStore  # it builds on this module
-
-        return ShardedStore(store, shards, rank)
-    return store
+        return MemoryStore(keep)
+    if mode == "disk":
+        return DiskStore(keep, directory)
+    raise ValueError(f"snapshot mode must be 'memory' or 'disk', got {mode!r}")
