@@ -23,7 +23,7 @@ class Mutant:
 
 
 AREAS = ("detection", "ladder", "snapshots", "lr", "clipping", "spikes", "diagnosis", "events", "config",
-         "checkpoint", "divergence", "metrics", "sync", "compat")
+         "checkpoint", "divergence", "metrics", "sync", "compat", "ranks", "sparse", "amp")
 
 PKG = "lightning_nanguard/"
 CALLBACK = PKG + "callback.py"
@@ -54,6 +54,10 @@ REPLAY = PKG + "diagnose/replay.py"
 RECORDERS = PKG + "diagnose/recorders.py"
 LIGHTNING = PKG + "lightning.py"
 USAGE = PKG + "usage_errors.py"
+DIVERGENCE = PKG + "detect/divergence.py"
+FIND = PKG + "detect/find.py"
+DYNAMICS = PKG + "diagnose/dynamics.py"
+CLI = PKG + "report/cli.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------ detection
@@ -600,4 +604,510 @@ MUTANTS: list[Mutant] = [
     Mutant("detection", "det-weights-not-checked-every-step", EVIDENCE,
            "return self.check.parameters and not (self.check.loss and self.check.gradients)", "return False",
            "with check.loss or check.gradients off, a bad update is not caught at the next step"),
+    # ---- written from docs/ (issue 18 item 0) ----
+    # An independent audit: each mutant below was written from a promise of README.md, docs/ or CONTRACT.md
+    # (cited in its breaks text), without reading the tests.
+    # ------------------------------------------------------------------ sync: check.sync lagged / auto
+    Mutant("sync", "doc-lagged-event-step-number", INCIDENTS,
+           "event.step, event.epoch = late.step, late.epoch", "event.epoch = late.epoch",
+           "docs/performance.md (check.sync table): a lagged step is judged one step later 'with the step's own "
+           "number, epoch and batches'; here its event carries the step number of the step that read the flags "
+           "(one too many)"),
+    Mutant("sync", "doc-lagged-replays-next-window", INCIDENTS,
+           "window = list(self.evidence.window) if late is None else late.window",
+           "window = list(self.evidence.window)",
+           "docs/performance.md: a lagged step is judged 'with its own ... batches': here its replay and input "
+           "findings look at the batches of the step under way instead (a NaN input of the lagged step is not "
+           "named, kind is not 'input')"),
+    Mutant("sync", "doc-lagged-found-inf-not-set", AMP,
+           "        optimizer.found_inf = skip\n        return True", "        return True",
+           "docs/performance.md: with lagged reads a bad step is skipped on the device ('the skip flag is the "
+           "optimizer's found_inf'), parameters/moments/step counts bitwise those of the host-side skip; here "
+           "the fused optimizer never gets the flag, applies the bad step, and the guard believes it skipped"),
+    Mutant("sync", "doc-lagged-no-device-clip", CLIPPING,
+           "torch.nn.utils.clip_grads_with_norm_(params, limit, torch.where(",
+           "torch.nn.utils.clip_grads_with_norm_([p.grad for p in params], limit, torch.where(",
+           "docs/performance.md: lagged clipping (clip.max_norm, adaptive, a clip spike) is 'compared on the "
+           "device with the same limit: the same gradients, bitwise'; given bare grad tensors "
+           "clip_grads_with_norm_ silently clips nothing"),
+    Mutant("sync", "doc-lagged-event-lrs-of-next-step", INCIDENTS,
+           'event.details["lr"] = current_lrs([optimizer]) if late is None else [float(lr) for lr in late.lrs]',
+           'event.details["lr"] = current_lrs([optimizer])',
+           "docs/performance.md: a lagged step is judged one step later with its own step's evidence; here "
+           "details.lr of its incident holds the learning rates at the read (after a per-step scheduler moved "
+           "them), not those the bad step ran with"),
+    Mutant("sync", "doc-lagged-metrics-not-undone-on-device", STEP,
+           "self.recovery.undo_metrics_where(staged.skip)", "pass",
+           "docs/performance.md: a lagged bad step's 'user's metric states' are 'restored on the device "
+           "(torch.where on the skip flag)'; here a torchmetrics state keeps the skipped step's update"),
+    Mutant("sync", "doc-lagged-buffers-not-undone-on-device", STEP,
+           "self.recovery.undo_buffers_where(staged.skip)", "pass",
+           "docs/performance.md: a lagged bad step's 'buffer writes (BatchNorm) ... restored on the device'; here "
+           "BatchNorm running statistics keep the skipped step's batch"),
+    Mutant("sync", "doc-lagged-weights-not-marked", STEP,
+           "        self.evidence.after_step(pl_module)  # read with the next step's flags\n        self._late = staged",
+           "        self._late = staged",
+           "docs/recovery.md (snapshots): 'never from poisoned state: the pending parameter flag is read first'; "
+           "in lagged mode the weights a step left are not marked changed, so a non-finite weight no forward "
+           "reads (Adam eps=0) is kept by the next snapshot / not found at validation start"),
+    Mutant("sync", "doc-lagged-keeps-step-after-applied", STEP,
+           "keep = current and pristine and not applied", "keep = current and pristine",
+           "docs/performance.md: a lagged rollback happens 'before the next step's update: that step goes ahead "
+           "when no update was applied since the snapshot ..., else it is skipped too'; here a step whose "
+           "gradients were taken on the applied bad update goes ahead on the restored weights"),
+    Mutant("sync", "doc-lagged-snapshot-one-step-late", STEP,
+           "if self.recovery.snapshot_due(ahead=1) and not self.recovery.stopped:",
+           "if self.recovery.snapshot_due() and not self.recovery.stopped:",
+           "docs/performance.md: 'a due snapshot reads them at once' and docs/recovery.md: a snapshot every "
+           "recovery.snapshot_every healthy steps; here lagged snapshots come one step late (not at the steps "
+           "the eager mode takes them)"),
+    Mutant("sync", "doc-lagged-train-end-unread", CALLBACK,
+           "self._flow.flush(trainer, pl_module)  # the last lagged step's flags", "pass",
+           "docs/performance.md: 'train end ... read[s] them at once'; here the last lagged step of a fit is "
+           "never judged (a NaN at the last step has no event, no rollback)"),
+    Mutant("sync", "doc-lagged-checkpoint-not-rebuilt", CALLBACK,
+           "            rebuild(checkpoint, trainer, self.state_key, self.state_dict())\n"
+           "        if not self.config.check.parameters:",
+           "            pass\n        if not self.config.check.parameters:",
+           "docs/performance.md: a checkpoint reads the lagged flags at once, and docs/recovery.md: the "
+           "checkpoint is 'rebuilt from the restored state'; here the checkpoint keeps the weights and guard "
+           "state from before the lagged step's verdict (and rollback)"),
+    Mutant("sync", "doc-lagged-spike-not-skipped-on-device", STEP,
+           "            skip = torch.maximum(skip, spike.float())", "            pass",
+           "docs/recovery.md (spike_action skip_step: 'step not applied') and docs/performance.md (a loss spike "
+           "acts on its own step in lagged mode): here a lagged skip_step spike is applied on the device while "
+           "the event says skip_step"),
+    Mutant("sync", "doc-lagged-applied-step-not-rolled-back", INCIDENTS,
+           "            self.recovery.ladder.step_was_applied(plan, self.recovery.can_roll_back)", "            pass",
+           "docs/performance.md: 'non-fused optimizers without a GradScaler: the bad step is applied and rolled "
+           "back to the newest snapshot when read'; here it is applied and kept"),
+    Mutant("sync", "doc-lagged-applied-step-gives-up-late", LADDER,
+           "        if self.failed_rollbacks >= self.cfg.max_rollbacks:\n            plan.give_up = True",
+           "        if self.failed_rollbacks > self.cfg.max_rollbacks:\n            plan.give_up = True",
+           "docs/recovery.md (give up when a rollback is needed and recovery.max_rollbacks rollbacks in a row are "
+           "unconfirmed): a run of applied bad steps (lagged, non-fused) rolls back once more than allowed"),
+    Mutant("sync", "doc-sync-auto-lagged-on-cpu", SYNC,
+           'if device is None or torch.device(device).type == "cpu":', "if device is None:",
+           "docs/performance.md / configuration.md: check.sync auto is lagged only 'when the device is not the "
+           "CPU'; 'On the CPU ... auto reads eagerly there'; here a CPU fit with a fused optimizer goes lagged"),
+    Mutant("sync", "doc-sync-manual-lagged", SYNC,
+           '    if not getattr(pl_module, "automatic_optimization", True):\n        return False, "manual',
+           '    if False:\n        return False, "manual',
+           "docs/distributed.md: under manual optimization 'every optimizer.step() is guarded on its own' "
+           "(choose_sync: manual optimization always reads eagerly); here check.sync lagged/auto judges a manual "
+           "step one step late"),
+    # ------------------------------------------------------------------ ranks: DDP, which rank an event names
+    Mutant("ranks", "doc-ranks-highest-rank-named", SYNC,
+           'best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))',
+           'best = max(gathered, key=lambda p: (p["evidence"], p["rank"]))',
+           "docs/distributed.md: the event names 'the lowest rank whose own flags were set'; here the highest"),
+    Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", SYNC,
+           "evidence = 2 if any(local) else 1 if own else 0", "evidence = 1 if any(local) else 2 if own else 0",
+           "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
+           "of its own; here the precedence is swapped"),
+    Mutant("ranks", "doc-ranks-details-ranks-all", SYNC,
+           'event.details["ranks"] = [p["rank"] for p in gathered if p["evidence"] > 0]',
+           'event.details["ranks"] = [p["rank"] for p in gathered]',
+           "docs/distributed.md: 'details.ranks lists the ranks with evidence'; here every rank"),
+    Mutant("ranks", "doc-ranks-lagged-local-vector", INCIDENTS,
+           "extra = share_incident(self.sync, event, extra, None if late is None else late.local)",
+           "extra = share_incident(self.sync, event, extra)",
+           "docs/distributed.md + performance.md: with lagged reads the event names the rank whose own flags "
+           "were set at the incident's step; here the rank flags of the step under way (the last reduced "
+           "vector) are used, so the wrong rank (or none) is named"),
+    Mutant("ranks", "doc-ranks-flags-not-reduced", SYNC,
+           "dist.all_reduce(out[LOSS:SCALE], group=self.group)",
+           "dist.all_reduce(out[LOSS:LOSS + 1], group=self.group)",
+           "docs/distributed.md: the rank-local flags are summed across ranks so that 'every rank takes the same "
+           "decision at the same step'; here only the loss is reduced and a NaN input on one rank skips the step "
+           "there only"),
+    Mutant("ranks", "doc-ranks-sharded-norm-not-rooted", SYNC,
+           "out[NORM] = out[NORM].clamp_min(0).pow(1.0 / self.norm_type)", "out[NORM] = out[NORM].clamp_min(0)",
+           "docs/distributed.md (FSDP): the guard sums |g|^p over its shards and 'the same all-reduce completes "
+           "the total norm, which is then used for the finite check and for clipping'; here the norm stays a "
+           "sum of squares"),
+    Mutant("ranks", "doc-ranks-every-rank-writes-jsonl", RECORDER,
+           'self._jsonl = JsonlSink(self.out_dir / "events.jsonl") if self.cfg.events_file and zero else None',
+           'self._jsonl = JsonlSink(self.out_dir / "events.jsonl") if self.cfg.events_file else None',
+           "docs/distributed.md / events.md: 'events.jsonl ... come[s] from global rank 0 only'; here every rank "
+           "appends the event to the same file"),
+    # ------------------------------------------------------------------ sparse layouts
+    Mutant("sparse", "doc-sparse-csc-bsc-unread", LAYOUTS,
+           "if layout in COMPRESSED or t.is_nested:\n        return t.values()",
+           "if layout in (torch.sparse_csr, torch.sparse_bsr) or t.is_nested:\n        return t.values()",
+           "docs/compatibility.md: a sparse buffer or batch tensor in CSC or BSC layout is 'checked through its "
+           "stored values'; here column-compressed layouts are skipped as unreadable (a NaN in one is missed)"),
+    Mutant("sparse", "doc-sparse-norm-drops-sparse", FLAGS,
+           "values = [v for v in (t if is_strided(t) else stored_values(t) for t in tensors) if v is not None]",
+           "values = [t for t in tensors if is_strided(t)]",
+           "docs/compatibility.md: 'Sparse gradients count in the gradient norm and are clipped'; here the "
+           "sparse gradients of nn.Embedding(sparse=True) are left out of the norm (a NaN in one is not seen)"),
+    Mutant("sparse", "doc-sparse-norm-uncoalesced", FLAGS,
+           "values = [v for v in (t if is_strided(t) else stored_values(t) for t in tensors) if v is not None]",
+           "values = [v for v in (t if is_strided(t) else stored_values(t, coalesce=False) for t in tensors) "
+           "if v is not None]",
+           "docs/compatibility.md + recovery.md: sparse gradients count in the total gradient norm (the same "
+           "arithmetic as torch's total norm); here an uncoalesced COO gradient (repeated indices) is measured "
+           "without summing its duplicates, so the norm and the clip differ"),
+    Mutant("sparse", "doc-sparse-snapshot-aliases-live", SNAPSHOTS,
+           "                snap.tensors[i] = copy_to_cpu(src)", "                snap.tensors[i] = src",
+           "docs/compatibility.md: sparse buffers are 'snapshotted and restored in their own layout'; here the "
+           "snapshot keeps the live sparse tensor itself, so an in-place change (a NaN written into its values) "
+           "also poisons the snapshot a rollback restores"),
+    Mutant("sparse", "doc-sparse-resparsified-csr-not-restored", LAYOUTS,
+           "    owner._buffers[attr] = saved.detach().clone().to(current.device)", "    return",
+           "docs/compatibility.md: 'a CSR buffer rebuilt with another sparsity is put back whole' by a rollback; "
+           "here it keeps the current (e.g. poisoned) buffer"),
+    Mutant("sparse", "doc-sparse-input-samples-all-rows", FIND,
+           'out["samples"] = indices[0][per_entry].unique()[:limit].tolist()',
+           'out["samples"] = indices[0].unique()[:limit].tolist()',
+           "docs/compatibility.md: a bad entry of a sparse batch tensor 'is named by its row and column "
+           "(details.inputs[*].samples / features)'; here samples lists every stored row, not the bad ones"),
+    Mutant("sparse", "doc-sparse-state-flag-skips-layouts", STATE,
+           "self._layouts = [(n, t) for n, t in named if not is_strided(t)]", "self._layouts = []",
+           "docs/compatibility.md: a sparse adjacency buffer is checked through its stored values, and "
+           "docs/recovery.md: a snapshot is never taken from poisoned state; here the fused weight flag read "
+           "before a snapshot (and every step with check.loss/gradients off) leaves sparse buffers out"),
+    # ------------------------------------------------------------------ diagnosis rules and their order
+    Mutant("diagnosis", "doc-diag-inputs-off-ignored", INCIDENTS,
+           '        elif cfg.check.inputs != "off":', "        else:",
+           "docs/diagnosis.md (kind): refined to 'input when non-finite values are found in the step's batch "
+           "(unless check.inputs: 'off')'; here check.inputs: off still looks at the batch and says input"),
+    Mutant("diagnosis", "doc-diag-backward-op-beats-initialization", CAUSES,
+           '    if cause is None and (found == "backward_op" or data_explained):',
+           '    if found == "backward_op" or data_explained:',
+           "docs/diagnosis.md rule 4a: initialization (a weight 1000x 1/sqrt(fan_in) at fit start and now) "
+           "'wins over any replay finding'; here a backward_op (or data-explained) finding wins over it"),
+    Mutant("diagnosis", "doc-diag-exploding-before-learning-rate", CAUSES,
+           "    if cause is None and module is not None:\n        cause = _learning_rate(ctx)\n"
+           "    if cause is None:\n        cause = _exploding(ctx, rows)",
+           "    if cause is None:\n        cause = _exploding(ctx, rows)\n"
+           "    if cause is None and module is not None:\n        cause = _learning_rate(ctx)",
+           "docs/diagnosis.md: rule 4c (learning_rate: relative update >= 1) comes before 4d "
+           "(exploding_gradient); here a too-high LR whose gradient norm grew is called exploding_gradient "
+           "(and cut by lr_factor instead of to the safe LR)"),
+    Mutant("diagnosis", "doc-diag-symptom-dropped", CAUSES,
+           '        details["symptom"] = found', "        pass",
+           "docs/diagnosis.md: 'When 4a, 4c or 4d replaces an overflow or precision finding, that finding is "
+           "kept in details.symptom'"),
+    Mutant("diagnosis", "doc-diag-anomaly-op-preferred", CAUSES,
+           'ev.op = (res.backward_op or {}).get("op") or (res.anomaly or {}).get("op")',
+           'ev.op = (res.anomaly or {}).get("op") or (res.backward_op or {}).get("op")',
+           "docs/diagnosis.md (backward): 'op prefers the graph hooks' (SqrtBackward0, where the Inf appeared) "
+           "over anomaly mode (MulBackward0, where inf*0 became NaN)"),
+    Mutant("diagnosis", "doc-diag-max-replays-off-by-one", DIAGNOSER,
+           "self.replays < self.cfg.max_replays", "self.replays <= self.cfg.max_replays",
+           "docs/diagnosis.md: 'At most anomaly.max_replays incidents are replayed per fit'; here one more"),
+    Mutant("diagnosis", "doc-diag-reuse-any-kind", CAUSES,
+           "elif not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause:",
+           "elif not ctx.replay and ctx.previous is not None and ctx.previous.cause:",
+           "docs/diagnosis.md: after max_replays 'an incident of the same kind takes the diagnosis of the last "
+           "replayed one'; here an incident of another kind takes it too"),
+    Mutant("diagnosis", "doc-diag-manual-replayed", DIAGNOSER,
+           'ctx.replay = (self.cfg.mode != "off" and self.replays < self.cfg.max_replays\n'
+           '                      and getattr(ctx.pl_module, "automatic_optimization", True))',
+           'ctx.replay = (self.cfg.mode != "off" and self.replays < self.cfg.max_replays)',
+           "docs/diagnosis.md + distributed.md: under manual optimization incidents are not replayed "
+           "('running training_step again would step the optimizers')"),
+    Mutant("diagnosis", "doc-diag-buffer-kind-any", INCIDENTS,
+           'if all(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):',
+           'if any(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):',
+           "docs/diagnosis.md (kind): 'buffer when every non-finite tensor found is a buffer'; here one "
+           "non-finite buffer among non-finite parameters makes the event a buffer event"),
+    Mutant("diagnosis", "doc-diag-loss-before-activation", FLAGS,
+           '        if self.activation_bad:\n            return "activation"\n'
+           '        return "loss" if self.loss_bad else "gradient"',
+           '        if self.loss_bad:\n            return "loss"\n'
+           '        return "activation" if self.activation_bad else "gradient"',
+           "docs/diagnosis.md (kind precedence: parameter, input, activation, loss, gradient): with "
+           "check.activations always a NaN activation that also spoils the loss is kind 'activation'; here "
+           "'loss'"),
+    Mutant("diagnosis", "doc-diag-safe-lr-ignores-edge", DYNAMICS,
+           'safe_lr=min(best["safe_lr"], edge / EDGE_MARGIN))', 'safe_lr=best["safe_lr"])',
+           "docs/diagnosis.md rule 4c / recovery.md: for SGD whose gradient norm grew geometrically 'safe_lr is "
+           "then at most a quarter of edge_lr'; here the edge of stability is reported but not used"),
+    # ------------------------------------------------------------------ divergence watch
+    Mutant("divergence", "doc-div-no-record-condition", DIVERGENCE,
+           "growth_streak(losses, self.growth) >= self.steps and losses[-1] >= RECORD_FACTOR * self.loss_max",
+           "growth_streak(losses, self.growth) >= self.steps and losses[-1] >= self.loss_max",
+           "docs/recovery.md (divergence rule 1): the loss grew g-fold at each of k steps 'to 10x every loss "
+           "before that streak'; here a new record of any size is enough (noisy small-batch losses diverge)"),
+    Mutant("divergence", "doc-div-grad-norm-alone", DIVERGENCE,
+           "\n              and (_ratio(losses[0], losses[-1]) or 0.0) >= self.growth):", "):",
+           "docs/recovery.md (divergence rule 3): a gradient-norm growth counts only 'while the loss grew g-fold "
+           "over the same steps' (warm-up, zero-initialised layers: the loss then falls)"),
+    Mutant("divergence", "doc-div-far-above-k-steps", DIVERGENCE,
+           "if len(self.above) < self.steps + 2:", "if len(self.above) < self.steps:",
+           "docs/recovery.md (divergence rule 4): the loss must stay above F x the first loss 'for k + 2 steps'; "
+           "here k suffice"),
+    Mutant("divergence", "doc-div-streak-never-rearms", DIVERGENCE,
+           "< self.growth:\n            self.streak_latched = False", "< self.growth:\n            pass",
+           "docs/recovery.md: 'One event per episode' and the divergence docstring: the growth rules re-arm after "
+           "a step without growth; here after the first growth event no later episode is ever reported"),
+    Mutant("divergence", "doc-div-far-above-never-rearms", DIVERGENCE,
+           "self.above, self.latched = [], False", "self.above = []",
+           "docs/recovery.md (one event per episode): the far-above rule re-arms once the loss is back below F x "
+           "the first loss; here it fires once per fit"),
+    Mutant("divergence", "doc-div-same-episode-twice", DIVERGENCE,
+           "        self.latched = self.latched or bool(self.above)", "        pass",
+           "docs/recovery.md: 'One event per episode' (an event of either rule silences the other meanwhile); "
+           "here a growth event is followed by a far-above event for the same episode"),
+    Mutant("divergence", "doc-div-rollback-to-newest", INCIDENTS,
+           'plan.rollback_before = evidence.get("onset_step")', "plan.rollback_before = None",
+           "docs/recovery.md: 'a divergence goes back to the newest snapshot taken at or before the step where "
+           "the growth began'; here to the newest snapshot, even one taken during the growth"),
+    Mutant("divergence", "doc-div-snapshot-while-growing", STEP,
+           "and not self.clipper.diverging() and not self.divergence.growing():",
+           "and not self.clipper.diverging():",
+           "docs/recovery.md: 'snapshots are deferred while the loss grows g-fold twice in a row, or stays far "
+           "above its first value'"),
+    Mutant("divergence", "doc-div-watch-not-in-snapshots", CALLBACK,
+           '                                              "divergence": self._divergence})',
+           "                                              })",
+           "docs/recovery.md: the divergence statistics 'are part of every snapshot, and are restored by a "
+           "rollback, so statistics gathered while a run diverged cannot blind the checks afterwards'"),
+    # ------------------------------------------------------------------ learning-rate cuts
+    Mutant("lr", "doc-lr-plateau-min-lrs-not-scaled", ACTIONS,
+           '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min", "end_lr")',
+           '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "eta_min", "end_lr")',
+           "docs/recovery.md: ReduceLROnPlateau keeps a cut and 'its min_lr is scaled too'; here its min_lrs "
+           "stays, so a cut below it is clamped back up by its next reduction"),
+    Mutant("lr", "doc-lr-eta-min-not-scaled", ACTIONS,
+           '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min", "end_lr")',
+           '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "end_lr")',
+           "docs/recovery.md: CosineAnnealingLR 'with eta_min' keeps a cut (eta_min is scaled); here the "
+           "schedule's floor stays unscaled"),
+    Mutant("lr", "doc-lr-onecycle-initial-lr-not-scaled", ACTIONS,
+           '_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")',
+           '_GROUP_LR_KEYS = ("lr", "max_lr", "min_lr", "base_lr")',
+           "docs/recovery.md: a cut scales 'in each param group: lr, initial_lr, max_lr, min_lr, base_lr' "
+           "(OneCycleLR recomputes its warm-up from initial_lr); here initial_lr is left, and the schedule "
+           "undoes the cut during warm-up"),
+    Mutant("lr", "doc-lr-rollback-inverse-reapply", RECOVERY,
+           "self.lr_scale / snap_scale)", "snap_scale / self.lr_scale)",
+           "docs/recovery.md: a rollback 're-applies the LR cuts made since the snapshot was taken'; here it "
+           "undoes them a second time (the LR goes up instead of staying cut)"),
+    Mutant("lr", "doc-lr-sized-cut-every-rollback", LADDER,
+           "not (by_cause or by_divergence or by_count):\n            self.sized_cut = False",
+           "not (by_cause or by_divergence or by_count):\n            pass",
+           "docs/recovery.md: after a sized cut 'the first rollback of the same episode ... does not cut again'; "
+           "only the first: here no later failed rollback of the episode cuts either"),
+    Mutant("lr", "doc-lr-sized-cut-not-reset-by-snapshot", LADDER,
+           "        self.failed_rollbacks = 0\n        self.sized_cut = False", "        self.failed_rollbacks = 0",
+           "docs/recovery.md: a sized cut spares 'the first rollback of the same episode (until a snapshot "
+           "confirms it)'; here the exemption outlives the confirming snapshot, so the first forced rollback of "
+           "a later, unrelated episode does not cut the LR"),
+    Mutant("lr", "doc-lr-param-rollback-cuts", LADDER,
+           "by_rollback = wants_rollback and not params and self.cfg.reduce_lr_on_rollback",
+           "by_rollback = wants_rollback and self.cfg.reduce_lr_on_rollback",
+           "docs/recovery.md: 'A one-off bad parameter never cuts the learning rate' (configuration.md "
+           "reduce_lr_on_rollback: not for a one-off bad parameter)"),
+    Mutant("lr", "doc-lr-divergence-by-lr-factor", LADDER,
+           '            if cause == "learning_rate" or kind == "divergence":\n                plan.lr_factor',
+           '            if cause == "learning_rate":\n                plan.lr_factor',
+           "docs/recovery.md: a divergence event cuts the LR 'at once, by recovery.divergence_lr_factor'; here "
+           "a divergence diagnosed exploding_gradient/unknown is cut by recovery.lr_factor"),
+    # ------------------------------------------------------------------ loss spikes
+    Mutant("spikes", "doc-spike-window-boundary", SPIKES,
+           "self._recent = [s for s in self._recent if s > step - window] + [step]",
+           "self._recent = [s for s in self._recent if s >= step - window] + [step]",
+           "docs/recovery.md: 'Three spikes within recovery.incident_window steps cut the LR'; here a spike "
+           "exactly incident_window steps old still counts"),
+    Mutant("spikes", "doc-spike-unclamped-update", SPIKES,
+           "self.stats.update(min(max(loss, self.stats.mean - band), self.stats.mean + band))",
+           "self.stats.update(loss)",
+           "docs/recovery.md: 'each loss enters them clamped to mean +- spike_z x std' (one spike neither hides "
+           "the next nor shifts the baseline)"),
+    Mutant("spikes", "doc-spike-no-std-floor", SPIKES,
+           "z = self.stats.zscore(loss, self.rel_floor)", "z = self.stats.zscore(loss)",
+           "docs/recovery.md: the spike test's standard deviation is 'floored at 1% of |mean|' (an almost "
+           "constant loss does not turn a 1% wobble into a spike)"),
+    Mutant("spikes", "doc-spike-clip-to-threshold", INCIDENTS,
+           "response.clip_to = zclip.mean", "response.clip_to = zclip.threshold()",
+           "docs/recovery.md (spike_action clip): 'this step's gradient is clipped to the mean of healthy norms'"),
+    # ------------------------------------------------------------------ clipping
+    Mutant("clipping", "doc-clip-persists-after-11", CLIPPING,
+           "return adaptive and self.zclip.streak >= CLIPS_BEFORE_LR_CUT",
+           "return adaptive and self.zclip.streak > CLIPS_BEFORE_LR_CUT",
+           "docs/recovery.md: 'When adaptive clipping acts on 10 consecutive steps' the step is skipped, rolled "
+           "back and the LR cut (a spike event); here only on the 11th"),
+    Mutant("clipping", "doc-clip-agc-eps", CLIPPING,
+           "eps: float = 1e-3,", "eps: float = 1e-6,",
+           "docs/recovery.md (AGC): every unit keeps ||g_row|| <= factor * max(||w_row||, 1e-3); here zero or "
+           "tiny weights (a zero-initialised layer) get their gradients clipped to almost nothing"),
+    # ------------------------------------------------------------------ checkpoints and the end of fit
+    Mutant("checkpoint", "doc-ckpt-guard-state-not-rebuilt", CKPT,
+           "        checkpoint[\"callbacks\"][guard_key] = guard_state", "        pass",
+           "docs/recovery.md: a bad checkpoint 'is rebuilt from the restored state', and 'Resuming restores "
+           "counters, the LR scale, the ladder, the running statistics and the event numbering'; here the "
+           "guard state in it is from before the checkpoint-time incident (its rollback and event are lost on "
+           "resume)"),
+    Mutant("checkpoint", "doc-ckpt-optimizer-state-not-rebuilt", CKPT,
+           '        checkpoint["optimizer_states"] = [strategy.optimizer_state(o) for o in trainer.optimizers]',
+           "        pass",
+           "docs/recovery.md: after a checkpoint-time incident 'the checkpoint is rebuilt from the restored "
+           "state'; here its optimizer states are the bad ones (and the write then fails although a snapshot "
+           "exists)"),
+    Mutant("checkpoint", "doc-ckpt-mask-not-exempt", CALLBACK,
+           "        bad = nonfinite_entries(checkpoint, exempt=exempt)", "        bad = nonfinite_entries(checkpoint)",
+           "docs/recovery.md: buffers non-finite before training (a float causal mask of -inf) 'are taken as "
+           "intentional ... and never checked'; here every checkpoint of such a model is an incident"),
+    Mutant("checkpoint", "doc-ckpt-written-without-snapshot", CALLBACK,
+           "        if still_bad:", "        if False:",
+           "docs/recovery.md: 'Without a snapshot the write fails with NaNGuardError' (snapshot: off: 'a "
+           "checkpoint holding non-finite state is refused'); here it is written"),
+    Mutant("checkpoint", "doc-end-input-skips-any", INCIDENTS,
+           'if not unconfirmed and all(e.kind == "input" for e in skipped):',
+           'if not unconfirmed and any(e.kind == "input" for e in skipped):',
+           "docs/recovery.md (end of fit): only 'skipped bad inputs' leave nothing to restore; here a fit ending "
+           "on skipped loss/gradient incidents with one bad input among them is not restored"),
+    Mutant("checkpoint", "doc-end-param-rollback-restored", INCIDENTS,
+           '        unconfirmed = ladder.failed_rollbacks > 0 and (rolled_back is None or rolled_back.kind not in (\n'
+           '            "parameter", "buffer"))',
+           "        unconfirmed = ladder.failed_rollbacks > 0",
+           "docs/recovery.md (end of fit): 'healthy steps after rolling back a one-off bad parameter leave "
+           "nothing to restore'; here they are thrown away by a restore at train end"),
+    # ------------------------------------------------------------------ snapshots and rollback
+    Mutant("snapshots", "doc-snap-schedulers-not-kept", RECOVERY,
+           '"schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],',
+           '"schedulers": [],',
+           "docs/recovery.md: a snapshot holds 'every LR scheduler' and a rollback loads it into the live "
+           "schedulers; here their step count and LR are not rolled back"),
+    Mutant("snapshots", "doc-snap-scaler-not-restored", RECOVERY,
+           'if scaler is not None and state.get("scaler"):', "if False:",
+           "docs/recovery.md / distributed.md: 'Snapshots include the scaler and a rollback restores it'"),
+    Mutant("snapshots", "doc-snap-confirm-cadence-inverted", RECOVERY,
+           "        if self.ladder.failed_rollbacks:", "        if not self.ladder.failed_rollbacks:",
+           "docs/recovery.md: snapshots every recovery.snapshot_every healthy steps, 'recovery.confirm_after "
+           "while a rollback awaits confirmation'; here the two cadences are swapped"),
+    Mutant("snapshots", "doc-snap-skip-batches-one-short", RECOVERY,
+           "self.skip_batches_left = plan.skip_batches", "self.skip_batches_left = plan.skip_batches - 1",
+           "docs/recovery.md: 'With recovery.skip_batches: N, the steps of the N batches after a rollback are "
+           "skipped too'; here N - 1"),
+    Mutant("snapshots", "doc-snap-skip-batches-buffers-kept", STEP,
+           "            self.recovery.skip_batches_left -= 1\n            self.recovery.undo_buffers()",
+           "            self.recovery.skip_batches_left -= 1",
+           "docs/recovery.md: a step skipped after a rollback (skip_batches) is skipped like an incident's: 'What "
+           "the step's forward passes wrote into buffers is undone'; here BatchNorm keeps the skipped batches"),
+    Mutant("snapshots", "doc-snap-disk-no-fsync", SNAPSHOTS,
+           '        with open(tmp, "rb") as fh:\n            os.fsync(fh.fileno())',
+           '        with open(tmp, "rb") as fh:\n            pass',
+           "docs/recovery.md: recovery.snapshot: disk 'writes each snapshot with torch.save to a temporary file, "
+           "fsyncs it and renames it'"),
+    # ------------------------------------------------------------------ 16-mixed / GradScaler
+    Mutant("amp", "doc-amp-overflows-not-consecutive", AMP,
+           "        if not grads_bad:\n            self.overflows = 0\n            return False",
+           "        if not grads_bad:\n            return False",
+           "docs/distributed.md: overflows become an incident after check.amp_overflow_patience 'consecutive' "
+           "overflows; here isolated overflows add up over the fit"),
+    Mutant("amp", "doc-amp-min-scale-ignored", AMP,
+           "return self.overflows >= self.patience or (math.isfinite(scale) and scale < self.min_scale)",
+           "return self.overflows >= self.patience",
+           "docs/distributed.md: overflows are an incident 'when the scale falls below check.amp_min_scale'"),
+    Mutant("amp", "doc-amp-scale-capped-always", RECOVERY,
+           'if overflows > 0 and "scale" in state:', 'if "scale" in state:',
+           "docs/distributed.md: a rollback restores the scaler; only 'during a streak of overflows' does the "
+           "scale stay at its current, lower value (after a NaN loss the snapshot's scale comes back)"),
+    Mutant("amp", "doc-amp-found-inf-overwritten", AMP,
+           "t.copy_(torch.maximum(t, skip.to(device=t.device, dtype=t.dtype)))",
+           "t.copy_(skip.to(device=t.device, dtype=t.dtype))",
+           "docs/distributed.md (16-mixed, lagged): the guard's skip flag 'joins the scaler's found_inf'; here it "
+           "replaces it, so a routine overflow with a finite loss is applied with inf gradients"),
+    Mutant("amp", "doc-amp-fused-not-unscaled", STEP,
+           "        if scaler is not None:\n            ensure_unscaled(scaler, optimizer)",
+           "        if scaler is not None:\n            pass",
+           "docs/distributed.md: fused optimizers' gradients, 'which Lightning leaves scaled at "
+           "on_before_optimizer_step, are unscaled by the guard before it checks or clips them'"),
+    # ------------------------------------------------------------------ accumulation, manual optimization, metrics
+    Mutant("detection", "doc-accum-input-finding-micro-batch", INCIDENTS,
+           "ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(window)",
+           "ctx.input_findings = [dict(f, micro_batch=0) for i, (b, _) in enumerate(window)",
+           "docs/distributed.md (gradient accumulation): 'input findings name it (details.inputs[i].micro_batch)'"),
+    Mutant("detection", "doc-accum-inputs-always-last-only", EVIDENCE,
+           "self._input_bad = flag if self._input_bad is None else self._input_bad | flag",
+           "self._input_bad = flag",
+           "docs/configuration.md check.inputs always: every floating tensor of the batch, every step; with "
+           "accumulate_grad_batches only the last micro-batch's inputs count here"),
+    Mutant("metrics", "doc-accum-backup-every-micro-batch", CALLBACK,
+           "        if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):\n"
+           "            self._recovery.step_start(trainer)",
+           "        self._evidence.micro_batch(batch, batch_idx, trainer.global_step)\n"
+           "        self._recovery.step_start(trainer)",
+           "docs/recovery.md (skip_step): the step's buffer and metric writes are undone 'as if the step's "
+           "batches never happened, with gradient accumulation ... too'; here only the last micro-batch's"),
+    Mutant("detection", "doc-manual-losses-carry-over", EVIDENCE,
+           "        if self._read:\n            self._loss_sum = None\n            self._read = False",
+           "        if self._read:\n            self._read = False",
+           "docs/distributed.md (manual optimization): every optimizer.step() is 'judged by the losses "
+           "backpropagated since the previous step'; here the losses of earlier steps keep adding up"),
+    Mutant("metrics", "doc-metrics-update-count-kept", METRICS,
+           "                metric._update_count = saved.update_count", "                pass",
+           "docs/recovery.md: after a skipped step every torchmetrics.Metric is 'as if the step's batches never "
+           "happened'; here its update count keeps the skipped update"),
+    Mutant("metrics", "doc-metrics-list-states-kept", METRICS,
+           "                for attr, items in saved.lists.items():\n                    setattr(metric, attr, list(items))",
+           "                pass",
+           "docs/recovery.md: after a skipped step every torchmetrics.Metric is 'as if the step's batches never "
+           "happened'; here a list state (CatMetric, AUROC inputs) keeps the skipped batch"),
+    # ------------------------------------------------------------------ give up
+    Mutant("ladder", "doc-giveup-no-restore", RECOVERY,
+           "            if self.store:\n                self.rollback(trainer, pl_module, scaler_overflows)",
+           "            if False:\n                self.rollback(trainer, pl_module, scaler_overflows)",
+           "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
+           "last known-good state (the newest snapshot)"),
+    Mutant("ladder", "doc-giveup-steps-continue", STEP,
+           "if self.recovery.stopped or self.recovery.skip_batches_left > 0 or skip_now:",
+           "if self.recovery.skip_batches_left > 0 or skip_now:",
+           "docs/recovery.md: after giving up with on_give_up: stop 'the guard skips any remaining step'"),
+    Mutant("ladder", "doc-giveup-snapshot-off-params", LADDER,
+           "if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and params:",
+           "if self.failed_rollbacks >= self.cfg.max_rollbacks:",
+           "docs/recovery.md: give up 'when parameters are non-finite and there is no snapshot "
+           "(recovery.snapshot: off)'; here training goes on with non-finite weights"),
+    # ------------------------------------------------------------------ events, sinks, report CLI
+    Mutant("events", "doc-events-scalars-at-read-step", RECORDER,
+           "self._loggers.scalars(scalars, event.step)", "self._loggers.scalars(scalars, trainer.global_step)",
+           "README / docs/events.md: loggers receive the scalars 'at each event's own step'; here a lagged event "
+           "is logged at the step that read it"),
+    Mutant("events", "doc-events-csv-logger-dropped", SINKS,
+           "            else:\n                logger.log_metrics(dict(values), step=step)",
+           "            else:\n                pass",
+           "docs/events.md: 'Every other logger (CSVLogger, W&B, MLflow, ...) gets the scalars through "
+           "logger.log_metrics(values, step=...)'"),
+    Mutant("events", "doc-events-jsonl-no-fsync", SINKS,
+           "            fh.flush()\n            os.fsync(fh.fileno())", "            fh.flush()",
+           "README / docs/events.md / configuration.md: events.jsonl lines are 'flushed and fsynced as each "
+           "event is recorded'"),
+    Mutant("events", "doc-events-reports-key-ignored", RECORDER,
+           "self._reports = ReportFiles(self.out_dir) if self.cfg.reports and zero else None",
+           "self._reports = ReportFiles(self.out_dir) if zero else None",
+           "docs/configuration.md: logging.reports: false writes no incident-NNNN-stepS.txt (a key read but "
+           "ignored)"),
+    Mutant("events", "doc-cli-middle-line-skipped", CLI,
+           "            if i == len(lines) - 1:", "            if True:",
+           "CONTRACT.md / docs/events.md: 'a malformed line before the last one ends with exit status 2' (only "
+           "a bad last line is skipped with a warning)"),
+    Mutant("events", "doc-cli-empty-folder-ok", CLI,
+           '    if not files:\n        raise InputError(f"{root}: no {EVENTS_FILE}',
+           '    if False:\n        raise InputError(f"{root}: no {EVENTS_FILE}',
+           "docs/events.md: 'a folder without any events.jsonl ... ends with exit status 2'"),
+    # ------------------------------------------------------------------ configuration
+    Mutant("config", "doc-config-float-string-refused", CONFIG,
+           "        if isinstance(value, str):  # YAML 1.1", "        if False:  # YAML 1.1",
+           "docs/configuration.md: '1e-3, which PyYAML reads as a string, is accepted for float keys'"),
+    Mutant("config", "doc-config-bool-as-int", CONFIG,
+           "        if isinstance(value, int) and not isinstance(value, bool):\n            return value",
+           "        if isinstance(value, int):\n            return value",
+           "CONTRACT.md / docs/configuration.md: a wrong type raises ConfigError; here true/false pass as int "
+           "keys (recovery.max_skips: true)"),
+    Mutant("config", "doc-config-activations-zero", CONFIG,
+           "if isinstance(self.activations, int) and self.activations < 1:",
+           "if isinstance(self.activations, int) and self.activations < 0:",
+           "CONTRACT.md / docs/configuration.md: check.activations is 'off', 'on_incident', 'always' or 'int N "
+           ">= 1'; here 0 is accepted (and then a modulo by zero at the first step)"),
+    Mutant("config", "doc-config-snapshot-dir-ignored", RECOVERY,
+           'directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"',
+           'directory = out_dir / "snapshots"',
+           "docs/configuration.md / recovery.md: disk snapshots go to recovery.snapshot_dir (default "
+           "<log_dir>/nanguard/snapshots); here the key is read but ignored"),
 ]
