@@ -28,45 +28,61 @@ AREAS = ("detection", "ladder", "snapshots", "lr", "clipping", "spikes", "diagno
 PKG = "lightning_nanguard/"
 CALLBACK = PKG + "callback.py"
 STEP = PKG + "step.py"
-INCIDENTS = PKG + "incidents.py"
+RESPONDER = PKG + "responder.py"  # was incidents.py
 CONFIG = PKG + "config.py"
+EVENTS = PKG + "events.py"  # was report/events.py: NaNEvent and the kind table
+CAUSE_TABLE = PKG + "causes.py"  # the cause table (was diagnose/suggestions.py)
 EVIDENCE = PKG + "detect/evidence.py"
-FLAGS = PKG + "detect/flags.py"
-STATE = PKG + "detect/state.py"
+KERNELS = PKG + "detect/kernels.py"  # detect/flags.py was split into kernels, vector and verdict
+VECTOR = PKG + "detect/vector.py"
+VERDICT = PKG + "detect/verdict.py"
+WEIGHTS = PKG + "detect/weights.py"  # was detect/state.py
 SPIKES = PKG + "detect/spikes.py"
 SYNC = PKG + "detect/sync.py"
 AMP = PKG + "detect/amp.py"
 LADDER = PKG + "recover/ladder.py"
 RECOVERY = PKG + "recover/recovery.py"
-ACTIONS = PKG + "recover/actions.py"
+LR = PKG + "recover/lr.py"  # recover/actions.py was split into lr and undo
+UNDO = PKG + "recover/undo.py"
 SNAPSHOTS = PKG + "recover/snapshots.py"
+WRITER = PKG + "recover/writer.py"
 CLIPPING = PKG + "recover/clipping.py"
 CKPT = PKG + "recover/checkpoint.py"
-CAUSES = PKG + "diagnose/causes.py"
+RULES = PKG + "diagnose/rules.py"  # was diagnose/causes.py
 DIAGNOSER = PKG + "diagnose/diagnoser.py"
-EVENTS = PKG + "report/events.py"
 SINKS = PKG + "report/sinks.py"
 RECORDER = PKG + "report/recorder.py"
 PROGRESS = PKG + "report/progress.py"
 METRICS = PKG + "recover/metrics.py"
 LAYOUTS = PKG + "layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
-RECORDERS = PKG + "diagnose/recorders.py"
+PROBES = PKG + "diagnose/probes.py"  # was diagnose/recorders.py
 LIGHTNING = PKG + "lightning.py"
 USAGE = PKG + "usage_errors.py"
 DIVERGENCE = PKG + "detect/divergence.py"
 FIND = PKG + "detect/find.py"
 DYNAMICS = PKG + "diagnose/dynamics.py"
 CLI = PKG + "report/cli.py"
+# the old paths, until every stale mutant is re-ported (issue 18)
+INCIDENTS = PKG + "incidents.py"
+FLAGS = PKG + "detect/flags.py"
+STATE = PKG + "detect/state.py"
+ACTIONS = PKG + "recover/actions.py"
+CAUSES = PKG + "diagnose/causes.py"
+OLD_EVENTS = PKG + "report/events.py"
+RECORDERS = PKG + "diagnose/recorders.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------ detection
     Mutant("detection", "det-loss-key-ignored", EVIDENCE,
            "if not self.check.loss:", "if False:",
            "check.loss: false is ignored (the loss is still checked)"),
-    Mutant("detection", "det-loss-inf-missed", FLAGS,
-           "return ~torch.isfinite(t.detach()).all()", "return torch.isnan(t.detach()).any()",
-           "nonfinite_flag tests isnan only: an Inf loss is not flagged"),
+    Mutant("detection", "det-loss-inf-missed", EVIDENCE,
+           "loss_bad = None if self._loss_sum is None else ~torch.isfinite(self._loss_sum)",
+           "loss_bad = None if self._loss_sum is None else torch.isnan(self._loss_sum)",
+           "the step's loss flag tests isnan only: an Inf loss is not flagged (the flag is taken from the loss "
+           "sum in StepEvidence.vector since issue 14; detect/flags.py's nonfinite_flag, where this mutant "
+           "lived, no longer checks the loss)"),
     Mutant("detection", "det-loss-last-microbatch", EVIDENCE,
            "self._loss_sum = value if self._loss_sum is None else self._loss_sum + value",
            "self._loss_sum = value",
@@ -74,8 +90,9 @@ MUTANTS: list[Mutant] = [
     Mutant("detection", "det-gradients-key-ignored", STEP,
            "grads_bad = cfg.check.gradients and flags.grads_bad", "grads_bad = flags.grads_bad",
            "check.gradients: false is ignored (a non-finite gradient norm is still an incident)"),
-    Mutant("detection", "det-grad-inf-missed", FLAGS,
-           "return not math.isfinite(self.grad_norm)", "return math.isnan(self.grad_norm)",
+    Mutant("detection", "det-grad-inf-missed", VECTOR,
+           "return not math.isfinite(self[norm]) or",
+           "return math.isnan(self[norm]) or",
            "an Inf gradient norm is not an incident (isnan instead of isfinite)"),
     Mutant("detection", "det-inputs-always-ignored", EVIDENCE,
            'if self.check.inputs == "always":', "if False:",
@@ -85,33 +102,38 @@ MUTANTS: list[Mutant] = [
            "self.recovery.healthy_step()",
            "parameters written non-finite by a healthy step are never flagged"),
     Mutant("detection", "det-params-at-train-end", CALLBACK,
-           "if self.config.check.parameters and not self._recovery.stopped and self._evidence.state.find(pl_module):",
-           "if False:",
+           'if bad:\n'
+           '            self._responder.parameter_incident(trainer, pl_module, where="train_end")',
+           'if False:\n'
+           '            self._responder.parameter_incident(trainer, pl_module, where="train_end")',
            "a parameter fault at the last step is not caught at train end (non-finite weights left)"),
     Mutant("detection", "det-params-before-validation", CALLBACK,
            "if self._recovery.stopped:\n            return\n        bad = self._evidence.state_bad(consume=True)",
            "if not self._recovery.stopped:\n            return\n        bad = self._evidence.state_bad(consume=True)",
            "validation runs on weights poisoned by the last training step (inverted condition)"),
-    Mutant("detection", "det-statecheck-exempt-ignored", STATE,
+    Mutant("detection", "det-statecheck-exempt-ignored", WEIGHTS,
            "named = [(n, t) for n, t in self.named(module) if",
            "named = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers()) if",
            "the weight check before snapshots and validation ignores the exempt constant buffers (a -inf causal mask)"),
     # new with the restructure: the StepFlags vector, its reduce over ranks, the event kind, the scaler
-    Mutant("detection", "det-flags-field-order", FLAGS,
-           "    activation_bad: float  # a module output was non-finite (check.activations)\n"
-           "    grad_scale: float  # the GradScaler's scale (16-mixed), nan without one\n",
-           "    grad_scale: float  # the GradScaler's scale (16-mixed), nan without one\n"
-           "    activation_bad: float  # a module output was non-finite (check.activations)\n",
-           "a StepFlags field added after grad_scale: the DDP reduce (LOSS:SCALE) leaves activation_bad "
-           "rank-local and the local flags take in the grad scale"),
+    Mutant("detection", "det-flags-field-order", VECTOR,
+           "self.flags = slice(1, 1 + len(flags))",
+           "self.flags = slice(1, len(flags))",
+           "the evidence vector's layout (derived from the schema's declarations since issue 18; was a "
+           "hand-ordered StepFlags, where a field added after grad_scale left a flag out of the DDP reduce) is "
+           "off by one: the last flag (loss_bad) falls out of the flag slice, so a non-finite loss is no "
+           "rank-local evidence, is not in the device skip flag and is never kind loss"),
     Mutant("detection", "det-ddp-loss-summed", SYNC,
-           "out[LOSS] = out[LOSS] / self.world_size", "pass",
+           "out[i] = out[i] / self.world_size",
+           "pass",
            "under DDP the step's loss is the sum over ranks, not the mean (spike statistics, event loss)"),
-    Mutant("detection", "det-kind-loss-as-gradient", FLAGS,
-           'return "loss" if self.loss_bad else "gradient"', 'return "gradient"',
+    Mutant("detection", "det-kind-loss-as-gradient", VECTOR,
+           'Field("loss_bad", "sum", kind="loss",',
+           'Field("loss_bad", "sum", kind="gradient",',
            "a non-finite loss is recorded as a gradient incident"),
-    Mutant("detection", "det-overflow-never-incident", FLAGS,
-           "if scaled and not overflow_persists:", "if scaled:",
+    Mutant("detection", "det-overflow-never-incident", VERDICT,
+           "if scaled and not overflow_persists:",
+           "if scaled:",
            "16-mixed: GradScaler overflows never become an incident (amp_overflow_patience/amp_min_scale ignored)"),
     Mutant("detection", "det-overflow-patience-off-by-one", AMP,
            "return self.overflows >= self.patience or", "return self.overflows > self.patience or",
@@ -597,8 +619,8 @@ MUTANTS: list[Mutant] = [
     Mutant("compat", "compat-user-anomaly-mode-dropped", DIAGNOSER,
            "torch.autograd.set_detect_anomaly(*before)", "torch.autograd.set_detect_anomaly(False)",
            "a diagnosis turns the user's own anomaly mode (Trainer(detect_anomaly=True)) off for the rest of the fit"),
-    Mutant("detection", "det-weights-not-read-on-incident", INCIDENTS,
-           'ctx.param_findings = self._weight_findings(pl_module, event.kind == "parameter", late)',
+    Mutant("detection", "det-weights-not-read-on-incident", RESPONDER,
+           'ctx.param_findings = self._weight_findings(pl_module, event.kind == "parameter", record)',
            "ctx.param_findings = []",
            "a NaN weight read by the forward is reported as a loss incident and skipped, not named and rolled back"),
     Mutant("detection", "det-weights-not-checked-every-step", EVIDENCE,
@@ -737,20 +759,21 @@ MUTANTS: list[Mutant] = [
            "if layout in (torch.sparse_csr, torch.sparse_bsr) or t.is_nested:\n        return t.values()",
            "docs/compatibility.md: a sparse buffer or batch tensor in CSC or BSC layout is 'checked through its "
            "stored values'; here column-compressed layouts are skipped as unreadable (a NaN in one is missed)"),
-    Mutant("sparse", "doc-sparse-norm-drops-sparse", FLAGS,
+    Mutant("sparse", "doc-sparse-norm-drops-sparse", KERNELS,
            "values = [v for v in (t if is_strided(t) else stored_values(t) for t in tensors) if v is not None]",
            "values = [t for t in tensors if is_strided(t)]",
            "docs/compatibility.md: 'Sparse gradients count in the gradient norm and are clipped'; here the "
            "sparse gradients of nn.Embedding(sparse=True) are left out of the norm (a NaN in one is not seen)"),
-    Mutant("sparse", "doc-sparse-norm-uncoalesced", FLAGS,
+    Mutant("sparse", "doc-sparse-norm-uncoalesced", KERNELS,
            "values = [v for v in (t if is_strided(t) else stored_values(t) for t in tensors) if v is not None]",
-           "values = [v for v in (t if is_strided(t) else stored_values(t, coalesce=False) for t in tensors) "
-           "if v is not None]",
+           "values = [v for v in (t if is_strided(t) else stored_values(t, coalesce=False) for t in tensors) if "
+           "v is not None]",
            "docs/compatibility.md + recovery.md: sparse gradients count in the total gradient norm (the same "
            "arithmetic as torch's total norm); here an uncoalesced COO gradient (repeated indices) is measured "
            "without summing its duplicates, so the norm and the clip differ"),
     Mutant("sparse", "doc-sparse-snapshot-aliases-live", SNAPSHOTS,
-           "                snap.tensors[i] = copy_to_cpu(src)", "                snap.tensors[i] = src",
+           "                buffers[i] = copy_to_cpu(src)",
+           "                buffers[i] = src",
            "docs/compatibility.md: sparse buffers are 'snapshotted and restored in their own layout'; here the "
            "snapshot keeps the live sparse tensor itself, so an in-place change (a NaN written into its values) "
            "also poisons the snapshot a rollback restores"),
@@ -763,8 +786,9 @@ MUTANTS: list[Mutant] = [
            'out["samples"] = indices[0].unique()[:limit].tolist()',
            "docs/compatibility.md: a bad entry of a sparse batch tensor 'is named by its row and column "
            "(details.inputs[*].samples / features)'; here samples lists every stored row, not the bad ones"),
-    Mutant("sparse", "doc-sparse-state-flag-skips-layouts", STATE,
-           "self._layouts = [(n, t) for n, t in named if not is_strided(t)]", "self._layouts = []",
+    Mutant("sparse", "doc-sparse-state-flag-skips-layouts", WEIGHTS,
+           "self._layouts = [(n, t) for n, t in named if not is_strided(t)]",
+           "self._layouts = []",
            "docs/compatibility.md: a sparse adjacency buffer is checked through its stored values, and "
            "docs/recovery.md: a snapshot is never taken from poisoned state; here the fused weight flag read "
            "before a snapshot (and every step with check.loss/gradients off) leaves sparse buffers out"),
@@ -1019,9 +1043,11 @@ MUTANTS: list[Mutant] = [
            "docs/distributed.md: fused optimizers' gradients, 'which Lightning leaves scaled at "
            "on_before_optimizer_step, are unscaled by the guard before it checks or clips them'"),
     # ------------------------------------------------------------------ accumulation, manual optimization, metrics
-    Mutant("detection", "doc-accum-input-finding-micro-batch", INCIDENTS,
-           "ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(window)",
-           "ctx.input_findings = [dict(f, micro_batch=0) for i, (b, _) in enumerate(window)",
+    Mutant("detection", "doc-accum-input-finding-micro-batch", RESPONDER,
+           'elif cfg.check.inputs != "off":\n'
+           "            ctx.input_findings = [dict(f, micro_batch=i)",
+           'elif cfg.check.inputs != "off":\n'
+           "            ctx.input_findings = [dict(f, micro_batch=0)",
            "docs/distributed.md (gradient accumulation): 'input findings name it (details.inputs[i].micro_batch)'"),
     Mutant("detection", "doc-accum-inputs-always-last-only", EVIDENCE,
            "self._input_bad = flag if self._input_bad is None else self._input_bad | flag",
