@@ -148,7 +148,7 @@ MUTANTS: list[Mutant] = [
            "if self.failed_rollbacks > self.cfg.max_rollbacks or",
            "one failed rollback more than recovery.max_rollbacks before giving up"),
     Mutant("ladder", "lad-further-back-for-parameters", LADDER,
-           "plan.go_further_back = self.failed_rollbacks > 0 and not params",
+           "plan.go_further_back = self.failed_rollbacks > 0 and not weights",
            "plan.go_further_back = self.failed_rollbacks > 0",
            "a one-off bad parameter after a failed rollback discards a good snapshot (goes further back)"),
     Mutant("ladder", "lad-skip-batches-ignored", LADDER,
@@ -163,26 +163,31 @@ MUTANTS: list[Mutant] = [
            " and self.cfg.reduce_lr_on_rollback", "",
            "recovery.reduce_lr_on_rollback: false still cuts the LR after a forced rollback"),
     Mutant("ladder", "lad-cut-on-every-exploding", LADDER,
-           'by_cause = cause in LR_CAUSES and (self.consecutive == 1 or kind == "divergence")',
-           "by_cause = cause in LR_CAUSES",
+           'by_cause = policy.lr_cut in ("at_once", "sized") and (self.consecutive == 1 or what.runaway)',
+           'by_cause = policy.lr_cut in ("at_once", "sized")',
            "the LR is cut on every incident diagnosed exploding_gradient (or learning_rate), not the first of a run"),
     Mutant("ladder", "lad-confirm-after-ignored", RECOVERY,
            "every = min(every, self.cfg.confirm_after)", "every = self.cfg.snapshot_every",
            "recovery.confirm_after is ignored: a rollback is confirmed only at the next snapshot_every"),
-    Mutant("ladder", "lad-give-up-no-stop", INCIDENTS,
-           'trainer.should_stop = True\n        say(trainer, "[nanguard] " + message)',
+    Mutant("ladder", "lad-give-up-no-stop", RESPONDER,
+           'trainer.should_stop = True\n'
+           '        say(trainer, "[nanguard] " + message)',
            'say(trainer, "[nanguard] " + message)',
            "on_give_up: stop does not stop the Trainer"),
-    Mutant("ladder", "lad-give-up-raise-ignored", INCIDENTS,
-           'if self.config.recovery.on_give_up == "raise":', "if False:",
-           "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up and non-finite "
-           "weights at fit start share _stop_or_raise now)"),
+    Mutant("ladder", "lad-give-up-raise-ignored", RESPONDER,
+           'if self.config.recovery.on_give_up == "raise":',
+           "if False:",
+           "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up and non-finite weights "
+           "at fit start share _stop_or_raise now)"),
     Mutant("ladder", "lad-give-up-restores-nothing", RECOVERY,
-           "if self.store:\n                self.rollback(trainer, pl_module, scaler_overflows)",
-           "if False:\n                self.rollback(trainer, pl_module, scaler_overflows)",
+           'if self.store:\n'
+           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
+           'if False:\n'
+           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
            "giving up leaves the last (bad) weights instead of restoring the last known-good state"),
     Mutant("ladder", "lad-param-without-snapshot-continues", LADDER,
-           "or not can_roll_back and params:", "or False and params:",
+           "or not can_roll_back and weights:",
+           "or False and weights:",
            "non-finite parameters with no snapshot (snapshot: off) do not give up: training goes on with NaN"),
 
     # ------------------------------------------------------------------------------------------ snapshots
@@ -236,14 +241,17 @@ MUTANTS: list[Mutant] = [
            "a snapshot is taken while the gradient norm runs away (a rollback target that cannot help)"),
 
     # ------------------------------------------------------------------------------------------------ lr
-    Mutant("lr", "lr-group-keys-lr-only", ACTIONS,
-           '_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")', '_GROUP_LR_KEYS = ("lr",)',
+    Mutant("lr", "lr-group-keys-lr-only", LR,
+           '_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")',
+           '_GROUP_LR_KEYS = ("lr",)',
            "scale_lr leaves initial_lr/max_lr/min_lr: OneCycleLR/CyclicLR undo the cut"),
-    Mutant("lr", "lr-sched-base-lrs", ACTIONS,
-           '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr",', '_SCHED_LR_ATTRS = ("_last_lr",',
+    Mutant("lr", "lr-sched-base-lrs", LR,
+           '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr",',
+           '_SCHED_LR_ATTRS = ("_last_lr",',
            "scheduler base_lrs not scaled: LambdaLR/StepLR/cosine undo the cut at the next step"),
-    Mutant("lr", "lr-nested-schedulers", ACTIONS,
-           'for inner in getattr(scheduler, "_schedulers", None) or []:', "for inner in []:",
+    Mutant("lr", "lr-nested-schedulers", LR,
+           'for inner in getattr(scheduler, "_schedulers", None) or []:',
+           "for inner in []:",
            "the schedulers inside SequentialLR/ChainedScheduler are not scaled"),
     Mutant("lr", "lr-min-scale-floor-ignored", RECOVERY,
            "new_scale = max(self.lr_scale * factor, self.cfg.min_lr_scale)",
@@ -260,17 +268,18 @@ MUTANTS: list[Mutant] = [
            "new_scale / self.lr_scale)", "new_scale)",
            "the optimizer LR is multiplied by the cumulative scale on every cut (0.5, then 0.125, ...)"),
     Mutant("lr", "lr-sized-cut-repeated-on-rollback", LADDER,
-           "if by_rollback and self.sized_cut and not (by_cause or by_divergence or by_count):",
+           "if by_rollback and self.sized_cut and not (by_cause or by_runaway or by_count):",
            "if False:",
            "the rollback after a cut to the diagnosis' safe LR cuts again (a NaN-path rescue ends 10x too slow)"),
-    Mutant("lr", "lr-onset-gradient-on-start-weights", CAUSES,
-           "reference[0] < step and _grown(ctx, reference[1]):", "reference[0] < step and False:",
+    Mutant("lr", "lr-onset-gradient-on-start-weights", RULES,
+           "reference[0] < step and _grown(ctx, reference[1]):",
+           "reference[0] < step and False:",
            "after a long growth the onset's 1e18 gradient is measured against the fit-start weights: LR to the floor"),
-    Mutant("lr", "lr-edge-from-growth-before-the-cut", CAUSES,
-           "growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)))",
-           "growth=dynamics.growth_rate(_norms(ctx)))",
+    Mutant("lr", "lr-edge-from-growth-before-the-cut", RULES,
+           "growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)),",
+           "growth=dynamics.growth_rate(_norms(ctx)),",
            "the edge of stability after an LR cut is estimated from the growth measured at the LR before it"),
-    Mutant("lr", "lr-history-steps-shifted", CAUSES,
+    Mutant("lr", "lr-history-steps-shifted", RULES,
            "end = ctx.norm_history_end if ctx.norm_history_end is not None else ctx.event.step - 1",
            "end = ctx.event.step - 1",
            "skipped incident steps shift the gradient-norm history: a norm is taken for another step's"),
@@ -294,7 +303,8 @@ MUTANTS: list[Mutant] = [
            "        if norm is not None:",
            "clip.agc_clip_factor is ignored"),
     Mutant("clipping", "clip-norm-type-ignored", STEP,
-           "StepSync.for_trainer(trainer, self.config.clip.norm_type)", "StepSync.for_trainer(trainer)",
+           "StepSync.for_trainer(trainer, self.config.clip.norm_type, check.replicas,",
+           "StepSync.for_trainer(trainer, 2.0, check.replicas,",
            "clip.norm_type is ignored (always the 2-norm)"),
     Mutant("clipping", "clip-zclip-z-ignored", CLIPPING,
            "self.zclip = ZClip(cfg.z_threshold, cfg.ema_alpha, cfg.warmup_steps)",
@@ -308,10 +318,12 @@ MUTANTS: list[Mutant] = [
            "self.zclip = ZClip(cfg.z_threshold, cfg.ema_alpha, cfg.warmup_steps)",
            "self.zclip = ZClip(cfg.z_threshold, 0.97, cfg.warmup_steps)",
            "clip.ema_alpha is ignored (always 0.97)"),
-    Mutant("clipping", "clip-adaptive-always-ignored", LADDER,
-           'self.adaptive_clip = clip.adaptive == "always"', "self.adaptive_clip = False",
-           "clip.adaptive: always waits for a first incident"),
-    Mutant("clipping", "clip-streak-no-rollback", INCIDENTS,
+    Mutant("clipping", "clip-adaptive-always-ignored", CLIPPING,
+           'self.armed = cfg.adaptive == "always"',
+           "self.armed = False",
+           "clip.adaptive: always waits for a first incident (whether adaptive clipping is armed is the "
+           "clipper's since issue 18, was the ladder's adaptive_clip)"),
+    Mutant("clipping", "clip-streak-no-rollback", RESPONDER,
            "plan = Plan(rollback=self.recovery.can_roll_back, reduce_lr=True",
            "plan = Plan(rollback=False, reduce_lr=True",
            "persistent adaptive clipping cuts the LR but does not roll back the drifted weights"),
@@ -328,19 +340,22 @@ MUTANTS: list[Mutant] = [
            "LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)",
            "LossWatch(cfg.check.spike_action, cfg.check.spike_z, 50)",
            "check.spike_warmup is ignored (always 50)"),
-    Mutant("spikes", "spike-skip-step-not-skipped", INCIDENTS,
-           "self.recovery.skip(params)\n                self.recovery.undo_buffers()",
-           "self.recovery.skipped_steps += 1\n                self.recovery.undo_buffers()",
-           "check.spike_action: skip_step records a skip but the optimizer still steps"),
-    Mutant("spikes", "spike-skip-step-bn-kept", INCIDENTS,
-           "self.recovery.skip(params)\n                self.recovery.undo_buffers()",
-           "self.recovery.skip(params)\n",
+    Mutant("spikes", "spike-skip-step-not-skipped", RESPONDER,
+           "if self._skip(record, mirrored=True, undo_buffers=True):",
+           "if record.update is UpdateStage.PENDING and self.recovery.count_skip() is None or "
+           "self._skip(record, mirrored=True, undo_buffers=True):",
+           "check.spike_action: skip_step records (and counts) a skip but the optimizer still steps (eager: the "
+           "host skip is the responder's _skip since issue 18)"),
+    Mutant("spikes", "spike-skip-step-bn-kept", RESPONDER,
+           "if self._skip(record, mirrored=True, undo_buffers=True):",
+           "if self._skip(record, mirrored=True, undo_buffers=False):",
            "a spike skipped with skip_step keeps the BatchNorm statistics of the spiking batch"),
     Mutant("spikes", "spike-action-off-ignored", SPIKES,
            "if loss is None or not self.enabled:", "if loss is None:",
            "check.spike_action: off still records spike events"),
-    Mutant("spikes", "spike-repeated-no-cut", INCIDENTS,
-           'if action == "reduce_lr" or repeated:', 'if action == "reduce_lr":',
+    Mutant("spikes", "spike-repeated-no-cut", RESPONDER,
+           'if action == "reduce_lr" or repeated:',
+           'if action == "reduce_lr":',
            "repeated spikes within incident_window no longer cut the LR"),
 
     # ----------------------------------------------------------------------------------------- diagnosis
@@ -513,8 +528,9 @@ MUTANTS: list[Mutant] = [
            "two named guards share one state_key: their checkpoint state collides"),
     # ------------------------------------------------------------------------------------------ divergence
     # (issue 13: a finite run running away; a few only, the rules themselves change often)
-    Mutant("divergence", "div-warn-acts", INCIDENTS,
-           'if self.config.check.divergence == "warn":', "if False:",
+    Mutant("divergence", "div-warn-acts", RESPONDER,
+           'if self.config.check.divergence == "warn":',
+           "if False:",
            "check.divergence: warn skips, rolls back and cuts the LR like act"),
     Mutant("divergence", "div-rollback-before-onset-ignored", RECOVERY,
            "while plan.rollback_before is not None and", "while False and plan.rollback_before is not None and",
@@ -523,8 +539,11 @@ MUTANTS: list[Mutant] = [
            " and not self.divergence.growing()", "",
            "a snapshot is taken while the loss grows towards a divergence (a rollback target that cannot help)"),
     Mutant("divergence", "div-no-cut-causes-cut", LADDER,
-           'if cause in NO_LR_CUT or kind == "input":', 'if kind == "input":',
-           "actions stop following the cause: an overflow, precision or backward_op incident cuts the LR"),
+           'if policy.lr_cut == "never":',
+           'if policy.lr_cut == "never" and not policy.arms_clip:',
+           "actions stop following the cause: an overflow, precision or backward_op incident cuts the LR (the "
+           "ladder reads another field of the cause table than lr_cut: only the causes that arm no clipping, "
+           "input and transient, keep their no-cut policy)"),
 
     # --------------------------------------------------------------------------------------------- metrics
     # (issue 12: a skipped step leaves no trace in the user's metrics and Lightning's logged aggregates)
@@ -876,8 +895,9 @@ MUTANTS: list[Mutant] = [
            "        self.latched = self.latched or bool(self.above)", "        pass",
            "docs/recovery.md: 'One event per episode' (an event of either rule silences the other meanwhile); "
            "here a growth event is followed by a far-above event for the same episode"),
-    Mutant("divergence", "doc-div-rollback-to-newest", INCIDENTS,
-           'plan.rollback_before = evidence.get("onset_step")', "plan.rollback_before = None",
+    Mutant("divergence", "doc-div-rollback-to-newest", RESPONDER,
+           'rollback_before=evidence.get("onset_step")',
+           "rollback_before=None",
            "docs/recovery.md: 'a divergence goes back to the newest snapshot taken at or before the step where "
            "the growth began'; here to the newest snapshot, even one taken during the growth"),
     Mutant("divergence", "doc-div-snapshot-while-growing", STEP,
@@ -891,17 +911,17 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: the divergence statistics 'are part of every snapshot, and are restored by a "
            "rollback, so statistics gathered while a run diverged cannot blind the checks afterwards'"),
     # ------------------------------------------------------------------ learning-rate cuts
-    Mutant("lr", "doc-lr-plateau-min-lrs-not-scaled", ACTIONS,
+    Mutant("lr", "doc-lr-plateau-min-lrs-not-scaled", LR,
            '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min", "end_lr")',
            '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "eta_min", "end_lr")',
            "docs/recovery.md: ReduceLROnPlateau keeps a cut and 'its min_lr is scaled too'; here its min_lrs "
            "stays, so a cut below it is clamped back up by its next reduction"),
-    Mutant("lr", "doc-lr-eta-min-not-scaled", ACTIONS,
+    Mutant("lr", "doc-lr-eta-min-not-scaled", LR,
            '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min", "end_lr")',
            '_SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "end_lr")',
            "docs/recovery.md: CosineAnnealingLR 'with eta_min' keeps a cut (eta_min is scaled); here the "
            "schedule's floor stays unscaled"),
-    Mutant("lr", "doc-lr-onecycle-initial-lr-not-scaled", ACTIONS,
+    Mutant("lr", "doc-lr-onecycle-initial-lr-not-scaled", LR,
            '_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")',
            '_GROUP_LR_KEYS = ("lr", "max_lr", "min_lr", "base_lr")',
            "docs/recovery.md: a cut scales 'in each param group: lr, initial_lr, max_lr, min_lr, base_lr' "
@@ -912,23 +932,27 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: a rollback 're-applies the LR cuts made since the snapshot was taken'; here it "
            "undoes them a second time (the LR goes up instead of staying cut)"),
     Mutant("lr", "doc-lr-sized-cut-every-rollback", LADDER,
-           "not (by_cause or by_divergence or by_count):\n            self.sized_cut = False",
-           "not (by_cause or by_divergence or by_count):\n            pass",
-           "docs/recovery.md: after a sized cut 'the first rollback of the same episode ... does not cut again'; "
-           "only the first: here no later failed rollback of the episode cuts either"),
+           'not (by_cause or by_runaway or by_count):\n'
+           "            self.sized_cut = False",
+           'not (by_cause or by_runaway or by_count):\n'
+           "            pass",
+           "docs/recovery.md: after a sized cut 'the first rollback of the same episode ... does not cut "
+           "again'; only the first: here no later failed rollback of the episode cuts either"),
     Mutant("lr", "doc-lr-sized-cut-not-reset-by-snapshot", LADDER,
            "        self.failed_rollbacks = 0\n        self.sized_cut = False", "        self.failed_rollbacks = 0",
            "docs/recovery.md: a sized cut spares 'the first rollback of the same episode (until a snapshot "
            "confirms it)'; here the exemption outlives the confirming snapshot, so the first forced rollback of "
            "a later, unrelated episode does not cut the LR"),
     Mutant("lr", "doc-lr-param-rollback-cuts", LADDER,
-           "by_rollback = wants_rollback and not params and self.cfg.reduce_lr_on_rollback",
+           "by_rollback = wants_rollback and not weights and self.cfg.reduce_lr_on_rollback",
            "by_rollback = wants_rollback and self.cfg.reduce_lr_on_rollback",
            "docs/recovery.md: 'A one-off bad parameter never cuts the learning rate' (configuration.md "
            "reduce_lr_on_rollback: not for a one-off bad parameter)"),
     Mutant("lr", "doc-lr-divergence-by-lr-factor", LADDER,
-           '            if cause == "learning_rate" or kind == "divergence":\n                plan.lr_factor',
-           '            if cause == "learning_rate":\n                plan.lr_factor',
+           'if policy.lr_cut == "sized" or by_runaway:\n'
+           "                plan.lr_factor",
+           'if policy.lr_cut == "sized":\n'
+           "                plan.lr_factor",
            "docs/recovery.md: a divergence event cuts the LR 'at once, by recovery.divergence_lr_factor'; here "
            "a divergence diagnosed exploding_gradient/unknown is cut by recovery.lr_factor"),
     # ------------------------------------------------------------------ loss spikes
@@ -946,13 +970,14 @@ MUTANTS: list[Mutant] = [
            "z = self.stats.zscore(loss, self.rel_floor)", "z = self.stats.zscore(loss)",
            "docs/recovery.md: the spike test's standard deviation is 'floored at 1% of |mean|' (an almost "
            "constant loss does not turn a 1% wobble into a spike)"),
-    Mutant("spikes", "doc-spike-clip-to-threshold", INCIDENTS,
-           "response.clip_to = zclip.mean", "response.clip_to = zclip.threshold()",
+    Mutant("spikes", "doc-spike-clip-to-threshold", RESPONDER,
+           "response.clip_to = self.clipper.zclip.mean",
+           "response.clip_to = self.clipper.zclip.threshold()",
            "docs/recovery.md (spike_action clip): 'this step's gradient is clipped to the mean of healthy norms'"),
     # ------------------------------------------------------------------ clipping
     Mutant("clipping", "doc-clip-persists-after-11", CLIPPING,
-           "return adaptive and self.zclip.streak >= CLIPS_BEFORE_LR_CUT",
-           "return adaptive and self.zclip.streak > CLIPS_BEFORE_LR_CUT",
+           "return self.armed and self.zclip.streak >= CLIPS_BEFORE_LR_CUT",
+           "return self.armed and self.zclip.streak > CLIPS_BEFORE_LR_CUT",
            "docs/recovery.md: 'When adaptive clipping acts on 10 consecutive steps' the step is skipped, rolled "
            "back and the LR cut (a spike event); here only on the 11th"),
     Mutant("clipping", "doc-clip-agc-eps", CLIPPING,
@@ -1077,16 +1102,18 @@ MUTANTS: list[Mutant] = [
            "happened'; here a list state (CatMetric, AUROC inputs) keeps the skipped batch"),
     # ------------------------------------------------------------------ give up
     Mutant("ladder", "doc-giveup-no-restore", RECOVERY,
-           "            if self.store:\n                self.rollback(trainer, pl_module, scaler_overflows)",
-           "            if False:\n                self.rollback(trainer, pl_module, scaler_overflows)",
+           '            if self.store:\n'
+           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
+           '            if False:\n'
+           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
            "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
            "last known-good state (the newest snapshot)"),
     Mutant("ladder", "doc-giveup-steps-continue", STEP,
-           "if self.recovery.stopped or self.recovery.skip_batches_left > 0 or skip_now:",
-           "if self.recovery.skip_batches_left > 0 or skip_now:",
+           "if self.recovery.stopped or self.recovery.skipping_batches or skip_now:",
+           "if self.recovery.skipping_batches or skip_now:",
            "docs/recovery.md: after giving up with on_give_up: stop 'the guard skips any remaining step'"),
     Mutant("ladder", "doc-giveup-snapshot-off-params", LADDER,
-           "if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and params:",
+           "if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:",
            "if self.failed_rollbacks >= self.cfg.max_rollbacks:",
            "docs/recovery.md: give up 'when parameters are non-finite and there is no snapshot "
            "(recovery.snapshot: off)'; here training goes on with non-finite weights"),
