@@ -192,13 +192,18 @@ MUTANTS: list[Mutant] = [
 
     # ------------------------------------------------------------------------------------------ snapshots
     Mutant("snapshots", "snap-rollback-to-oldest", RECOVERY,
-           "snap = self.store.newest", "snap = self.store.ring[0]",
+           'snap = self.store.newest\n'
+           "        written =",
+           'snap = self.store.ring[0]\n'
+           "        written =",
            "a rollback loads the oldest snapshot instead of the newest"),
-    Mutant("snapshots", "snap-optimizer-not-restored", RECOVERY,
-           "opt.load_state_dict(opt_state)", "pass",
+    Mutant("snapshots", "snap-optimizer-not-restored", SNAPSHOTS,
+           "opt.load_state_dict(opt_state)",
+           "pass",
            "a rollback restores weights but keeps the optimizer state (Adam moments, step)"),
-    Mutant("snapshots", "snap-scheduler-not-restored", RECOVERY,
-           "sched_cfg.scheduler.load_state_dict(sched_state)", "pass",
+    Mutant("snapshots", "snap-scheduler-not-restored", SNAPSHOTS,
+           "sched_cfg.scheduler.load_state_dict(sched_state)",
+           "pass",
            "a rollback does not restore the LR schedulers"),
     Mutant("snapshots", "snap-lr-cuts-lost", RECOVERY,
            "if snap_scale != self.lr_scale:", "if False:",
@@ -218,18 +223,24 @@ MUTANTS: list[Mutant] = [
            "self._flow.snapshot(trainer, pl_module)\n\n    def on_train_end", "pass\n\n    def on_train_end",
            "no snapshot at train start: nothing to roll back to before the first snapshot_every"),
     Mutant("snapshots", "snap-poisoned-state-snapshotted", STEP,
-           "if self.evidence.state_bad(consume=False):", "if False:",
+           'agree, bad = self.sync.snapshot_agreement(pl_module, bad)\n'
+           "        if bad:",
+           'agree, bad = self.sync.snapshot_agreement(pl_module, bad)\n'
+           "        if False:",
            "a snapshot is taken of non-finite weights"),
     Mutant("snapshots", "snap-optimizer-state-unchecked", STEP,
            "if optimizer_state_nonfinite(trainer.optimizers, self.sync, trainer.strategy.root_device):",
            "if False:",
            "a snapshot keeps an inf Adam moment (frozen weights) instead of rolling back"),
-    Mutant("snapshots", "snap-bn-not-undone-on-incident", INCIDENTS,
-           "if late is None:\n            self.recovery.undo_buffers()",
-           "if False:\n            self.recovery.undo_buffers()",
+    Mutant("snapshots", "snap-bn-not-undone-on-incident", RESPONDER,
+           'if record.update is UpdateStage.PENDING:\n'
+           "            self.recovery.undo_buffers()",
+           'if False:\n'
+           "            self.recovery.undo_buffers()",
            "a skipped step keeps the BatchNorm statistics its bad forward pass wrote"),
     Mutant("snapshots", "snap-does-not-confirm", RECOVERY,
-           "self.ladder.snapshot_taken()", "pass",
+           "self._ladder.snapshot_taken()",
+           "pass",
            "a new snapshot does not confirm the last rollback: isolated incidents far apart add up to give up"),
     # new: the ring's size, and the snapshot gate on a diverging gradient norm
     Mutant("snapshots", "snap-keep-off-by-one", SNAPSHOTS,
@@ -516,8 +527,10 @@ MUTANTS: list[Mutant] = [
            "a resumed run forgets its unconfirmed rollbacks (gives up later than configured)"),
     # new: the version-1 state dict upgrade, and a named guard's state_key
     Mutant("checkpoint", "ckpt-v1-not-upgraded", CALLBACK,
-           'state = state_dict if state_dict.get("version", 1) >= 2 else _upgrade_v1(state_dict)',
-           "state = state_dict",
+           'if state.get("version", 1) < 2:\n'
+           "            state = _upgrade_v1(state)",
+           'if False:\n'
+           "            state = _upgrade_v1(state)",
            "a version-1 checkpoint resumes with every counter, the LR scale and the ladder reset"),
     Mutant("checkpoint", "ckpt-v1-event-index-lost", CALLBACK,
            '"recorder": {"index": state.get("event_index", 0),', '"recorder": {"index": 0,',
@@ -568,23 +581,27 @@ MUTANTS: list[Mutant] = [
            "elif self.config.recovery.restore_at_end:", "elif True:",
            "recovery.restore_at_end: false still restores the newest snapshot at fit end"),
     # (issue 20: the end of fit restores only suspect weights)
-    Mutant("snapshots", "snap-end-skipped-incidents-not-restored", INCIDENTS,
-           "suspect = final is not False and snapshot is not True", "suspect = False",
+    Mutant("snapshots", "snap-end-skipped-incidents-not-restored", RESPONDER,
+           "suspect = final is not False and snapshot is not True",
+           "suspect = False",
            "a fit ending inside a streak of incidents that the final weights reproduce keeps the broken weights"),
-    Mutant("snapshots", "snap-end-batch-fault-restored", INCIDENTS,
-           "suspect = final is not False and snapshot is not True", "suspect = final is not False",
-           "a fit ending on NaN steps that are the batch's fault (NaN on the snapshot's weights too) throws away "
-           "the healthy steps since the snapshot"),
+    Mutant("snapshots", "snap-end-batch-fault-restored", RESPONDER,
+           "suspect = final is not False and snapshot is not True",
+           "suspect = final is not False",
+           "a fit ending on NaN steps that are the batch's fault (NaN on the snapshot's weights too) throws "
+           "away the healthy steps since the snapshot"),
     Mutant("snapshots", "snap-end-rerun-norm-ignored", REPLAY,
            "if grads and not bool(torch.isfinite(total_norm(grads, norm_type))):", "if False:",
            "finite gradients whose total norm overflows do not count as reproduced at the end: a fit ending on "
            "such incidents keeps the broken weights"),
-    Mutant("snapshots", "snap-end-param-rollback-restored", INCIDENTS,
-           "if ladder.failed_rollbacks > 0 and diverging:", "if ladder.failed_rollbacks > 0:",
-           "the healthy steps after a rollback (of a one-off bad parameter, of a NaN streak) are thrown away at fit "
-           "end while the rollback is unconfirmed"),
-    Mutant("snapshots", "snap-end-divergence-not-restored", INCIDENTS,
-           "if ladder.failed_rollbacks > 0 and diverging:", "if False:",
+    Mutant("snapshots", "snap-end-param-rollback-restored", RESPONDER,
+           "if recovery.unconfirmed_rollbacks > 0 and diverging:",
+           "if recovery.unconfirmed_rollbacks > 0:",
+           "the healthy steps after a rollback (of a one-off bad parameter, of a NaN streak) are thrown away at "
+           "fit end while the rollback is unconfirmed"),
+    Mutant("snapshots", "snap-end-divergence-not-restored", RESPONDER,
+           "if recovery.unconfirmed_rollbacks > 0 and diverging:",
+           "if False:",
            "a fit ending while the loss runs away again after an unconfirmed rollback keeps the diverging weights"),
 
     # ------------------------------------------------------------------------------------------------ sync
@@ -602,7 +619,7 @@ MUTANTS: list[Mutant] = [
     Mutant("sync", "sync-no-flush-at-checkpoint", CALLBACK,
            "if self._flow.flush(trainer, pl_module):", "if False:",
            "lagged: a checkpoint is written without the verdict of the step before it"),
-    Mutant("sync", "sync-buffer-undo-inverted", ACTIONS,
+    Mutant("sync", "sync-buffer-undo-inverted", UNDO,
            "b.copy_(torch.where(skip.to(b.device).bool(), self._backup[n], b))",
            "b.copy_(torch.where(skip.to(b.device).bool(), b, self._backup[n]))",
            "lagged: the device buffer undo restores BatchNorm statistics of healthy steps and keeps a skipped one's"),
@@ -649,14 +666,17 @@ MUTANTS: list[Mutant] = [
     # An independent audit: each mutant below was written from a promise of README.md, docs/ or CONTRACT.md
     # (cited in its breaks text), without reading the tests.
     # ------------------------------------------------------------------ sync: check.sync lagged / auto
-    Mutant("sync", "doc-lagged-event-step-number", INCIDENTS,
-           "event.step, event.epoch = late.step, late.epoch", "event.epoch = late.epoch",
+    Mutant("sync", "doc-lagged-event-step-number", RESPONDER,
+           "return NaNEvent(step=record.step, epoch=record.epoch,",
+           "return NaNEvent(step=trainer.global_step, epoch=record.epoch,",
            "docs/performance.md (check.sync table): a lagged step is judged one step later 'with the step's own "
            "number, epoch and batches'; here its event carries the step number of the step that read the flags "
            "(one too many)"),
-    Mutant("sync", "doc-lagged-replays-next-window", INCIDENTS,
-           "window = list(self.evidence.window) if late is None else late.window",
-           "window = list(self.evidence.window)",
+    Mutant("sync", "doc-lagged-replays-next-window", RESPONDER,
+           '        window = record.window\n'
+           "        ctx = self._context(trainer, pl_module, event, record, window=window,",
+           '        window = self.evidence.window\n'
+           "        ctx = self._context(trainer, pl_module, event, record, window=window,",
            "docs/performance.md: a lagged step is judged 'with its own ... batches': here its replay and input "
            "findings look at the batches of the step under way instead (a NaN input of the lagged step is not "
            "named, kind is not 'input')"),
@@ -671,9 +691,9 @@ MUTANTS: list[Mutant] = [
            "docs/performance.md: lagged clipping (clip.max_norm, adaptive, a clip spike) is 'compared on the "
            "device with the same limit: the same gradients, bitwise'; given bare grad tensors "
            "clip_grads_with_norm_ silently clips nothing"),
-    Mutant("sync", "doc-lagged-event-lrs-of-next-step", INCIDENTS,
-           'event.details["lr"] = current_lrs([optimizer]) if late is None else [float(lr) for lr in late.lrs]',
-           'event.details["lr"] = current_lrs([optimizer])',
+    Mutant("sync", "doc-lagged-event-lrs-of-next-step", RESPONDER,
+           'event.details["lr"] = [float(lr) for lr in record.lrs]',
+           'event.details["lr"] = [float(g["lr"]) for g in record.optimizer.param_groups]',
            "docs/performance.md: a lagged step is judged one step later with its own step's evidence; here "
            "details.lr of its incident holds the learning rates at the read (after a per-step scheduler moved "
            "them), not those the bad step ran with"),
@@ -686,11 +706,12 @@ MUTANTS: list[Mutant] = [
            "docs/performance.md: a lagged bad step's 'buffer writes (BatchNorm) ... restored on the device'; here "
            "BatchNorm running statistics keep the skipped step's batch"),
     Mutant("sync", "doc-lagged-weights-not-marked", STEP,
-           "        self.evidence.after_step(pl_module)  # read with the next step's flags\n        self._late = staged",
-           "        self._late = staged",
-           "docs/recovery.md (snapshots): 'never from poisoned state: the pending parameter flag is read first'; "
-           "in lagged mode the weights a step left are not marked changed, so a non-finite weight no forward "
-           "reads (Adam eps=0) is kept by the next snapshot / not found at validation start"),
+           "        self.evidence.after_step(pl_module)  # read with the next step's flags\n"
+           "        self._unread = staged",
+           "        self._unread = staged",
+           "docs/recovery.md (snapshots): 'never from poisoned state: the pending parameter flag is read "
+           "first'; in lagged mode the weights a step left are not marked changed, so a non-finite weight no "
+           "forward reads (Adam eps=0) is kept by the next snapshot / not found at validation start"),
     Mutant("sync", "doc-lagged-keeps-step-after-applied", STEP,
            "keep = current and pristine and not applied", "keep = current and pristine",
            "docs/performance.md: a lagged rollback happens 'before the next step's update: that step goes ahead "
@@ -718,8 +739,9 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md (spike_action skip_step: 'step not applied') and docs/performance.md (a loss spike "
            "acts on its own step in lagged mode): here a lagged skip_step spike is applied on the device while "
            "the event says skip_step"),
-    Mutant("sync", "doc-lagged-applied-step-not-rolled-back", INCIDENTS,
-           "            self.recovery.ladder.step_was_applied(plan, self.recovery.can_roll_back)", "            pass",
+    Mutant("sync", "doc-lagged-applied-step-not-rolled-back", RESPONDER,
+           "            self.recovery.step_was_applied(plan)",
+           "            pass",
            "docs/performance.md: 'non-fused optimizers without a GradScaler: the bad step is applied and rolled "
            "back to the newest snapshot when read'; here it is applied and kept"),
     Mutant("sync", "doc-lagged-applied-step-gives-up-late", LADDER,
@@ -1005,44 +1027,56 @@ MUTANTS: list[Mutant] = [
            "        if still_bad:", "        if False:",
            "docs/recovery.md: 'Without a snapshot the write fails with NaNGuardError' (snapshot: off: 'a "
            "checkpoint holding non-finite state is refused'); here it is written"),
-    Mutant("checkpoint", "doc-end-input-skips-any", INCIDENTS,
-           'if not unconfirmed and all(e.kind == "input" for e in skipped):',
-           'if not unconfirmed and any(e.kind == "input" for e in skipped):',
-           "docs/recovery.md (end of fit): only 'skipped bad inputs' leave nothing to restore; here a fit ending "
-           "on skipped loss/gradient incidents with one bad input among them is not restored"),
-    Mutant("checkpoint", "doc-end-param-rollback-restored", INCIDENTS,
-           '        unconfirmed = ladder.failed_rollbacks > 0 and (rolled_back is None or rolled_back.kind not in (\n'
-           '            "parameter", "buffer"))',
-           "        unconfirmed = ladder.failed_rollbacks > 0",
-           "docs/recovery.md (end of fit): 'healthy steps after rolling back a one-off bad parameter leave "
-           "nothing to restore'; here they are thrown away by a restore at train end"),
+    Mutant("checkpoint", "doc-end-input-skips-any", CAUSE_TABLE,
+           'in_incident_window=False,\n'
+           '          weights_suspect=False,\n'
+           '          advice="Bad input data',
+           'in_incident_window=False,\n'
+           '          weights_suspect=True,\n'
+           '          advice="Bad input data',
+           "docs/recovery.md (end of fit, rewritten by issue 20): 'bad inputs never make the weights suspect'; "
+           "here the input cause's entry says its weights may be broken, so a fit ending on skipped bad inputs "
+           "whose batch cannot be rerun (anomaly.mode: off) is rolled back to the newest snapshot (was: only "
+           "skipped bad inputs leave nothing to restore, and one input among loss incidents did)"),
+    Mutant("checkpoint", "doc-end-param-rollback-restored", RESPONDER,
+           "if recovery.incidents_in_a_row > 0 and incidents:",
+           "if (recovery.incidents_in_a_row > 0 or recovery.unconfirmed_rollbacks > 0) and incidents:",
+           "docs/recovery.md (end of fit, rewritten by issue 20): 'the healthy steps after a rollback are good "
+           "steps' (was: after rolling back a one-off bad parameter); here an unconfirmed rollback counts as a "
+           "streak still under way, so the end of fit reruns the last incident (or, its batch not kept, takes "
+           "it as suspect) and restores the snapshot over the healthy steps"),
     # ------------------------------------------------------------------ snapshots and rollback
-    Mutant("snapshots", "doc-snap-schedulers-not-kept", RECOVERY,
+    Mutant("snapshots", "doc-snap-schedulers-not-kept", SNAPSHOTS,
            '"schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],',
            '"schedulers": [],',
            "docs/recovery.md: a snapshot holds 'every LR scheduler' and a rollback loads it into the live "
            "schedulers; here their step count and LR are not rolled back"),
-    Mutant("snapshots", "doc-snap-scaler-not-restored", RECOVERY,
-           'if scaler is not None and state.get("scaler"):', "if False:",
+    Mutant("snapshots", "doc-snap-scaler-not-restored", SNAPSHOTS,
+           'if scaler is not None and state.get("scaler"):',
+           "if False:",
            "docs/recovery.md / distributed.md: 'Snapshots include the scaler and a rollback restores it'"),
     Mutant("snapshots", "doc-snap-confirm-cadence-inverted", RECOVERY,
-           "        if self.ladder.failed_rollbacks:", "        if not self.ladder.failed_rollbacks:",
+           "        if self._ladder.failed_rollbacks:",
+           "        if not self._ladder.failed_rollbacks:",
            "docs/recovery.md: snapshots every recovery.snapshot_every healthy steps, 'recovery.confirm_after "
            "while a rollback awaits confirmation'; here the two cadences are swapped"),
     Mutant("snapshots", "doc-snap-skip-batches-one-short", RECOVERY,
            "self.skip_batches_left = plan.skip_batches", "self.skip_batches_left = plan.skip_batches - 1",
            "docs/recovery.md: 'With recovery.skip_batches: N, the steps of the N batches after a rollback are "
            "skipped too'; here N - 1"),
-    Mutant("snapshots", "doc-snap-skip-batches-buffers-kept", STEP,
-           "            self.recovery.skip_batches_left -= 1\n            self.recovery.undo_buffers()",
-           "            self.recovery.skip_batches_left -= 1",
-           "docs/recovery.md: a step skipped after a rollback (skip_batches) is skipped like an incident's: 'What "
-           "the step's forward passes wrote into buffers is undone'; here BatchNorm keeps the skipped batches"),
-    Mutant("snapshots", "doc-snap-disk-no-fsync", SNAPSHOTS,
-           '        with open(tmp, "rb") as fh:\n            os.fsync(fh.fileno())',
-           '        with open(tmp, "rb") as fh:\n            pass',
-           "docs/recovery.md: recovery.snapshot: disk 'writes each snapshot with torch.save to a temporary file, "
-           "fsyncs it and renames it'"),
+    Mutant("snapshots", "doc-snap-skip-batches-buffers-kept", RECOVERY,
+           '        self.skip_batches_left -= 1\n'
+           "        self.undo_buffers()",
+           "        self.skip_batches_left -= 1",
+           "docs/recovery.md: a step skipped after a rollback (skip_batches) is skipped like an incident's: "
+           "'What the step's forward passes wrote into buffers is undone'; here BatchNorm keeps the skipped "
+           "batches"),
+    Mutant("snapshots", "doc-snap-disk-no-fsync", WRITER,
+           "            os.fsync(fh.fileno())",
+           "            pass",
+           "docs/recovery.md: recovery.snapshot: disk 'writes each snapshot with torch.save to a temporary "
+           "file, fsyncs it and renames it' (on the writer thread since issue 20: recover/writer.py's "
+           "write_atomic)"),
     # ------------------------------------------------------------------ 16-mixed / GradScaler
     Mutant("amp", "doc-amp-overflows-not-consecutive", AMP,
            "        if not grads_bad:\n            self.overflows = 0\n            return False",
@@ -1053,8 +1087,9 @@ MUTANTS: list[Mutant] = [
            "return self.overflows >= self.patience or (math.isfinite(scale) and scale < self.min_scale)",
            "return self.overflows >= self.patience",
            "docs/distributed.md: overflows are an incident 'when the scale falls below check.amp_min_scale'"),
-    Mutant("amp", "doc-amp-scale-capped-always", RECOVERY,
-           'if overflows > 0 and "scale" in state:', 'if "scale" in state:',
+    Mutant("amp", "doc-amp-scale-capped-always", SNAPSHOTS,
+           'if overflows > 0 and "scale" in state:',
+           'if "scale" in state:',
            "docs/distributed.md: a rollback restores the scaler; only 'during a streak of overflows' does the "
            "scale stay at its current, lower value (after a NaN loss the snapshot's scale comes back)"),
     Mutant("amp", "doc-amp-found-inf-overwritten", AMP,
