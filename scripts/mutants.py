@@ -63,14 +63,6 @@ DIVERGENCE = PKG + "detect/divergence.py"
 FIND = PKG + "detect/find.py"
 DYNAMICS = PKG + "diagnose/dynamics.py"
 CLI = PKG + "report/cli.py"
-# the old paths, until every stale mutant is re-ported (issue 18)
-INCIDENTS = PKG + "incidents.py"
-FLAGS = PKG + "detect/flags.py"
-STATE = PKG + "detect/state.py"
-ACTIONS = PKG + "recover/actions.py"
-CAUSES = PKG + "diagnose/causes.py"
-OLD_EVENTS = PKG + "report/events.py"
-RECORDERS = PKG + "diagnose/recorders.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------ detection
@@ -370,30 +362,37 @@ MUTANTS: list[Mutant] = [
            "repeated spikes within incident_window no longer cut the LR"),
 
     # ----------------------------------------------------------------------------------------- diagnosis
-    Mutant("diagnosis", "diag-optimizer-always", CAUSES,
-           'cause = "optimizer" if ctx.grads_were_finite else "unknown"', 'cause = "optimizer"',
+    Mutant("diagnosis", "diag-optimizer-always", RULES,
+           'cause = "optimizer" if ctx.grads_were_finite else "unknown"',
+           'cause = "optimizer"',
            "non-finite parameters after non-finite gradients are blamed on the optimizer"),
-    Mutant("diagnosis", "diag-overflow-precision-swapped", CAUSES,
+    Mutant("diagnosis", "diag-overflow-precision-swapped", RULES,
            'return "overflow" if abs_max > limit else "precision"',
            'return "precision" if abs_max > limit else "overflow"',
            "overflow and precision causes are swapped"),
-    Mutant("diagnosis", "diag-backward-precision-dropped", CAUSES,
-           'if f64 is not None and f64.get("grads_finite"):\n            return "precision"',
-           'if False:\n            return "precision"',
+    Mutant("diagnosis", "diag-backward-precision-dropped", RULES,
+           'if f64 is not None and f64.get("grads_finite"):\n'
+           '            return "precision"',
+           'if False:\n'
+           '            return "precision"',
            "a backward NaN that is finite in float64 is called backward_op instead of precision"),
-    Mutant("diagnosis", "diag-history-override-ignores-features", CAUSES,
+    Mutant("diagnosis", "diag-history-override-ignores-features", RULES,
            'data_explained = found in ("overflow", "precision") and bool(details.get("extreme_features"))',
            "data_explained = False",
            "an overflow from badly scaled input features is blamed on exploding gradients"),
-    Mutant("diagnosis", "diag-input-kind-not-set", INCIDENTS,
-           'event.kind = "input"\n        with self.evidence.activations.paused():',
-           'pass\n        with self.evidence.activations.paused():',
+    Mutant("diagnosis", "diag-input-kind-not-set", RESPONDER,
+           'event.kind = "input"\n'
+           "        with self.evidence.activations.paused():",
+           'pass\n'
+           "        with self.evidence.activations.paused():",
            "a NaN input is reported as a loss incident (and climbs the ladder like one)"),
-    Mutant("diagnosis", "diag-inputs-off-ignored", INCIDENTS,
-           'elif cfg.check.inputs != "off":', "else:",
+    Mutant("diagnosis", "diag-inputs-off-ignored", RESPONDER,
+           'elif cfg.check.inputs != "off":',
+           "else:",
            "check.inputs: off still inspects the batch on an incident"),
     Mutant("diagnosis", "diag-anomaly-off-still-replays", DIAGNOSER,
-           'ctx.replay = (self.cfg.mode != "off" and self.replays', "ctx.replay = (self.replays",
+           'ctx.replay = (self.cfg.mode != "off" and self.counters["replays"] < self.cfg.max_replays',
+           'ctx.replay = (self.counters["replays"] < self.cfg.max_replays',
            "anomaly.mode: off still replays the bad batch"),
     Mutant("diagnosis", "diag-manual-opt-replayed", DIAGNOSER,
            'and getattr(ctx.pl_module, "automatic_optimization", True))', ")",
@@ -401,14 +400,17 @@ MUTANTS: list[Mutant] = [
     Mutant("diagnosis", "diag-float64-key-ignored", DIAGNOSER,
            "float64_check=self.cfg.float64_check", "float64_check=True",
            "anomaly.float64_check: false still reruns the replay in float64"),
-    Mutant("diagnosis", "diag-diverging-not-passed", INCIDENTS,
-           "cause=event.cause, safe_factor=_safe_factor(event))\n        if late is None:",
-           "cause=None, safe_factor=_safe_factor(event))\n        if late is None:",
+    Mutant("diagnosis", "diag-diverging-not-passed", RECOVERY,
+           "can_roll_back=self.can_roll_back, cause=event.cause,",
+           "can_roll_back=self.can_roll_back, cause=None,",
            "the incident's diagnosed cause is not passed to the ladder: an exploding_gradient or learning_rate "
-           "diagnosis no longer cuts the LR on the first incident, and actions stop following the cause"),
+           "diagnosis no longer cuts the LR on the first incident, and actions stop following the cause (since "
+           "issue 18 every event reaches the ladder through Recovery.plan)"),
     Mutant("diagnosis", "diag-initialization-unchecked", CALLBACK,
-           "findings = self._evidence.state.find(pl_module)\n            if findings:",
-           "findings = []\n            if findings:",
+           'findings = self._evidence.weights.find(pl_module)\n'
+           "            if findings:",
+           'findings = []\n'
+           "            if findings:",
            "non-finite parameters before training are not reported as an initialization incident"),
 
     # -------------------------------------------------------------------------------------------- events
@@ -419,23 +421,28 @@ MUTANTS: list[Mutant] = [
            "fh.flush()", "pass",
            "events.jsonl is fsynced before the line is flushed (the fsync writes nothing new)"),
     Mutant("events", "ev-events-file-key-ignored", RECORDER,
-           "if self.cfg.events_file and zero else None", "if zero else None",
+           "if cfg.events_file:",
+           "if True:",
            "logging.events_file: false still writes events.jsonl"),
     Mutant("events", "ev-tensorboard-key-ignored", RECORDER,
-           "trainer.loggers if self.cfg.loggers and zero else []", "trainer.loggers if zero else []",
+           "if cfg.loggers and trainer.loggers:",
+           "if trainer.loggers:",
            "logging.loggers (was logging.tensorboard): false still writes nanguard/ scalars and text"),
     Mutant("events", "ev-reports-key-ignored", RECORDER,
-           "if self.cfg.reports and zero else None", "if zero else None",
+           "if cfg.reports:",
+           "if True:",
            "logging.reports: false still writes incident report files"),
     Mutant("events", "ev-verbose-key-ignored", RECORDER,
-           "if self.cfg.verbose:", "if True:",
+           "if cfg.verbose:",
+           "if True:",
            "logging.verbose: false still prints one line per incident"),
     Mutant("events", "ev-progress-bar-key-ignored", CALLBACK,
            "if self._flow.end(trainer, pl_module) and self.config.logging.progress_bar:",
            "if self._flow.end(trainer, pl_module):",
            "logging.progress_bar: false still logs the status to the progress bar"),
-    Mutant("events", "ev-no-scalars-at-incident", RECORDER,
-           "self._loggers.scalars(scalars, event.step)", "pass",
+    Mutant("events", "ev-no-scalars-at-incident", SINKS,
+           "self.scalars(scalars, event.step)",
+           "pass",
            "nanguard/ scalars are not written at the incident's step"),
     Mutant("events", "ev-event-index-stuck", RECORDER,
            "self._index += 1", "pass",
@@ -448,7 +455,8 @@ MUTANTS: list[Mutant] = [
            "events.jsonl is written under default_root_dir instead of the logger's log_dir"),
     # new: every logger, a named guard's own folder and tags, the bar's integer count, the vocabularies
     Mutant("events", "ev-first-logger-only", RECORDER,
-           "LoggerSink(trainer.loggers if", "LoggerSink([trainer.logger] if",
+           "sinks.append(LoggerSink(trainer.loggers, prefix=",
+           "sinks.append(LoggerSink([trainer.logger], prefix=",
            "only the Trainer's first logger receives the nanguard/ scalars (trainer.logger, not .loggers)"),
     Mutant("events", "ev-metrics-logger-skipped", SINKS,
            "logger.log_metrics(dict(values), step=step)", "pass",
@@ -467,7 +475,8 @@ MUTANTS: list[Mutant] = [
            "event.validate()", "pass",
            "an event whose cause is outside the documented vocabulary is recorded and written"),
     Mutant("events", "ev-spike-counted-as-incident", RECORDER,
-           'if kind == "spike":', 'if kind == "spikes":',
+           'self.counters.add("incidents" if KINDS[event.kind].incident else "spikes")',
+           'self.counters.add("spikes" if event.kind == "spikes" else "incidents")',
            "a spike event counts as an incident (counters, scalars, progress bar, give-up message)"),
 
     # -------------------------------------------------------------------------------------------- config
@@ -643,12 +652,15 @@ MUTANTS: list[Mutant] = [
            "_copy_back(module, name, buf, state[name])", "pass",
            "a rollback leaves a sparse buffer as the bad step left it"),
     Mutant("compat", "compat-compiled-replay-not-eager", REPLAY,
-           "    with eager():\n        return _replay_window(", "    if True:\n        return _replay_window(",
+           '    with eager(), at_step(trainer, step):\n'
+           "        return _replay_window(",
+           '    with at_step(trainer, step):\n'
+           "        return _replay_window(",
            "the replay of a torch.compile'd model re-traces it under the replay's hooks instead of running eagerly"),
     Mutant("compat", "compat-compiled-twin-keeps-methods", REPLAY,
            'twin.__dict__.pop(key[len("original_"):], None)', "pass",
            "the float64 twin of a LightningModule compiled whole runs the original (float32) compiled methods"),
-    Mutant("compat", "compat-compiled-names-orig-mod", RECORDERS,
+    Mutant("compat", "compat-compiled-names-orig-mod", PROBES,
            'return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name',
            "return name",
            "a culprit in a compiled module is named with torch.compile's _orig_mod, not as the user wrote the model"),
@@ -765,35 +777,43 @@ MUTANTS: list[Mutant] = [
            'best = max(gathered, key=lambda p: (p["evidence"], p["rank"]))',
            "docs/distributed.md: the event names 'the lowest rank whose own flags were set'; here the highest"),
     Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", SYNC,
-           "evidence = 2 if any(local) else 1 if own else 0", "evidence = 1 if any(local) else 2 if own else 0",
+           "evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0",
+           "evidence = 3 if reproduced else 1 if any(local) else 2 if own else 0",
            "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
            "of its own; here the precedence is swapped"),
     Mutant("ranks", "doc-ranks-details-ranks-all", SYNC,
-           'event.details["ranks"] = [p["rank"] for p in gathered if p["evidence"] > 0]',
-           'event.details["ranks"] = [p["rank"] for p in gathered]',
+           'ranks = [p["rank"] for p in gathered if p["evidence"] > 0]',
+           'ranks = [p["rank"] for p in gathered]',
            "docs/distributed.md: 'details.ranks lists the ranks with evidence'; here every rank"),
-    Mutant("ranks", "doc-ranks-lagged-local-vector", INCIDENTS,
-           "extra = share_incident(self.sync, event, extra, None if late is None else late.local)",
-           "extra = share_incident(self.sync, event, extra)",
+    Mutant("ranks", "doc-ranks-lagged-local-vector", RESPONDER,
+           "extra = share_incident(self.sync, event, extra, record.local,",
+           "extra = share_incident(self.sync, event, extra, None,",
            "docs/distributed.md + performance.md: with lagged reads the event names the rank whose own flags "
            "were set at the incident's step; here the rank flags of the step under way (the last reduced "
            "vector) are used, so the wrong rank (or none) is named"),
     Mutant("ranks", "doc-ranks-flags-not-reduced", SYNC,
-           "dist.all_reduce(out[LOSS:SCALE], group=self.group)",
-           "dist.all_reduce(out[LOSS:LOSS + 1], group=self.group)",
-           "docs/distributed.md: the rank-local flags are summed across ranks so that 'every rank takes the same "
-           "decision at the same step'; here only the loss is reduced and a NaN input on one rank skips the step "
-           "there only"),
+           "dist.all_reduce(out[summed], group=self.group)",
+           'dist.all_reduce(out[SCHEMA.index["loss"]:SCHEMA.index["loss"] + 1], group=self.group)',
+           "docs/distributed.md: the rank-local flags are summed across ranks so that 'every rank takes the "
+           "same decision at the same step'; here only the loss is reduced and a NaN input on one rank skips "
+           "the step there only"),
     Mutant("ranks", "doc-ranks-sharded-norm-not-rooted", SYNC,
-           "out[NORM] = out[NORM].clamp_min(0).pow(1.0 / self.norm_type)", "out[NORM] = out[NORM].clamp_min(0)",
+           "out[norm] = out[norm].clamp_min(0).pow(1.0 / self.norm_type)",
+           "out[norm] = out[norm].clamp_min(0)",
            "docs/distributed.md (FSDP): the guard sums |g|^p over its shards and 'the same all-reduce completes "
            "the total norm, which is then used for the finite check and for clipping'; here the norm stays a "
            "sum of squares"),
     Mutant("ranks", "doc-ranks-every-rank-writes-jsonl", RECORDER,
-           'self._jsonl = JsonlSink(self.out_dir / "events.jsonl") if self.cfg.events_file and zero else None',
-           'self._jsonl = JsonlSink(self.out_dir / "events.jsonl") if self.cfg.events_file else None',
-           "docs/distributed.md / events.md: 'events.jsonl ... come[s] from global rank 0 only'; here every rank "
-           "appends the event to the same file"),
+           'if trainer.global_rank != 0:\n'
+           '            return sinks\n'
+           '        if cfg.events_file:\n'
+           '            sinks.append(JsonlSink(self.out_dir / "events.jsonl"))',
+           'if cfg.events_file:\n'
+           '            sinks.append(JsonlSink(self.out_dir / "events.jsonl"))\n'
+           '        if trainer.global_rank != 0:\n'
+           "            return sinks",
+           "docs/distributed.md / events.md: 'events.jsonl ... come[s] from global rank 0 only'; here every "
+           "rank appends the event to the same file"),
     # ------------------------------------------------------------------ sparse layouts
     Mutant("sparse", "doc-sparse-csc-bsc-unread", LAYOUTS,
            "if layout in COMPRESSED or t.is_nested:\n        return t.values()",
@@ -834,61 +854,69 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: a snapshot is never taken from poisoned state; here the fused weight flag read "
            "before a snapshot (and every step with check.loss/gradients off) leaves sparse buffers out"),
     # ------------------------------------------------------------------ diagnosis rules and their order
-    Mutant("diagnosis", "doc-diag-inputs-off-ignored", INCIDENTS,
-           '        elif cfg.check.inputs != "off":', "        else:",
+    Mutant("diagnosis", "doc-diag-inputs-off-ignored", RESPONDER,
+           '        elif cfg.check.inputs != "off":',
+           "        else:",
            "docs/diagnosis.md (kind): refined to 'input when non-finite values are found in the step's batch "
            "(unless check.inputs: 'off')'; here check.inputs: off still looks at the batch and says input"),
-    Mutant("diagnosis", "doc-diag-backward-op-beats-initialization", CAUSES,
+    Mutant("diagnosis", "doc-diag-backward-op-beats-initialization", RULES,
            '    if cause is None and (found == "backward_op" or data_explained):',
            '    if found == "backward_op" or data_explained:',
            "docs/diagnosis.md rule 4a: initialization (a weight 1000x 1/sqrt(fan_in) at fit start and now) "
            "'wins over any replay finding'; here a backward_op (or data-explained) finding wins over it"),
-    Mutant("diagnosis", "doc-diag-exploding-before-learning-rate", CAUSES,
-           "    if cause is None and module is not None:\n        cause = _learning_rate(ctx)\n"
-           "    if cause is None:\n        cause = _exploding(ctx, rows)",
-           "    if cause is None:\n        cause = _exploding(ctx, rows)\n"
-           "    if cause is None and module is not None:\n        cause = _learning_rate(ctx)",
+    Mutant("diagnosis", "doc-diag-exploding-before-learning-rate", RULES,
+           '    if cause is None and module is not None:\n'
+           '        cause = _learning_rate(ctx)\n'
+           '    if cause is None:\n'
+           "        cause = _exploding(ctx, rows)",
+           '    if cause is None:\n'
+           '        cause = _exploding(ctx, rows)\n'
+           '    if cause is None and module is not None:\n'
+           "        cause = _learning_rate(ctx)",
            "docs/diagnosis.md: rule 4c (learning_rate: relative update >= 1) comes before 4d "
-           "(exploding_gradient); here a too-high LR whose gradient norm grew is called exploding_gradient "
-           "(and cut by lr_factor instead of to the safe LR)"),
-    Mutant("diagnosis", "doc-diag-symptom-dropped", CAUSES,
-           '        details["symptom"] = found', "        pass",
+           "(exploding_gradient); here a too-high LR whose gradient norm grew is called exploding_gradient (and "
+           "cut by lr_factor instead of to the safe LR)"),
+    Mutant("diagnosis", "doc-diag-symptom-dropped", RULES,
+           '        details["symptom"] = found',
+           "        pass",
            "docs/diagnosis.md: 'When 4a, 4c or 4d replaces an overflow or precision finding, that finding is "
            "kept in details.symptom'"),
-    Mutant("diagnosis", "doc-diag-anomaly-op-preferred", CAUSES,
+    Mutant("diagnosis", "doc-diag-anomaly-op-preferred", RULES,
            'ev.op = (res.backward_op or {}).get("op") or (res.anomaly or {}).get("op")',
            'ev.op = (res.anomaly or {}).get("op") or (res.backward_op or {}).get("op")',
            "docs/diagnosis.md (backward): 'op prefers the graph hooks' (SqrtBackward0, where the Inf appeared) "
            "over anomaly mode (MulBackward0, where inf*0 became NaN)"),
     Mutant("diagnosis", "doc-diag-max-replays-off-by-one", DIAGNOSER,
-           "self.replays < self.cfg.max_replays", "self.replays <= self.cfg.max_replays",
+           'self.counters["replays"] < self.cfg.max_replays',
+           'self.counters["replays"] <= self.cfg.max_replays',
            "docs/diagnosis.md: 'At most anomaly.max_replays incidents are replayed per fit'; here one more"),
-    Mutant("diagnosis", "doc-diag-reuse-any-kind", CAUSES,
-           "elif not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause:",
-           "elif not ctx.replay and ctx.previous is not None and ctx.previous.cause:",
+    Mutant("diagnosis", "doc-diag-reuse-any-kind", RULES,
+           "ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause",
+           "ctx.previous is not None and ctx.previous.cause",
            "docs/diagnosis.md: after max_replays 'an incident of the same kind takes the diagnosis of the last "
            "replayed one'; here an incident of another kind takes it too"),
     Mutant("diagnosis", "doc-diag-manual-replayed", DIAGNOSER,
-           'ctx.replay = (self.cfg.mode != "off" and self.replays < self.cfg.max_replays\n'
+           'ctx.replay = (self.cfg.mode != "off" and self.counters["replays"] < self.cfg.max_replays\n'
            '                      and getattr(ctx.pl_module, "automatic_optimization", True))',
-           'ctx.replay = (self.cfg.mode != "off" and self.replays < self.cfg.max_replays)',
-           "docs/diagnosis.md + distributed.md: under manual optimization incidents are not replayed "
-           "('running training_step again would step the optimizers')"),
-    Mutant("diagnosis", "doc-diag-buffer-kind-any", INCIDENTS,
+           'ctx.replay = (self.cfg.mode != "off" and self.counters["replays"] < self.cfg.max_replays)',
+           "docs/diagnosis.md + distributed.md: under manual optimization incidents are not replayed ('running "
+           "training_step again would step the optimizers')"),
+    Mutant("diagnosis", "doc-diag-buffer-kind-any", RESPONDER,
            'if all(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):',
            'if any(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):',
            "docs/diagnosis.md (kind): 'buffer when every non-finite tensor found is a buffer'; here one "
            "non-finite buffer among non-finite parameters makes the event a buffer event"),
-    Mutant("diagnosis", "doc-diag-loss-before-activation", FLAGS,
-           '        if self.activation_bad:\n            return "activation"\n'
-           '        return "loss" if self.loss_bad else "gradient"',
-           '        if self.loss_bad:\n            return "loss"\n'
-           '        return "activation" if self.activation_bad else "gradient"',
+    Mutant("diagnosis", "doc-diag-loss-before-activation", VECTOR,
+           '    Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),\n'
+           '    Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),\n',
+           '    Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),\n'
+           '    Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),\n',
            "docs/diagnosis.md (kind precedence: parameter, input, activation, loss, gradient): with "
            "check.activations always a NaN activation that also spoils the loss is kind 'activation'; here "
            "'loss'"),
     Mutant("diagnosis", "doc-diag-safe-lr-ignores-edge", DYNAMICS,
-           'safe_lr=min(best["safe_lr"], edge / EDGE_MARGIN))', 'safe_lr=best["safe_lr"])',
+           "safe_lr=min(safe, edge / EDGE_MARGIN))",
+           "safe_lr=safe)",
            "docs/diagnosis.md rule 4c / recovery.md: for SGD whose gradient norm grew geometrically 'safe_lr is "
            "then at most a quarter of edge_lr'; here the edge of stability is reported but not used"),
     # ------------------------------------------------------------------ divergence watch
@@ -1153,10 +1181,12 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: give up 'when parameters are non-finite and there is no snapshot "
            "(recovery.snapshot: off)'; here training goes on with non-finite weights"),
     # ------------------------------------------------------------------ events, sinks, report CLI
-    Mutant("events", "doc-events-scalars-at-read-step", RECORDER,
-           "self._loggers.scalars(scalars, event.step)", "self._loggers.scalars(scalars, trainer.global_step)",
-           "README / docs/events.md: loggers receive the scalars 'at each event's own step'; here a lagged event "
-           "is logged at the step that read it"),
+    Mutant("events", "doc-events-scalars-at-read-step", SINKS,
+           "self.scalars(scalars, event.step)",
+           "self.scalars(scalars, event.step + 1)",
+           "README / docs/events.md: loggers receive the scalars 'at each event's own step'; here one step "
+           "late, at the step that reads a lagged event (the sinks get the event alone since issue 18, not the "
+           "trainer whose global_step this mutant used)"),
     Mutant("events", "doc-events-csv-logger-dropped", SINKS,
            "            else:\n                logger.log_metrics(dict(values), step=step)",
            "            else:\n                pass",
@@ -1167,10 +1197,11 @@ MUTANTS: list[Mutant] = [
            "README / docs/events.md / configuration.md: events.jsonl lines are 'flushed and fsynced as each "
            "event is recorded'"),
     Mutant("events", "doc-events-reports-key-ignored", RECORDER,
-           "self._reports = ReportFiles(self.out_dir) if self.cfg.reports and zero else None",
-           "self._reports = ReportFiles(self.out_dir) if zero else None",
-           "docs/configuration.md: logging.reports: false writes no incident-NNNN-stepS.txt (a key read but "
-           "ignored)"),
+           'if cfg.reports:\n'
+           "            sinks.append(ReportSink(self.out_dir))",
+           'if True:\n'
+           "            sinks.append(ReportSink(self.out_dir))",
+           "docs/configuration.md: logging.reports: false writes no incident-NNNN-stepS.txt (a key read but ignored)"),
     Mutant("events", "doc-cli-middle-line-skipped", CLI,
            "            if i == len(lines) - 1:", "            if True:",
            "CONTRACT.md / docs/events.md: 'a malformed line before the last one ends with exit status 2' (only "
