@@ -223,6 +223,24 @@ def test_rule_4a_oversized_init_wins_over_the_overflow_the_replay_found(tmp_path
     assert "reduce_lr" not in event.actions and guard.stopped  # initialization: a smaller LR cannot fix it
 
 
+@pytest.mark.parametrize("sync", SYNCS)
+def test_rule_4a_oversized_init_wins_over_a_backward_op_the_replay_found(tmp_path, sync):
+    """:class:`Root` with ``head`` initialised 1e5 too large and an all-zero sample in the first batch: the replay
+    pins the NaN on SqrtBackward0 (rule 4b's finding, which alone stays backward_op: the 4b test below), but 4a
+    'wins over any replay finding': initialization, named head.weight, the op's evidence still in details."""
+    x, y = (t.clone() for t in regression_data(n=32).tensors)
+    x[3] = 0.0
+    model = Root(fused=sync == "lagged")
+    with torch.no_grad():
+        model.head.weight.mul_(1e5)
+    guard = make_guard(sync, check={"divergence": "off"})
+    fit(tmp_path, model, loader(TensorDataset(x, y)), [guard], max_steps=2)
+    event = guard.events[0]
+    assert (event.step, event.kind, event.cause, event.culprit) == (0, "gradient", "initialization", "head.weight")
+    assert event.op is None and event.details["backward_op"]["op"] == "SqrtBackward0"
+    assert event.details["initialization"]["parameter"] == "head.weight" and guard.stopped
+
+
 # ----------------------------------------------------------------- rule 2 (input) vs 4c (learning rate)
 
 LR_STEP = 22  # Linear1 with SGD at lr=3: the gradient norm grows ~7x per step; float32 overflows at step 22

@@ -19,14 +19,15 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).parent / "ddp_scripts" / "ddp_ranks.py"
+PRECEDENCE = Path(__file__).parent / "ddp_scripts" / "ddp_precedence.py"
 FAULTS = {3: "loss", 6: "input", 10: "weight", 14: "gradient"}  # the script's faults, by optimizer step
 
 
-def spawn(out: Path, sync: str, timeout: float = 180) -> list[dict]:
+def spawn(out: Path, sync: str, timeout: float = 180, script: Path = SCRIPT) -> list[dict]:
     """Run the script (it launches rank 1 itself); on a hang, kill the whole process group it started."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("MASTER_PORT", None)  # Lightning picks a free port
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out), sync], env=env, cwd=str(out), text=True,
+    proc = subprocess.Popen([sys.executable, str(script), str(out), sync], env=env, cwd=str(out), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -99,3 +100,19 @@ def test_ddp_replicas_stay_bitwise_identical_after_rank_local_faults(ranks_run):
         for key, value in state.items():
             assert torch.equal(value, r1["optimizer"]["state"][pid][key]), (sync, pid, key)
     assert r1["injected"] == [(9, "parameter", True)] and r0["injected"] == []  # the weight: rank 1 only
+
+
+@pytest.mark.slow  # one spawned 2-process fit, ~10 s
+@pytest.mark.ddp
+def test_ddp_without_replays_own_flags_beat_own_diagnosis_and_the_lowest_rank_wins_a_tie(tmp_path):
+    """docs/distributed.md: without a replay that reproduces the fault, the event names the rank whose own flags
+    were set, before one whose own diagnosis found something (bad inputs), and among equals the lowest rank;
+    ``details.ranks`` lists every rank with evidence (tests/ddp_scripts/ddp_precedence.py)."""
+    r0, r1 = spawn(tmp_path, "eager", script=PRECEDENCE)
+    assert r0["events"] == r1["events"]
+    flags_vs_inputs, tie = r0["events"]
+    assert (flags_vs_inputs["step"], flags_vs_inputs["rank"], flags_vs_inputs["kind"]) == (3, 0, "loss")
+    assert flags_vs_inputs["details"]["ranks"] == [0, 1]  # rank 1's unread NaN input is evidence too
+    assert "inputs" not in flags_vs_inputs["details"]  # the account is rank 0's
+    assert (tie["step"], tie["rank"], tie["kind"], tie["details"]["ranks"]) == (6, 0, "loss", [0, 1])
+    assert r0["counters"]["incidents"] == r1["counters"]["incidents"] == 2

@@ -174,6 +174,18 @@ def test_inputs_always_flags_a_nan_in_a_field_the_model_never_reads(fit_dict: An
     assert [(f["field"], f["samples"], f["features"]) for f in ev.details["inputs"]] == [("batch['aux']", [5], [1])]
 
 
+def test_inputs_always_flags_a_nan_in_any_micro_batch_of_an_accumulated_step(fit: Any) -> None:
+    """check.inputs: always checks every floating tensor of the batch, every step (docs/configuration.md): with
+    accumulate_grad_batches: 2, a NaN in the first micro-batch of a step, in a field the model never reads, is
+    flagged like one in the last; the finding names its micro-batch."""
+    guard = NaNGuard(check={"inputs": "always"}, logging={"verbose": False})
+    data = DictData(bad_aux=4 * BATCH + 5)  # batch 4: the first micro-batch of step 2
+    fit(DictRegression(), DataLoader(data, batch_size=BATCH), [guard], max_epochs=1, accumulate_grad_batches=2)
+    assert _summary(guard) == [(2, "input")]
+    (found,) = guard.events[0].details["inputs"]
+    assert (found["field"], found["samples"], found["micro_batch"]) == ("batch['aux']", [5], 0)
+
+
 @pytest.mark.parametrize("inputs", ["on_incident", "off"])
 def test_inputs_off_does_not_attribute_an_incident_to_its_inputs(fit_dict: Any, inputs: str) -> None:
     """A NaN in a field the model reads makes the loss NaN: on_incident names the input, off leaves the
@@ -292,6 +304,33 @@ def test_parameter_check_finds_a_bad_weight_before_it_spoils_a_loss(fit_checks: 
     assert all_finite(model)
 
 
+class PoisonWeightAndBuffer(pl.Callback):
+    """Listed before the guard: after the update of step ``at``, one element of the first Linear's weight and one
+    of the BatchNorm's running mean become NaN (a bad update that reached both)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.at + 1:  # (the step just taken is already counted)
+            with torch.no_grad():
+                pl_module.net[0].weight[0, 0] = NAN
+                pl_module.net[1].running_mean[0] = NAN
+
+
+def test_a_bad_weight_and_a_bad_buffer_together_are_a_parameter_event(fit: Any) -> None:
+    """docs/diagnosis.md (kind): ``buffer`` only when every non-finite tensor found is a buffer; a NaN weight
+    found with a NaN BatchNorm statistic is a ``parameter`` event naming both, and it is rolled back."""
+    model = models.Classifier(dropout=0.0)
+    guard = NaNGuard(logging={"verbose": False})
+    fit(model, models.classification_data(n=8 * 16), [PoisonWeightAndBuffer(3), guard], batch_size=16, max_steps=8)
+    ev = guard.events[0]
+    assert (ev.step, ev.kind, ev.culprit) == (4, "parameter", "net.0.weight")
+    names = [f["name"] for f in ev.details["nonfinite_parameters"]]
+    assert names[0] == "net.0.weight" and "net.1.running_mean" in names
+    assert "rollback" in ev.actions and all_finite(model)
+
+
 def test_parameter_check_at_train_end_repairs_the_last_step(tmp_path: Path, fit_checks: Any) -> None:
     """A parameter fault at the very last step (no validation, no later step to read its flag): the check at
     train end finds it, records it and restores known-good weights."""
@@ -364,6 +403,16 @@ class SideBranch(pl.LightningModule):
 class LogAct(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return torch.log(h)
+
+
+def test_a_nan_activation_that_spoils_the_loss_is_kind_activation(fit_checks: Any) -> None:
+    """docs/diagnosis.md (kind, by precedence: parameter, input, activation, loss, gradient): with
+    check.activations: always, a NaN module output that makes the loss NaN too is an ``activation`` event."""
+    guard = fit_checks(Regression(lr=0.05), {"activations": "always"}, [Fault("activation", steps=[2])], steps=4)
+    ev = guard.events[0]
+    assert (ev.step, ev.kind, ev.culprit) == (2, "activation", "linear")
+    assert ev.details["replay"]["loss_finite"] is False  # the loss went NaN as well
+    assert math.isfinite(ev.details["grad_norm"])  # (the gradients did not: only the two flags say so)
 
 
 @pytest.mark.parametrize("activations", ["always", 2, "off"])

@@ -119,6 +119,19 @@ def test_manual_optimization_guards_each_optimizer_step(fit):
     assert models.same_weights(guarded, reference)
 
 
+def test_manual_optimization_reads_eagerly_when_lagged_is_asked(fit):
+    """check.sync: lagged under manual optimization: each optimizer.step() is still judged when it is called
+    (docs/distributed.md), so the same two loss faults are caught at their own steps and skipped on the host."""
+    data = models.regression_data(n=8 * 10)
+    guard = NaNGuard(check={"sync": "lagged"}, recovery={"reduce_lr_after": 0}, clip={"adaptive": "off"},
+                     logging={"verbose": False, "events_file": False, "reports": False})
+    fit(TwoOptimizers(poison={"gen": {3}, "disc": {6}}, skip={}), data, [guard], batch_size=8, max_epochs=1)
+    assert guard.lagged is False
+    assert [(e.step, e.batch_idx, e.kind, e.actions[0]) for e in guard.events] == [
+        (6, 3, "loss", "skip_step"), (13, 6, "loss", "skip_step")]
+    assert guard.counters["skipped_steps"] == 2 and guard.counters["rollbacks"] == 0
+
+
 def _package_module(base: type) -> type:
     """The same small module, subclassing the given package's LightningModule (no cross-package classes)."""
 

@@ -227,6 +227,33 @@ def test_amp_overflow_patience_is_the_streak_that_becomes_an_incident(fit_fp16: 
     assert guard.events == []
 
 
+class OverflowAt(models.Regression):
+    """Regression whose loss is multiplied by 1000 on batch ``at``: finite, but its scaled fp16 gradients overflow."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(lr=0.01)
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1000.0 if batch_idx == self.at else loss
+
+
+def test_amp_overflow_patience_counts_only_consecutive_overflows(fit: Any, fit_fp16: Any) -> None:
+    """docs/distributed.md: overflows become an incident after check.amp_overflow_patience *consecutive* ones. The
+    streak that calibrates the scale at the start, then a lone overflow later: as many as the patience in all,
+    but never in a row, so both stay routine."""
+    streak = _routine_overflows(fit_fp16)
+    late = 14
+    guard, probe = NaNGuard(check={"amp_overflow_patience": streak + 1}, logging={"verbose": False}), ScaleProbe()
+    fit(OverflowAt(late), models.regression_data(16 * 16), [guard, probe], batch_size=16, max_steps=16,
+        plugins=[fp16(INIT_SCALE)])
+    scales = [INIT_SCALE] + probe.scales
+    overflowed = [step for step in range(16) if scales[step + 1] < scales[step]]
+    assert overflowed == list(range(streak)) + [late]  # streak + 1 overflows: the patience, but not in a row
+    assert guard.events == [] and guard.counters["incidents"] == 0
+
+
 def test_amp_min_scale_turns_an_overflow_below_it_into_an_incident(fit_fp16: Any) -> None:
     streak = _routine_overflows(fit_fp16)
     for at in (1, streak - 1):  # the overflow of step `at` runs at scale INIT_SCALE / 2**at

@@ -265,6 +265,29 @@ def test_agc_in_a_trainer_bounds_every_unit(fit: Any) -> None:
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+def test_agc_clips_a_zero_initialised_layer_to_its_eps_floor_not_to_nothing(fit: Any) -> None:
+    """docs/recovery.md (AGC): every unit keeps ||g_row|| <= factor * max(||w_row||, 1e-3). The output layer starts
+    at zero weights: at the first step each of its units' gradients is clipped to exactly 0.01 * 1e-3, so it
+    still learns."""
+    seen: list[torch.Tensor] = []
+
+    class Probe(pl.Callback):  # after the guard: the gradient the optimizer will apply
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if trainer.global_step == 0:
+                head = pl_module.net[-1].weight
+                seen.append(unitwise_norms([head.grad])[0].flatten().clone())
+                seen.append(unitwise_norms([head.detach()])[0].flatten().clone())
+
+    model = Classifier(dropout=0.0)
+    with torch.no_grad():
+        model.net[-1].weight.zero_()
+    fit(model, classification_data(n=64), [NaNGuard(clip={"agc_clip_factor": 0.01}), Probe()], max_steps=1)
+    grads, weights = seen
+    assert torch.equal(weights, torch.zeros_like(weights))
+    assert torch.allclose(grads, torch.full_like(grads, 0.01 * 1e-3), rtol=1e-4, atol=0.0)  # the floor, for every unit
+    assert bool((model.net[-1].weight != 0).any())  # and the layer moved off zero
+
+
 def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it_never_stops(fit: Any) -> None:
     import pytorch_lightning as pl
 
@@ -320,6 +343,22 @@ def test_repeated_spikes_cut_the_lr_even_when_the_action_is_warn(fit: Any) -> No
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025) and guard.counters["incidents"] == 0
     d = SpikeDetector()
     assert [d.repeated(s, 3, 100) for s in (0, 50, 150, 160, 170, 180)] == [False, False, False, False, True, False]
+
+
+@pytest.mark.parametrize("third, cut", [(37, True), (38, False)])
+def test_three_spikes_cut_the_lr_only_within_incident_window_steps(fit: Any, third: int, cut: bool) -> None:
+    """docs/recovery.md: 'Three spikes within recovery.incident_window steps cut the LR'. With a window of 8, a
+    third spike 7 steps after the first cuts; one 8 steps after it does not (the first has left the window)."""
+    class Spikes(SpikyRegression):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss + 1000.0 if self.global_step in (30, 34, third) else loss
+
+    guard = NaNGuard(check={"spike_warmup": 20}, recovery={"incident_window": 8})  # spike_action: warn
+    tr = fit(Spikes(at=-1, mode="offset"), regression_data(), [guard], shuffle=True, max_epochs=3)
+    assert [(e.kind, e.step) for e in guard.events] == [("spike", 30), ("spike", 34), ("spike", third)]
+    assert [e.actions for e in guard.events] == [["warn"], ["warn"], ["reduce_lr"] if cut else ["warn"]]
+    assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025 if cut else 0.05)
 
 
 # ------------------------------------------------------------------- spike_z, spike_warmup, skip_step + BN

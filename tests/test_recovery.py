@@ -403,6 +403,32 @@ def test_skip_batches_after_rollback(fit):
     assert not all(torch.equal(w[after][k], w[after + 1][k]) for k in w[after])
 
 
+def test_skip_batches_undo_what_their_forward_wrote_into_buffers(fit):
+    """docs/recovery.md: the steps skipped after a rollback (skip_batches) are skipped like an incident's: what
+    their forward passes wrote into buffers is undone, so the BatchNorm statistics stay the restored snapshot's
+    through them, and move again with the first step that trains."""
+    burst = range(10, 13)
+    recovery = {"max_skips": 2, "skip_batches": 3, "snapshot_every": 5}
+
+    class Burst(models.Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if batch_idx in burst:
+                x = x * float("nan")
+            return nn.functional.cross_entropy(self(x), y)
+
+    guard, starts = NaNGuard(recovery=recovery, logging=QUIET), WeightsAtStart()
+    fit(Burst(dropout=0.0), models.classification_data(n=32 * 20), [guard, starts], max_epochs=1)
+    (rollback,) = [e for e in guard.events if "rollback" in e.actions]
+    assert rollback.step == burst[-1] and "skip_batches" in rollback.actions
+    w, buffers = starts.weights, ("net.1.running_mean", "net.1.running_var", "net.1.num_batches_tracked")
+    skipped = range(rollback.step + 1, rollback.step + 1 + recovery["skip_batches"])
+    for step in skipped:  # the forward of each skipped batch ran (in train mode: it updated the statistics)
+        assert all(torch.equal(w[step][k], w[step + 1][k]) for k in buffers), step
+    after = skipped[-1] + 1
+    assert not torch.equal(w[after]["net.1.running_mean"], w[after + 1]["net.1.running_mean"])
+
+
 class NaNLossRegression(Regression):
     """Healthy nn.Linear + SGD whose loss is NaN at the given optimizer steps."""
 
@@ -630,6 +656,43 @@ def test_lr_cuts_stop_at_min_lr_scale(fit_steps):
     assert [("reduce_lr" in e.actions, e.details["lr_scale"]) for e in guard.events] == expected
     assert guard.lr_scale == floor and guard.counters["lr_cuts"] == 2
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * floor)
+
+
+class TooHighLR(Regression):
+    """Regression with SGD at lr=3 (the weights move by ~40x their size per step: a divergence caught at step 3,
+    diagnosed learning_rate, cut to the safe LR); its loss is multiplied by NaN on the batches ``nan_at``."""
+
+    def __init__(self, nan_at: tuple[int, ...]) -> None:
+        super().__init__(lr=3.0)
+        self.nan_at = set(nan_at)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * NAN if batch_idx in self.nan_at else loss
+
+
+@pytest.mark.parametrize("confirm_after, nan_at, cut", [
+    (40, (8, 9, 12, 13), [False, True]),  # two forced rollbacks in the episode: only the first is spared
+    (4, (14, 15), [True]),  # a snapshot confirmed the divergence's rollback: a new episode, its rollback cuts
+], ids=["same_episode", "after_a_confirming_snapshot"])
+def test_a_sized_cut_spares_only_the_first_rollback_of_its_episode(fit_steps, confirm_after, nan_at, cut):
+    """docs/recovery.md: after a cut to the diagnosis' safe LR, 'the first rollback of the same episode (until a
+    snapshot confirms it) does not cut again'. Here the divergence's own rollback and sized cut start the episode;
+    NaN losses in pairs (max_skips: 1) then force rollbacks, diagnosed unknown: the first spared rollback
+    resets the exemption, and so does a confirming snapshot; every other forced rollback cuts by lr_factor."""
+    guard = NaNGuard(recovery={"max_skips": 1, "snapshot_every": 50, "confirm_after": confirm_after},
+                     logging=QUIET)
+    fit_steps(TooHighLR(nan_at), [guard], steps=30)
+    first, *rest = guard.events
+    assert (first.step, first.kind, first.cause) == (3, "divergence", "learning_rate")
+    assert "rollback" in first.actions and "reduce_lr" in first.actions
+    sized = first.details["lr_scale"]
+    assert sized < guard.config.recovery.divergence_lr_factor  # cut to the safe LR, below the factor's cut
+    forced = [e for e in rest if "rollback" in e.actions]
+    assert [e.step for e in forced] == list(nan_at[1::2]) and all(e.cause == "unknown" for e in forced)
+    assert [("reduce_lr" in e.actions) for e in forced] == cut
+    assert guard.lr_scale == pytest.approx(sized * guard.config.recovery.lr_factor)
+    assert guard.counters["lr_cuts"] == 2
 
 
 def test_incident_window_boundary_in_a_trainer(fit_steps):

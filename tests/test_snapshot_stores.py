@@ -5,6 +5,7 @@ tests/test_sharded_snapshots.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 from typing import Any
@@ -135,6 +136,29 @@ def test_the_end_of_fit_waits_for_the_last_disk_write(tmp_path, fit_steps):
         assert _same(on_disk["module"], spy.states[snap.step]["module"])
         assert _same(on_disk["optimizers"], spy.states[snap.step]["optimizers"])
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["snapshot-step3.pt", "snapshot-step6.pt"]
+
+
+def test_every_disk_snapshot_is_fsynced_under_its_temporary_name(tmp_path, fit_steps, monkeypatch):
+    """docs/recovery.md: recovery.snapshot: disk 'writes each snapshot with torch.save to a temporary file, fsyncs it
+    and renames it' (the rename keeps the file: its inode). Every snapshot file on disk was fsynced, and at that
+    moment no file had its final name yet (a power loss never leaves a named snapshot whose data is not on disk)."""
+    snaps = tmp_path / "snaps"
+    synced: list[tuple[int, list[str]]] = []  # (inode fsynced, snapshot files with a final name at that moment)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        ino = os.fstat(fd).st_ino
+        synced.append((ino, [p.name for p in snaps.glob("*.pt") if p.stat().st_ino == ino]))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)  # (the writer thread calls os.fsync too)
+    guard = _disk_guard(tmp_path, snapshot_every=3, keep_snapshots=2)
+    fit_steps(models.Regression(), [guard], steps=6)
+    assert guard.counters["snapshots"] == 3 and [s.step for s in guard.snapshots.ring] == [3, 6]
+    files = sorted(snaps.glob("*.pt"))
+    assert [p.name for p in files] == ["snapshot-step3.pt", "snapshot-step6.pt"]
+    assert {p.stat().st_ino for p in files} <= {ino for ino, _ in synced}
+    assert len(synced) >= 3 and all(named == [] for _, named in synced)
 
 
 class FailsAt(ExtraState):

@@ -126,18 +126,21 @@ def test_run_ending_on_its_rollback_step_needs_no_restore(tmp_path, probe):
     assert _equal(spy.states[guard.events[-1].details["restored_step"]]["module"], model)
 
 
-def test_skipped_bad_inputs_at_the_end_leave_the_weights_alone(tmp_path):
-    """The weights never saw a skipped bad batch: nothing to restore (bitwise the run one step shorter)."""
+@pytest.mark.parametrize("anomaly", ["on_incident", "off"])
+def test_skipped_bad_inputs_at_the_end_leave_the_weights_alone(tmp_path, anomaly):
+    """The weights never saw a skipped bad batch: nothing to restore (bitwise the run one step shorter). Bad inputs
+    never make the weights suspect, so this holds where the batch cannot be rerun too (anomaly.mode: off, where a
+    streak of other incidents is taken as suspect)."""
     data = models.regression_data(n=256)
     x, y = (t.clone() for t in data.tensors)
     x[-1, 0] = float("nan")  # in the last batch
     weights = []
     for steps in (7, 8):
         pl.seed_everything(0, verbose=False)
-        guard, model = NaNGuard(recovery={"snapshot_every": 2}), models.Regression()
+        guard, model = NaNGuard(recovery={"snapshot_every": 2}, anomaly={"mode": anomaly}), models.Regression()
         models.trainer(tmp_path / str(steps), [guard], max_steps=steps).fit(model, models.loader(TensorDataset(x, y)))
         weights.append(model.state_dict())
-    assert [(e.step, e.kind) for e in guard.events] == [(7, "input")]
+    assert [(e.step, e.kind, e.cause) for e in guard.events] == [(7, "input", "input")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
