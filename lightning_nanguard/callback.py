@@ -346,12 +346,11 @@ class NaNGuard(pl.Callback):
             return
         exempt = self._evidence.weights.exempt
         bad = nonfinite_entries(checkpoint, exempt=exempt)  # weights and optimizer states
-        # sharded state (FSDP): every rank holds a different part, so every rank must take the same decision; so
-        # must DDP ranks when reading a snapshot is a collective (each rank keeps a share of it)
+        # several processes: every rank takes the same decision (one all-reduce per checkpoint): under sharding each
+        # holds a different part, and the incident that follows is a collective on every rank (its account is
+        # shared; a rollback of a DDP rank's share of the snapshots reads every rank)
         sync = self._flow.sync
-        store = self._recovery.store
-        agree = sync.sharded or (sync.distributed and store is not None and store.collective)
-        if agree and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
+        if sync.distributed and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
             bad = [{"name": "(a shard on another rank)" if sync.sharded else "(a weight on another rank)"}]
         if not bad:
             return

@@ -182,11 +182,13 @@ class RecoveryConfig(_Section):
     lr_factor: float = _opt(0.5, "multiply every learning rate by this on a cut", lo=0.0, hi=1.0,
                             lo_open=True, hi_open=True)
     reduce_lr_after: int = _opt(
-        0, "also cut the LR after this many non-input incidents within incident_window steps (0: cut only on "
-           "exploding gradients and after rollbacks)", lo=0)
-    incident_window: int = _opt(100, "steps over which incidents count towards reduce_lr_after", lo=1)
+        0, "also cut the LR after this many incidents within incident_window steps (bad inputs and transients not "
+           "counted; 0: only the cuts that the cause or a forced rollback calls for)", lo=0)
+    incident_window: int = _opt(100, "steps over which incidents count towards reduce_lr_after (and 3 loss spikes cut "
+                                         "the LR)", lo=1)
     reduce_lr_on_rollback: bool = _opt(True, "cut the LR after a rollback forced because skipping did not help "
-                                             "(not for bad inputs or a one-off bad parameter)")
+                                             "(not where the cause rules a cut out, e.g. bad inputs, nor for a "
+                                             "one-off bad parameter)")
     divergence_lr_factor: float = _opt(
         0.1, "LR factor of a cut for a divergence, or when the diagnosis names the learning rate (then smaller if "
              "one step would still move the weights too far)", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
@@ -228,7 +230,7 @@ class LoggingConfig(_Section):
                                "the Trainer")
     reports: bool = _opt(True, "write a human-readable incident report next to events.jsonl")
     progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar")
-    verbose: bool = _opt(True, "print one line per incident and action (rank 0)")
+    verbose: bool = _opt(True, "print one line per event, with its cause and actions (rank 0)")
 
 
 SECTIONS: dict[str, type] = {

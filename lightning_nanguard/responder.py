@@ -398,9 +398,12 @@ class Responder:
 
     # ----------------------------------------------------------------- incidents outside the step
 
-    def parameter_incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str) -> None:
-        """Non-finite weights found outside the step decision (before a snapshot or a checkpoint, at
-        validation or at the end of fit): roll back (or give up) right away."""
+    def parameter_incident(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str,
+                           own_evidence: bool = False) -> None:
+        """Non-finite weights (or optimizer state) found outside the step decision (before a snapshot or a
+        checkpoint, at validation or at the end of fit): roll back (or give up) right away. Under DDP every rank
+        calls it together (each caller agrees its trigger across ranks) and every rank adopts the account of the
+        rank that found it (its own weights, or ``own_evidence``: e.g. its optimizer state)."""
         findings = self.evidence.weights.find(pl_module)
         buffers = _buffer_names(pl_module)
         kind = "buffer" if findings and all(f["name"] in buffers for f in findings) else "parameter"
@@ -408,6 +411,7 @@ class Responder:
         ctx = self._context(trainer, pl_module, event, grads_were_finite=self.evidence.grads_were_finite,
                             param_findings=findings)
         extra = self.diagnoser.diagnose(ctx, self.recorder.events)
+        extra = share_incident(self.sync, event, extra, found=bool(findings) or own_evidence)
         event.details["detected_at"] = where
         plan = self.recovery.plan(trainer.global_step, event, clip_armed=self.clipper.armed)
         self._conclude(trainer, pl_module, Pending(event, plan, ctx, extra))

@@ -290,20 +290,20 @@ class StepFlow:
     def snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.recovery.store is None:
             return
-        # DDP: every rank takes the same decision (one all-reduce of 3 numbers, before any rank-local decision): a
-        # weight poisoned on one rank alone skips the snapshot everywhere (the next step rolls back), and a snapshot
-        # is taken only where the replicas agree, bit for bit (else every rank rolls back to where they did)
-        bad = bool(self.evidence.state_bad(consume=False)) if self.config.check.parameters else False
-        agree, bad = self.sync.snapshot_agreement(pl_module, bad)
-        if bad:  # never snapshot poisoned state: the next step rolls back
+        # several processes: every rank takes the same decision (one all-reduce of 4 numbers, before any rank-local
+        # decision): a weight or an optimizer state poisoned on one rank alone acts on every rank, and a snapshot is
+        # taken only where the replicas agree, bit for bit (else every rank rolls back to where they did)
+        checked = self.config.check.parameters
+        weights_bad = bool(self.evidence.state_bad(consume=False)) if checked else False
+        own_state_bad = optimizer_state_nonfinite(trainer.optimizers) if checked else False
+        agree, (weights_bad, state_bad) = self.sync.snapshot_agreement(pl_module, (weights_bad, own_state_bad))
+        if weights_bad:  # never snapshot poisoned state: the next step rolls back
             return
         if not agree:
             self.responder.replicas_drifted(trainer, pl_module)
             return
-        if self.config.check.parameters:
-            if optimizer_state_nonfinite(trainer.optimizers, self.sync, trainer.strategy.root_device):
-                # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
-                self.responder.parameter_incident(trainer, pl_module, where="snapshot")
-                return
+        if state_bad:  # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
+            self.responder.parameter_incident(trainer, pl_module, where="snapshot", own_evidence=own_state_bad)
+            return
         self.recovery.take_snapshot(trainer, pl_module)
         self.evidence.weights.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then

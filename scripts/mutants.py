@@ -790,7 +790,11 @@ MUTANTS: list[Mutant] = [
            "extra = share_incident(self.sync, event, extra, None,",
            "docs/distributed.md + performance.md: with lagged reads the event names the rank whose own flags "
            "were set at the incident's step; here the rank flags of the step under way (the last reduced "
-           "vector) are used, so the wrong rank (or none) is named"),
+           "vector) are used, so the wrong rank (or none) is named",
+           harmless="equivalent (judged after the 2d475bd run, where it survived): only StepEvidence.vector calls "
+                    "StepSync.reduce, and in a lagged fit no reduce runs between a step's _stage and its read "
+                    "(_judge_late runs before the next _stage; every flush judges the step just staged), so "
+                    "sync.last_local is late.local itself"),
     Mutant("ranks", "doc-ranks-flags-not-reduced", SYNC,
            "dist.all_reduce(out[summed], group=self.group)",
            'dist.all_reduce(out[SCHEMA.index["loss"]:SCHEMA.index["loss"] + 1], group=self.group)',

@@ -1,5 +1,5 @@
 """Which cause wins when the evidence of several rules is there at once (docs/diagnosis.md, "cause": rules 1-5 and
-4a-4e, in order, from ``lightning_nanguard/diagnose/causes.py``).
+4a-4e, in order, from ``lightning_nanguard/diagnose/rules.py``).
 
 Each test is a real fit in which the winning rule AND the rule that would otherwise win both have evidence: a
 control fit (or the public record of the same fit: ``details``, the logged ``nanguard/grad_norm``) shows the

@@ -23,11 +23,11 @@ PRECEDENCE = Path(__file__).parent / "ddp_scripts" / "ddp_precedence.py"
 FAULTS = {3: "loss", 6: "input", 10: "weight", 14: "gradient"}  # the script's faults, by optimizer step
 
 
-def spawn(out: Path, sync: str, timeout: float = 180, script: Path = SCRIPT) -> list[dict]:
+def spawn(out: Path, sync: str, timeout: float = 180, *extra: str, script: Path = SCRIPT) -> list[dict]:
     """Run the script (it launches rank 1 itself); on a hang, kill the whole process group it started."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("MASTER_PORT", None)  # Lightning picks a free port
-    proc = subprocess.Popen([sys.executable, str(script), str(out), sync], env=env, cwd=str(out), text=True,
+    proc = subprocess.Popen([sys.executable, str(script), str(out), sync, *extra], env=env, cwd=str(out), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -100,6 +100,28 @@ def test_ddp_replicas_stay_bitwise_identical_after_rank_local_faults(ranks_run):
         for key, value in state.items():
             assert torch.equal(value, r1["optimizer"]["state"][pid][key]), (sync, pid, key)
     assert r1["injected"] == [(9, "parameter", True)] and r0["injected"] == []  # the weight: rank 1 only
+
+
+@pytest.mark.slow  # one spawned 2-process fit, ~10 s
+@pytest.mark.ddp
+def test_ddp_an_optimizer_state_poisoned_on_one_rank_is_acted_on_by_every_rank(tmp_path):
+    """An Adam ``exp_avg_sq`` element made inf on rank 1 alone (its weights stay finite: the element's update becomes
+    0), with the replica check off: the check before the next snapshot sees it on rank 1 only. Every rank must act
+    on it together (it is agreed in the snapshot's all-reduce): one event on both ranks, a rollback on both, the
+    replicas bitwise identical and finite at the end. (A rank rolling back alone issued collectives the other never
+    called: the run hung.)"""
+    r0, r1 = spawn(tmp_path, "eager", 180, "state")
+    assert r0["events"] == r1["events"]
+    (event,) = r0["events"]
+    assert (event["kind"], event["details"]["detected_at"]) == ("parameter", "snapshot")
+    assert (event["rank"], event["details"]["ranks"]) == (1, [1])  # the rank whose optimizer state it was
+    assert "rollback" in event["actions"] and r0["counters"]["rollbacks"] == r1["counters"]["rollbacks"] == 1
+    assert r1["injected"] == [(9, "optimizer_state", True)] and r0["injected"] == []
+    for key, value in r0["state"].items():
+        assert torch.equal(value, r1["state"][key]) and torch.isfinite(value).all(), key
+    for pid, state in r0["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, r1["optimizer"]["state"][pid][key]) and torch.isfinite(value).all(), (pid, key)
 
 
 @pytest.mark.slow  # one spawned 2-process fit, ~10 s

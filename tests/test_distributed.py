@@ -73,8 +73,8 @@ def test_sinks_are_written_by_rank_zero_only(ddp_run):
 @pytest.mark.ddp
 def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
     """One all-reduce per step, of 9 numbers (5 before the replica check: it added 4 numbers and no collective);
-    a step that takes a snapshot adds one all-reduce of 3 numbers (the replicas' weights checksum, and whether
-    any rank holds a non-finite weight)."""
+    a step that takes a snapshot adds one all-reduce of 4 numbers (the replicas' weights checksum, and whether
+    any rank holds a non-finite weight or optimizer state)."""
     _, ranks = ddp_run
     for r in ranks:
         calls, start, snapshots = r["calls"], 0, 0
@@ -87,9 +87,9 @@ def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
         assert 0 < sum(s for _, _, s in steady) < len(steady)
         for batch_idx, step_calls, snapshot in steady:
             guard = [(name, numel) for name, from_guard, numel in step_calls if from_guard]
-            # one all-reduce: the loss, 4 flags and the 4 replica fields; at a snapshot, one of 3 numbers: the
-            # weights checksum (replica agreement) and whether any rank holds a non-finite weight
-            assert guard == [("all_reduce", 9)] + [("all_reduce", 3)] * snapshot, (batch_idx, step_calls)
+            # one all-reduce: the loss, 4 flags and the 4 replica fields; at a snapshot, one of 4 numbers: the
+            # weights checksum (replica agreement) and whether any rank holds a non-finite weight or state
+            assert guard == [("all_reduce", 9)] + [("all_reduce", 4)] * snapshot, (batch_idx, step_calls)
         norms = 0
         for batch_idx, step_calls, _ in per_step:
             if batch_idx in BAD_STEPS:  # on an incident only: the evidence of every rank is gathered

@@ -89,7 +89,7 @@ def test_a_healthy_ddp_run_is_untouched_for_one_all_reduce_and_one_host_read_per
     """Zero events, bitwise the run without the guard, replicas identical. Per step the guard issues one all-reduce
     (9 numbers: the loss, 4 flags and the 4 replica fields) and one host read, the same with check.replicas on
     (``healthy``) as off (``unchecked``, before its fault at step 12); a snapshot adds the weights' checksum and
-    the agreement that they are finite: one all-reduce of 3 numbers and its read."""
+    the agreement that they and the optimizer states are finite: one all-reduce of 4 numbers and its read."""
     size, fits = world
     for r in range(size):
         healthy = fits[r]["healthy"]
@@ -98,7 +98,7 @@ def test_a_healthy_ddp_run_is_untouched_for_one_all_reduce_and_one_host_read_per
         rows = per_step(healthy)
         assert len(rows) == 15 and 0 < sum(s for *_, s in rows) < len(rows)
         for step, calls, reads, snapshot in rows:
-            assert calls == [("all_reduce", 9)] + [("all_reduce", 3)] * snapshot, (step, calls)
+            assert calls == [("all_reduce", 9)] + [("all_reduce", 4)] * snapshot, (step, calls)
             assert reads.count("tolist") == 1 + snapshot, (step, reads)
         off = {step: (calls, reads) for step, calls, reads, snapshot in per_step(fits[r]["unchecked"])
                if step < 12 and not snapshot}

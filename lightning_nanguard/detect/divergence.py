@@ -61,7 +61,7 @@ def growth_streak(values: list[float], growth: float) -> int:
 
 
 class DivergenceWatch:
-    """The three divergence rules over the healthy steps' loss and gradient norm (see the module docstring).
+    """The four divergence rules over the healthy steps' loss and gradient norm (see the module docstring).
 
     ``observe(step, loss, grad_norm)`` returns the evidence (a dict) when the step completes a divergence,
     else None. ``growing()`` tells whether a growth streak is under way (the guard then defers snapshots: a

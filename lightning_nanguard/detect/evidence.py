@@ -2,8 +2,9 @@
 
 The hooks add to it as the step runs: the batch of each micro-batch (``check.inputs: always`` also turns it
 into a device flag), the loss of each micro-batch before backward, the module outputs
-(``check.activations``), and, after the previous optimizer step, one flag over every parameter and buffer
-(``check.parameters``). :meth:`StepEvidence.read` stacks them with the total gradient norm into the
+(``check.activations``), and one flag over every parameter and buffer after the previous optimizer step
+(``check.parameters``: every step while ``check.loss`` or ``check.gradients`` is off, else the one taken
+before a due snapshot). :meth:`StepEvidence.read` stacks them with the total gradient norm into the
 evidence vector (:mod:`.vector`), agrees on it across ranks, and reads it: the one host-device sync of
 the step.
 """

@@ -250,20 +250,21 @@ class StepSync:
             return None
         return float(torch.linalg.vector_norm(buf[:-1] / self.world_size, self.norm_type))
 
-    def snapshot_agreement(self, module: Any, weights_bad: bool) -> tuple[bool, bool]:
-        """Before a snapshot, on every rank: (are the weights bitwise the same on every rank?, does any rank hold a
-        non-finite weight?). Their checksum (:func:`weights_checksum`; with the replica check) and ``weights_bad``
-        are compared with one all-reduce of three numbers (snapshot time: never per step). One process:
-        ``(True, weights_bad)``."""
+    def snapshot_agreement(self, module: Any, flags: Sequence[bool]) -> tuple[bool, list[bool]]:
+        """Before a snapshot, on every rank: (are the weights bitwise the same on every rank?, is each of ``flags``
+        set on any rank?). The weights' checksum (:func:`weights_checksum`; with the replica check) and the flags
+        (e.g. a non-finite weight, a non-finite optimizer state) are compared with one all-reduce of 2 + len(flags)
+        numbers (snapshot time: never per step), so that every rank takes the same decision. One process:
+        ``(True, flags)``."""
         if not self.distributed:
-            return True, weights_bad
+            return True, list(flags)
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         total = weights_checksum(module) if self.replicas else None
         c = total if total is not None else torch.zeros((), dtype=torch.int64, device=device)
-        found = torch.stack([c, -c, torch.full((), int(weights_bad), dtype=torch.int64, device=c.device)])
+        found = torch.stack([c, -c, *(torch.full((), int(f), dtype=torch.int64, device=c.device) for f in flags)])
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
-        high, minus_low, bad = found.tolist()
-        return high == -minus_low, bool(bad)
+        high, minus_low, *agreed = found.tolist()
+        return high == -minus_low, [bool(f) for f in agreed]
 
     def gather(self, payload: Any) -> list[Any]:
         """Every rank's ``payload`` (one ``all_gather_object``; incident only)."""
@@ -326,7 +327,8 @@ class StepSync:
 
 
 def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tensor] = None,
-                   own_norm: Optional[float] = None, recomputed: Optional[float] = None) -> str:
+                   own_norm: Optional[float] = None, recomputed: Optional[float] = None,
+                   found: Optional[bool] = None) -> str:
     """On an incident: gather every rank's evidence and make every rank adopt the same account.
 
     The chosen rank is the one that produced the fault:
@@ -342,11 +344,13 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
     ``event.rank`` (and ``host``, ``device``, ``local_rank``) become the chosen rank's and
     ``event.details["ranks"]`` lists the ranks with evidence (the disagreeing ones, for a replica). Returns the
     chosen rank's report text. Costs one ``all_gather_object``; never called in steady state. ``local``: the
-    rank's vector of the incident's step when it is not the last one reduced (a lagged read).
+    rank's vector of the incident's step when it is not the last one reduced (a lagged read). ``found``: an
+    incident outside a step (before a snapshot or a checkpoint, at validation or the end of fit): this rank's own
+    evidence (its weights or optimizer state non-finite), instead of a step's flags.
     """
     if not sync.distributed:
         return extra
-    local = sync.local_flags(local)
+    local = [bool(found)] if found is not None else sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
     reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
     evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0

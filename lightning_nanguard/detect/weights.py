@@ -1,4 +1,5 @@
-"""The parameters and buffers of the module: one cheap device flag per step, and names on an incident."""
+"""The parameters and buffers of the module: one cheap device flag when they are checked, and names on an
+incident."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ __all__ = ["WeightCheck"]
 
 
 class WeightCheck:
-    """``any_nonfinite_flag`` over a module's parameters and buffers, for every optimizer step, cheaply.
+    """``any_nonfinite_flag`` over a module's parameters and buffers, cheaply, whenever they are checked (before a
+    snapshot or validation; after every optimizer step only while ``check.loss`` or ``check.gradients`` is off).
 
     Walking ``parameters()`` and ``buffers()`` and preparing the tensors costs a Python call or a dispatch
     per tensor, every step. Here the floating tensors are collected once (with flat views of the small CPU

@@ -220,29 +220,37 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
     return result
 
 
+def _reruns(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
+            step: Optional[int]) -> Iterator[Optional[Tensor]]:
+    """Rerun ``training_step`` on each micro-batch of the window (at its ``step``, with its RNG state, in the
+    precision plugin's forward context) and yield its loss (None where it returns none); the caller works on it
+    before the next one, while nothing of training changes (:func:`preserved_state`)."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    with eager(), at_step(trainer, step):
+        for i, (batch, batch_idx) in enumerate(batches):
+            rng = rng_states[i] if i < len(rng_states) else None
+            with preserved_state(module):
+                yield _run(module, batch, batch_idx, rng, _ctx(plugin))
+
+
 def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
                norm_type: float = 2.0, step: Optional[int] = None) -> Optional[bool]:
     """Does the window give a non-finite loss, gradient or total gradient norm (``norm_type``: an overflowing
     norm of finite gradients is an incident too) on the module's weights as they are now? The light rerun
     behind the end-of-fit check: no hooks, no float64 pass, and, like :func:`replay_window`, it changes
     nothing (RNG, buffers, metrics, modes and ``.grad`` are left as they were). None when it could not run."""
-    plugin = getattr(trainer, "precision_plugin", None)
     named = [("", p) for p in module.parameters() if p.requires_grad]
-    with eager(), at_step(trainer, step):
-        for i, (batch, batch_idx) in enumerate(batches):
-            rng = rng_states[i] if i < len(rng_states) else None
-            with preserved_state(module):
-                try:
-                    loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
-                    if loss is None:
-                        continue
-                    if not bool(torch.isfinite(loss.detach()).all()):
-                        return True
-                    grads = [g for g in _grads(loss, named) if g is not None]
-                    if grads and not bool(torch.isfinite(total_norm(grads, norm_type))):
-                        return True
-                except Exception:  # the check must never break training
-                    return None
+    try:
+        for loss in _reruns(trainer, module, batches, rng_states, step):
+            if loss is None:
+                continue
+            if not bool(torch.isfinite(loss.detach()).all()):
+                return True
+            grads = [g for g in _grads(loss, named) if g is not None]
+            if grads and not bool(torch.isfinite(total_norm(grads, norm_type))):
+                return True
+    except Exception:  # the check must never break training
+        return None
     return False
 
 
@@ -252,24 +260,19 @@ def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], r
     all-reduce (each micro-batch's loss divided by ``accumulate_grad_batches``, as Lightning does), recomputed on
     the weights as they are now, with the same RNG states; nothing is changed (as :func:`reproduces`). None where
     a parameter gets no gradient; None for the whole when it could not run."""
-    plugin = getattr(trainer, "precision_plugin", None)
     scale = 1.0 / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
     trainable = [(i, p) for i, p in enumerate(params) if p.requires_grad]
     total: list[Optional[Tensor]] = [None] * len(params)
-    with eager(), at_step(trainer, step):
-        for i, (batch, batch_idx) in enumerate(batches):
-            rng = rng_states[i] if i < len(rng_states) else None
-            with preserved_state(module):
-                try:
-                    loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
-                    if loss is None:
-                        return None
-                    grads = _grads(loss * scale, [("", p) for _, p in trainable])
-                except Exception:  # the recompute must never break training
-                    return None
+    try:
+        for loss in _reruns(trainer, module, batches, rng_states, step):
+            if loss is None:
+                return None
+            grads = _grads(loss * scale, [("", p) for _, p in trainable])
             for (j, _), g in zip(trainable, grads):
                 if g is not None:
                     total[j] = g if total[j] is None else total[j] + g
+    except Exception:  # the recompute must never break training
+        return None
     return total
 
 

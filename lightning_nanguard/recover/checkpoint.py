@@ -40,18 +40,13 @@ def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20, exempt: Itera
     return find_nonfinite_tensors(named, limit=limit)
 
 
-def optimizer_state_nonfinite(optimizers: Iterable[Any], sync: Any = None, device: Any = None) -> bool:
-    """Does any optimizer hold a non-finite state tensor? One fused flag, one read (snapshot time only).
-
-    Under a sharding strategy (``sync.sharded``) every rank holds different state: the answer is agreed.
-    """
+def optimizer_state_nonfinite(optimizers: Iterable[Any]) -> bool:
+    """Does any optimizer of this rank hold a non-finite state tensor (its local shards under a sharding strategy)?
+    One fused flag, one read (snapshot time only; the ranks agree on it: :meth:`.StepSync.snapshot_agreement`)."""
     tensors = [local_tensor(t) for opt in optimizers for state in opt.state.values() for t in state.values()
                if isinstance(t, Tensor)]
     flag = any_nonfinite_flag(tensors)
-    bad = flag is not None and bool(flag)
-    if sync is not None and getattr(sync, "sharded", False):
-        bad = sync.any_rank(bad, device)
-    return bad
+    return flag is not None and bool(flag)
 
 
 def rebuild(checkpoint: dict[str, Any], trainer: Any, guard_key: str, guard_state: dict[str, Any]) -> None:

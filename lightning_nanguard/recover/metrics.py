@@ -1,4 +1,4 @@
-"""Undo what a skipped step wrote into the user's metrics, as :class:`~.actions.BufferUndo` does for buffers.
+"""Undo what a skipped step wrote into the user's metrics, as :class:`~.undo.BufferUndo` does for buffers.
 
 Two kinds of accumulators see a batch before the guard can judge its step, and both are torchmetrics
 ``Metric`` objects:

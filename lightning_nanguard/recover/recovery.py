@@ -362,6 +362,7 @@ class Recovery:
             if self.store:
                 snap = self.rollback(trainer, pl_module, scaler_overflows)
                 done.details["restored_step"] = snap.step
+            done.details["reasons"] = plan.reasons  # why it gave up
             return done
         if plan.rollback and self.store:
             if plan.go_further_back:

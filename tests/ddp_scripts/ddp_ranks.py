@@ -1,8 +1,11 @@
 """A real 2-process DDP run (gloo, CPU) in which every fault arises on rank 1 only; run by tests/test_ddp_ranks.py.
 
-    python ddp_ranks.py OUT_DIR [SYNC]
+    python ddp_ranks.py OUT_DIR [SYNC] [state]
 
-``SYNC`` is ``check.sync`` (default ``eager``); with ``lagged`` the optimizer is a fused AdamW.
+``SYNC`` is ``check.sync`` (default ``eager``); with ``lagged`` the optimizer is a fused AdamW. With ``state`` the
+run's one fault is an Adam ``exp_avg_sq`` element made inf on rank 1 alone (``STATE_FAULT_AT``), with the replica
+check off (so that only the optimizer-state check before the next snapshot can see it): every rank must take that
+check's decision together (a rank that rolled back alone would wait for the others in a collective forever).
 
 Lightning's ``ddp`` launcher re-runs this script for rank 1. On rank 1 only (``FAULTS``, by optimizer step):
 
@@ -35,7 +38,10 @@ from lightning_nanguard.testing import Fault, FaultInjector
 
 STEPS = 18
 SYNC = sys.argv[2] if len(sys.argv) > 2 else "eager"
-FAULTS = {3: "loss", 6: "input", 10: "weight", 14: "gradient"}  # the step (batch) where rank 1's fault shows
+STATE = len(sys.argv) > 3 and sys.argv[3] == "state"
+# the step (batch) where rank 1's fault shows
+FAULTS = {} if STATE else {3: "loss", 6: "input", 10: "weight", 14: "gradient"}
+STATE_FAULT_AT = 9  # state: rank 1's exp_avg_sq poisoned before this step's update; a snapshot falls due after it
 WEIGHT_WRITTEN_AT = 9  # the injector writes the NaN weight after this step's update: step 10 reads it
 
 
@@ -71,9 +77,13 @@ def main(out: Path) -> None:
     x = torch.randn(2 * STEPS * 4, 4, generator=g)
     y = x.sum(dim=1, keepdim=True)
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
-    injector = FaultInjector([Fault("parameter", steps=[WEIGHT_WRITTEN_AT], target="head.weight", ranks=[1])])
+    if STATE:
+        injector = FaultInjector([Fault("optimizer_state", steps=[STATE_FAULT_AT], target="head.weight", ranks=[1],
+                                        value="inf")])
+    else:
+        injector = FaultInjector([Fault("parameter", steps=[WEIGHT_WRITTEN_AT], target="head.weight", ranks=[1])])
     guard = NaNGuard(recovery={"snapshot_every": 2}, logging={"loggers": False, "verbose": False},
-                     check={"sync": SYNC, "divergence": "off"})
+                     check={"sync": SYNC, "divergence": "off", "replicas": not STATE})
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(out), callbacks=[injector, guard])
