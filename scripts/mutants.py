@@ -215,14 +215,12 @@ MUTANTS: list[Mutant] = [
            "self._flow.snapshot(trainer, pl_module)\n\n    def on_train_end", "pass\n\n    def on_train_end",
            "no snapshot at train start: nothing to roll back to before the first snapshot_every"),
     Mutant("snapshots", "snap-poisoned-state-snapshotted", STEP,
-           'agree, bad = self.sync.snapshot_agreement(pl_module, bad)\n'
-           "        if bad:",
-           'agree, bad = self.sync.snapshot_agreement(pl_module, bad)\n'
-           "        if False:",
+           "if weights_bad:  # never snapshot poisoned state",
+           "if False:  # never snapshot poisoned state",
            "a snapshot is taken of non-finite weights"),
     Mutant("snapshots", "snap-optimizer-state-unchecked", STEP,
-           "if optimizer_state_nonfinite(trainer.optimizers, self.sync, trainer.strategy.root_device):",
-           "if False:",
+           "own_state_bad = optimizer_state_nonfinite(trainer.optimizers) if checked else False",
+           "own_state_bad = False",
            "a snapshot keeps an inf Adam moment (frozen weights) instead of rolling back"),
     Mutant("snapshots", "snap-bn-not-undone-on-incident", RESPONDER,
            'if record.update is UpdateStage.PENDING:\n'
