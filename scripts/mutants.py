@@ -622,7 +622,11 @@ MUTANTS: list[Mutant] = [
            "lagged: a rollback read one step late lets the step under way apply gradients of the discarded weights"),
     Mutant("sync", "sync-no-flush-at-train-end", CALLBACK,
            "-> None:\n        self._flow.flush(trainer, pl_module)", "-> None:\n        pass",
-           "lagged: the last step's flags are never read (an incident at the last step goes unrecorded)"),
+           "lagged: the last step's flags are never read (an incident at the last step goes unrecorded)",
+           harmless="equivalent (judged after the i18 run, where it survived): in Lightning 2.x on_train_epoch_end "
+                    "always runs after the last step and before on_train_end (max_steps mid-epoch, should_stop, "
+                    "limit_train_batches: checked by hand), and it flushes the lagged step; the train-end flush "
+                    "stays as a guard for a loop that ends an epoch without that hook"),
     Mutant("sync", "sync-no-flush-at-checkpoint", CALLBACK,
            "if self._flow.flush(trainer, pl_module):", "if False:",
            "lagged: a checkpoint is written without the verdict of the step before it"),
@@ -736,7 +740,11 @@ MUTANTS: list[Mutant] = [
     Mutant("sync", "doc-lagged-train-end-unread", CALLBACK,
            "self._flow.flush(trainer, pl_module)  # the last lagged step's flags", "pass",
            "docs/performance.md: 'train end ... read[s] them at once'; here the last lagged step of a fit is "
-           "never judged (a NaN at the last step has no event, no rollback)"),
+           "never judged (a NaN at the last step has no event, no rollback)",
+           harmless="equivalent (judged after the i18 run, where it survived): in Lightning 2.x on_train_epoch_end "
+                    "always runs after the last step and before on_train_end (max_steps mid-epoch, should_stop, "
+                    "limit_train_batches: checked by hand), and it flushes the lagged step; the train-end flush "
+                    "stays as a guard for a loop that ends an epoch without that hook"),
     Mutant("sync", "doc-lagged-checkpoint-not-rebuilt", CALLBACK,
            "            rebuild(checkpoint, trainer, self.state_key, self.state_dict())\n"
            "        if not self.config.check.parameters:",

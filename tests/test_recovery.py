@@ -511,6 +511,26 @@ def test_every_batch_poisoned_ends_bounded_with_the_last_good_weights(make_train
     assert report.exists() and "cause" in report.read_text()
 
 
+def test_after_giving_up_the_guard_skips_the_steps_the_trainer_still_runs(make_trainer):
+    """docs/recovery.md: with on_give_up: stop, 'the Trainer stops at the end of the step and the guard skips any
+    remaining step'. ``Trainer(min_steps=...)`` keeps the loop going past the stop: the batches after the give-up
+    are healthy, yet none of them is applied, so the weights stay the restored snapshot's to the end."""
+    recovery = {"max_skips": 2, "max_rollbacks": 2, "snapshot_every": 5, "keep_snapshots": 2, "on_give_up": "stop"}
+    healthy, bound = 12, 9  # (max_skips + 1) * (max_rollbacks + 1) poisoned steps reach the give-up
+    guard = NaNGuard(recovery=recovery, logging=QUIET)
+    snaps = models.SnapshotSpy(guard)
+    injector = FaultInjector(Fault("loss", steps=range(healthy, healthy + bound)))  # healthy again after it
+    model = models.Regression()
+    trainer = make_trainer([injector, guard, snaps], max_steps=60, min_steps=40, max_epochs=-1)
+    trainer.fit(model, models.loader(models.regression_data(n=256), 16))
+    assert guard.stopped and guard.events[-1].actions[-1] == "stop"
+    assert guard.events[-1].step == healthy + bound - 1 and len(guard.events) == bound
+    assert trainer.global_step == 40  # min_steps: the loop ran 28 more steps after the give-up
+    good = snaps.states[guard.events[-1].details["restored_step"]]["module"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, good[k]), k
+
+
 # -------------------------------------------------------------------------------------------------- LR cuts
 
 
