@@ -41,31 +41,21 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import lightning_nanguard  # noqa: E402
+from common import GUARD_DIR, from_guard, save_and_exit  # noqa: E402
 from lightning_nanguard import NaNGuard  # noqa: E402
 from lightning_nanguard.testing import Fault, FaultInjector  # noqa: E402
 
 STEPS = 16
-GUARD_DIR = os.path.dirname(lightning_nanguard.__file__)
 CALLS: list[tuple[str, int]] = []  # the guard's collectives: (name, numel)
 READS: list[str] = []  # the guard's host reads of a tensor
 COUNTING = [False]
-
-
-def _from_guard() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(GUARD_DIR):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _count_collective(name: str) -> None:
     original = getattr(dist.distributed_c10d, name)
 
     def counted(*args, **kwargs):
-        if COUNTING[0] and _from_guard():
+        if COUNTING[0] and from_guard():
             tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
             CALLS.append((name, tensor.numel() if tensor is not None else -1))
         return original(*args, **kwargs)
@@ -209,13 +199,7 @@ def main(out: Path) -> None:
                        guard(recovery={"transient_limit": 3, "transient_window": 100,
                                        "on_suspect_hardware": "stop"})),
     }
-    torch.save({"rank": RANK, "world": WORLD, "fits": fits}, out / f"rank{RANK}.pt")
-    # every file is written before any process leaves; then skip the interpreter's teardown (gloo's threads can
-    # abort a process that did everything right)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    save_and_exit({"rank": RANK, "world": WORLD, "fits": fits}, out / f"rank{RANK}.pt")
 
 
 if __name__ == "__main__":

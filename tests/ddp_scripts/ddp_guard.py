@@ -17,7 +17,6 @@ and a check of the sharded (FSDP-style) norm reduction on real gloo collectives.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_nanguard
+from common import from_guard, save_and_exit
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect import sync as nd
 from lightning_nanguard.detect.vector import SCHEMA
@@ -35,19 +34,9 @@ from lightning_nanguard.detect.vector import SCHEMA
 STEPS = 24
 SYNC = sys.argv[2] if len(sys.argv) > 2 else "auto"
 BAD = {3: "const", 8: "mul", 13: "const", 14: "const", 15: "const", 16: "const", 20: "input"}  # rank 1 only
-GUARD_DIR = os.path.dirname(lightning_nanguard.__file__)
 NAMES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier", "reduce",
          "all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter", "all_to_all")
 CALLS: list[tuple[str, bool, int]] = []  # (collective, called from lightning_nanguard, numel of the tensor)
-
-
-def _from_guard() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(GUARD_DIR):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _count(name: str) -> None:
@@ -55,7 +44,7 @@ def _count(name: str) -> None:
 
     def counted(*args, **kwargs):
         tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        CALLS.append((name, _from_guard(), tensor.numel() if tensor is not None else -1))
+        CALLS.append((name, from_guard(), tensor.numel() if tensor is not None else -1))
         return original(*args, **kwargs)
 
     setattr(dist.distributed_c10d, name, counted)
@@ -132,7 +121,7 @@ def main(out: Path) -> None:
     model = Net()
     trainer.fit(model, loader)
     opt = trainer.optimizers[0]
-    torch.save({
+    save_and_exit({
         "rank": trainer.global_rank,
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "optimizer": opt.state_dict(),
@@ -145,13 +134,6 @@ def main(out: Path) -> None:
         "sharded": probe.sharded,
         "lagged": guard.lagged,
     }, out / f"rank{trainer.global_rank}.pt")
-    # both files are written before either process leaves; then skip the interpreter's teardown, where
-    # gloo's threads can abort the process ("terminate called without an active exception") after a
-    # run that itself went fine
-    torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

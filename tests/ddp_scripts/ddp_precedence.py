@@ -16,16 +16,15 @@ Each rank writes ``OUT_DIR/rank{r}.pt``: its events (``to_dict()``) and counters
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from common import save_and_exit
 from lightning_nanguard import NaNGuard
 
 STEPS = 8
@@ -62,13 +61,8 @@ def main(out: Path) -> None:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(out), callbacks=[guard])
     trainer.fit(Net(), loader)
-    torch.save({"rank": trainer.global_rank, "events": [e.to_dict() for e in guard.events],
-                "counters": dict(guard.counters)}, out / f"rank{trainer.global_rank}.pt")
-    # both files are written before either process leaves; then skip the interpreter's teardown (as ddp_ranks.py)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    save_and_exit({"rank": trainer.global_rank, "events": [e.to_dict() for e in guard.events],
+                   "counters": dict(guard.counters)}, out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -23,16 +23,15 @@ optimizer state, all through the public surface.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from common import save_and_exit
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.testing import Fault, FaultInjector
 
@@ -90,7 +89,7 @@ def main(out: Path) -> None:
     model = Net()
     trainer.fit(model, loader)
     opt = trainer.optimizers[0]
-    torch.save({
+    save_and_exit({
         "rank": trainer.global_rank,
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "optimizer": opt.state_dict(),
@@ -99,12 +98,6 @@ def main(out: Path) -> None:
         "lr_scale": guard.lr_scale,
         "injected": [(i.step, i.kind, i.applied) for i in injector.log],
     }, out / f"rank{trainer.global_rank}.pt")
-    # both files are written before either process leaves; then skip the interpreter's teardown, where gloo's
-    # threads can abort the process after a run that itself went fine (as tests/ddp_scripts/ddp_guard.py does)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ddp_guard  # noqa: E402  (wraps every collective, recording whether the guard called it)
+from common import save_and_exit  # noqa: E402
 
 from lightning_nanguard import NaNGuard  # noqa: E402
 from lightning_nanguard.diagnose.dynamics import norms  # noqa: E402
@@ -155,11 +156,7 @@ def fit(out: Path, mode: str) -> dict:
 def main(out: Path) -> None:
     results = {mode: fit(out, mode) for mode in ("memory", "disk")}
     rank = results["memory"]["rank"]
-    torch.save(results, out / f"snapshots-rank{rank}.pt")
-    torch.distributed.barrier()  # every file is written before any process leaves (see ddp_guard.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    save_and_exit(results, out / f"snapshots-rank{rank}.pt")
 
 
 if __name__ == "__main__":
