@@ -366,7 +366,7 @@ class Responder:
                    f"{cfg.transient_limit}). Test that device or have the job scheduler exclude host "
                    f"{event.host or '(unknown)'}.")
         event.suggestion = f"{event.suggestion} {message[0].upper()}{message[1:]}"
-        event.add_action("warn" if cfg.on_suspect_hardware == "warn" else cfg.on_suspect_hardware)
+        event.add_action(cfg.on_suspect_hardware)
         return message
 
     def _suspect_hardware(self, trainer: "pl.Trainer", event: NaNEvent, message: str) -> None:

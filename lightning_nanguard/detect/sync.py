@@ -142,7 +142,7 @@ def weights_checksum(module: Any) -> Optional[Tensor]:
         t = p.detach()
         if t.layout is not torch.strided or t.numel() == 0 or hasattr(t, "placements"):
             continue
-        bits = t.view(_BITS.get(t.element_size(), torch.uint8)) if t.element_size() in _BITS else t.view(torch.uint8)
+        bits = t.view(_BITS.get(t.element_size(), torch.uint8))
         part = bits.sum(dtype=torch.int64)
         total = part if total is None else total + part.to(total.device)
     return total

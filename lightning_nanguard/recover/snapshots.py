@@ -74,7 +74,6 @@ def load_training_state(trainer: Any, pl_module: Any, state: dict[str, Any], sca
         scaler.load_state_dict(restorable_scaler_state(state["scaler"], scaler.get_scale(), scaler_overflows))
 
 
-
 Norms = Callable[[Iterable[Tensor]], list[float]]  # tensors -> their 2-norms (the diagnosis' own function)
 
 
