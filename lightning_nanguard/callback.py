@@ -271,16 +271,22 @@ class NaNGuard(pl.Callback):
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._flow.flush(trainer, pl_module)  # the last lagged step's flags
-        # the last step's parameters have not been read yet: never leave a non-finite weight behind
-        checked = self.config.check.parameters and not self._recovery.stopped
+        # the last step's parameters have not been read yet: never leave a non-finite weight behind, whatever the
+        # guard's state (after it stopped too: then the newest snapshot replaces them, or it says that none can)
+        checked = self.config.check.parameters
         bad = checked and bool(self._evidence.weights.find(pl_module))
         if checked and trainer.world_size > 1:  # every rank decides alike (a sharded rollback reads every rank)
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
-        if bad:
+        if bad and self._recovery.stopped:
+            self._responder.nonfinite_after_stop(trainer, pl_module)
+        elif bad:
             self._responder.parameter_incident(trainer, pl_module, where="train_end")
         elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
             self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
         self._recovery.finish()  # snapshot writes in flight are done (a failed one reported)
+        summary = self._recovery.store.failure_summary() if self._recovery.store is not None else None
+        if summary:
+            say(trainer, summary)
         self._stop_hooks()
         self._recorder.flush()
 

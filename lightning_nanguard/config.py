@@ -229,6 +229,8 @@ class LoggingConfig(_Section):
     loggers: bool = _opt(True, "write nanguard/ scalars (and, to TensorBoard, incident text) to every logger of "
                                "the Trainer")
     reports: bool = _opt(True, "write a human-readable incident report next to events.jsonl")
+    max_reports: int = _opt(100, "incident report files kept per fit: the first half and the newest half (every "
+                                 "event stays in events.jsonl)", lo=1)
     progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar")
     verbose: bool = _opt(True, "print one line per event, with its cause and actions (rank 0)")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "NaNGuardError", "SnapshotWriteWarning"]
+__all__ = ["ConfigError", "NaNGuardError", "SnapshotWriteWarning", "SinkWriteWarning"]
 
 
 class ConfigError(ValueError):
@@ -15,5 +15,10 @@ class NaNGuardError(RuntimeError):
 
 
 class SnapshotWriteWarning(RuntimeWarning):
-    """A snapshot could not be written (``recovery.snapshot: disk``): no file was left behind, and the guard never
-    rolls back to it."""
+    """A snapshot could not be written (``recovery.snapshot: disk``): no file was left behind; the newest such
+    snapshot is kept in host memory instead (a rollback target), older ones are not. Warned once per fit."""
+
+
+class SinkWriteWarning(RuntimeWarning):
+    """One of the guard's sinks (``events.jsonl``, the incident reports, a logger, the screen) could not be written:
+    the event stays in ``guard.events`` and the other sinks, later events try again. Warned once per sink per fit."""

@@ -90,6 +90,8 @@ class Responder:
         self.pending: list[Pending] = []
         # the newest incident and its window: a fit that ends inside its streak reruns it at the end
         self.last_incident: Optional[tuple[NaNEvent, Window]] = None
+        # the guard stopped on non-finite weights it could not replace, and said so (fit start, a give-up)
+        self.left_nonfinite = False
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -342,7 +344,7 @@ class Responder:
         suspect = None if p.plan.give_up else self._hardware(trainer, p.event)
         self._record(trainer, p.event, p.ctx, p.report)
         if p.plan.give_up:
-            self._give_up(trainer, p.event)
+            self._give_up(trainer, pl_module, p.event)
         elif suspect is not None:
             self._suspect_hardware(trainer, p.event, suspect)
 
@@ -381,11 +383,22 @@ class Responder:
             trainer.should_stop = True
         say(trainer, "[nanguard] " + text)
 
-    def _give_up(self, trainer: "pl.Trainer", event: NaNEvent) -> None:
+    def _give_up(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent) -> None:
+        """Say exactly what the give-up restored (and from which step), or that nothing could be, and whether the
+        weights left are finite; then stop or raise."""
         restored = event.details.get("restored_step")
+        rollbacks = self.counters["rollbacks"] - (restored is not None)  # the give-up's own restore is not one
+        if restored is not None:
+            state = (f"the module, optimizers and LR schedulers were restored to the last known-good state, the "
+                     f"snapshot of step {restored}")
+        else:
+            bad = self.evidence.weights.find(pl_module)
+            self.left_nonfinite = bool(bad)
+            state = (f"nothing could be restored ({event.details.get('not_restored', 'no snapshot')}): the weights "
+                     + (f"are left NON-FINITE ({', '.join(f['name'] for f in bad[:5])})" if bad else
+                        f"are left as they were before step {event.step} (finite; that step was not applied)"))
         message = (f"NaNGuard gave up at step {event.step} after {self.counters['incidents']} incident(s) and "
-                   f"{self.counters['rollbacks']} rollback(s); weights restored to the last known-good state"
-                   f"{'' if restored is None else f' (step {restored})'}. Last incident: {event.kind}, "
+                   f"{rollbacks} rollback(s); {state}. Last incident: {event.kind}, "
                    f"cause={event.cause}, culprit={event.culprit}. {event.suggestion} "
                    f"Report: {self.recorder.report_path(event)}")
         self._stop_or_raise(trainer, message)
@@ -415,6 +428,37 @@ class Responder:
         event.details["detected_at"] = where
         plan = self.recovery.plan(trainer.global_step, event, clip_armed=self.clipper.armed)
         self._conclude(trainer, pl_module, Pending(event, plan, ctx, extra))
+
+    def nonfinite_after_stop(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Fit ends on non-finite weights after the guard stopped (gave up, or stopped on suspect hardware): restore
+        the newest known-good snapshot; with none, say so and stop or raise (``recovery.on_give_up``). Nothing new
+        where the guard already said it left them non-finite. Every rank calls it together."""
+        if self.left_nonfinite:
+            return
+        findings = self.evidence.weights.find(pl_module)
+        buffers = _buffer_names(pl_module)
+        event = self._event(trainer, "buffer" if findings and all(f["name"] in buffers for f in findings)
+                            else "parameter")
+        event.cause = "unknown"
+        names = ", ".join(f["name"] for f in findings[:5]) or "(a weight on another rank)"
+        event.details.update(detected_at="train_end", after_stop=True, param_findings=findings[:20])
+        restored = self.recovery.restore_newest(trainer, pl_module, self.overflow.overflows)
+        self.evidence.weights.refresh()
+        if restored is not None:
+            event.add_action("rollback")
+            event.details["restored_step"] = restored
+            event.suggestion = (f"Training ended on non-finite weights ({names}) after the guard had stopped: they "
+                                f"were replaced by the last known-good state, the snapshot of step {restored}.")
+            self._record(trainer, event, self._context(trainer, pl_module, event), "")
+            return
+        self.left_nonfinite = True
+        event.details["restored_step"] = None
+        event.details["not_restored"] = self.recovery.why_nothing_to_restore()
+        event.add_action(self.config.recovery.on_give_up)
+        event.suggestion = (f"Training ended on NON-FINITE weights ({names}) after the guard had stopped, and "
+                            f"nothing could be restored ({event.details['not_restored']}).")
+        self._record(trainer, event, self._context(trainer, pl_module, event), "")
+        self._stop_or_raise(trainer, f"NaNGuard: {event.suggestion} Report: {self.recorder.report_path(event)}")
 
     def unfinished_recovery(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                             diverging: bool = False) -> None:
@@ -563,6 +607,7 @@ class Responder:
         extra = self.diagnoser.diagnose(ctx, self.recorder.events)
         event.details["detected_at"] = "fit_start"
         self.recovery.stop()
+        self.left_nonfinite = True
         event.add_action(self.config.recovery.on_give_up)
         self._record(trainer, event, ctx, extra)
         self._stop_or_raise(trainer, f"NaNGuard: non-finite parameters before training "

@@ -298,6 +298,8 @@ DOCUMENTED = [
     ("check.divergence_growth", "1.5", 1.5), ("check.divergence_growth", ".inf", ConfigError),
     ("check.divergence_steps", "1", ConfigError), ("check.divergence_steps", "2", 2),
     ("check.divergence_steps", "2.0", ConfigError),
+    ("logging.max_reports", "0", ConfigError), ("logging.max_reports", "1", 1),
+    ("logging.max_reports", "1.5", ConfigError), ("logging.max_reports", "true", ConfigError),
     ("check.divergence_factor", "1.0", ConfigError), ("check.divergence_factor", "10", 10.0),
     ("check.divergence_factor", ".inf", ConfigError),
     ("check.divergence", "'off'", "off"), ("check.divergence", "warn", "warn"), ("check.divergence", "act", "act"),

@@ -91,6 +91,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "logging.events_file": [f"{RC}::test_events_file_switch"],
     "logging.loggers": [f"{RC}::test_loggers_switch"],
     "logging.reports": [f"{RC}::test_reports_switch"],
+    "logging.max_reports": [f"{RC}::test_max_reports_keeps_the_first_and_the_newest_report_files"],
     "logging.progress_bar": [f"{RC}::test_progress_bar_status_can_be_turned_off"],
     "logging.verbose": [f"{RC}::test_verbose_switch"],
 }

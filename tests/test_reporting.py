@@ -181,6 +181,22 @@ def test_reports_switch(tmp_path, fit_logging, reports):
     assert len((tmp_path / "nanguard" / "events.jsonl").read_text().splitlines()) == len(BAD_BATCHES)
 
 
+@pytest.mark.parametrize("max_reports", [2, 100])
+def test_max_reports_keeps_the_first_and_the_newest_report_files(tmp_path, fit_logging, max_reports):
+    """``logging.max_reports: 2`` keeps the first report and the newest (the one between is removed when the
+    newest is written) while events.jsonl keeps every event; a report not kept points to events.jsonl."""
+    guard = fit_logging({"max_reports": max_reports})
+    names = sorted(p.name for p in tmp_path.rglob("incident-*.txt"))
+    every = [f"incident-{i:04d}-step{s}.txt" for i, s in enumerate(BAD_BATCHES, 1)]
+    events_file = tmp_path / "nanguard" / "events.jsonl"
+    assert len(events_file.read_text().splitlines()) == len(BAD_BATCHES)
+    if max_reports == 2:
+        assert names == [every[0], every[-1]]
+        assert guard.report_path(guard.events[1]) == events_file
+    else:
+        assert names == every and guard.report_path(guard.events[1]).name == every[1]
+
+
 @pytest.mark.parametrize("loggers", [True, False])
 def test_loggers_switch(tmp_path, fit_logging, loggers):
     """``logging.loggers`` writes the guard's scalars to every logger of the Trainer (TensorBoard: also the

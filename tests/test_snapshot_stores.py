@@ -110,7 +110,7 @@ def test_a_failed_disk_write_is_reported_leaves_no_file_and_is_never_a_target(tm
     guard = _disk_guard(tmp_path, snapshot_every=2, max_skips=3)
     spy = AfterRollback(guard)
     model = ExtraState(lambda step: (lambda: step) if step == 4 else {"step": step})
-    with pytest.warns(SnapshotWriteWarning, match="snapshot of step 4 could not be written"):
+    with pytest.warns(SnapshotWriteWarning, match="snapshot at step 4 not written"):
         fit_steps(model, [FaultInjector(Fault("loss", steps=[5, 6, 7, 8])), guard, spy], steps=10)
     assert [f["step"] for f in guard.snapshots.failures] == [4]
     assert "pickle" in guard.snapshots.failures[0]["error"].lower()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 import torch.distributed as dist
 
 from ..config import ClipConfig, RecoveryConfig
+from ..console import say
 from ..counters import Counters
 from ..detect.sync import replicates
 from ..events import NaNEvent
@@ -110,6 +111,9 @@ class Recovery:
             replicated = (world > 1 and replicates(trainer.strategy, pl_module) and dist.is_available()
                           and dist.is_initialized() and dist.get_world_size() == world)
             store = make_store(cfg.snapshot, cfg.keep_snapshots, directory)
+            stale = getattr(store, "stale", [])
+            if stale:  # an earlier run's files (killed, or ended): removed, so they never pile up
+                say(trainer, f"[nanguard] removed {len(stale)} snapshot file(s) an earlier run left in {directory}")
             self.store = ShardedStore(store, world, trainer.global_rank) if replicated else store
 
     def finish(self) -> None:
@@ -117,6 +121,15 @@ class Recovery:
         the writer thread."""
         if self.store is not None:
             self.store.close()
+
+    def why_nothing_to_restore(self) -> str:
+        """Why there is no snapshot to restore, in words (for a give-up that restored nothing)."""
+        if self.cfg.snapshot == "off" or self.store is None:
+            return "recovery.snapshot is 'off'"
+        failures = self.store.failures
+        if failures:
+            return f"no snapshot could be kept: {len(failures)} snapshot write(s) failed ({failures[-1]['error']})"
+        return "no snapshot was taken yet"
 
     @property
     def can_roll_back(self) -> bool:
@@ -362,6 +375,9 @@ class Recovery:
             if self.store:
                 snap = self.rollback(trainer, pl_module, scaler_overflows)
                 done.details["restored_step"] = snap.step
+            else:
+                done.details["restored_step"] = None
+                done.details["not_restored"] = self.why_nothing_to_restore()
             done.details["reasons"] = plan.reasons  # why it gave up
             return done
         if plan.rollback and self.store:

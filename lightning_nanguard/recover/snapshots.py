@@ -8,7 +8,8 @@ and the GradScaler); :func:`load_training_state` puts it back. A :class:`Snapsho
 - :class:`MemoryStore`: preallocated CPU memory (``copy_``, no allocation in steady state; from CUDA, pinned
   memory filled on a side stream that the host never waits for on a healthy step: :mod:`.device_copy`);
 - :class:`DiskStore`: one atomically written file per snapshot (``torch.save``, ``fsync``, rename), written by a
-  background thread (:mod:`.writer`) from a host copy taken on the step like the memory store's;
+  background thread (:mod:`.writer`) from a host copy taken on the step like the memory store's; when the disk
+  cannot hold a snapshot, the newest such one stays in host memory (still a rollback target);
 - :class:`~.sharded.ShardedStore`: under a replicated strategy (DDP), each rank keeps only its share of every
   snapshot, in a memory or disk store, and a read rebuilds the whole state from every rank's share.
 
@@ -17,6 +18,8 @@ A new store implements ``_keep``, ``load`` and ``_forget``.
 
 from __future__ import annotations
 
+import os
+import re
 import warnings
 from collections import deque
 from collections.abc import Mapping
@@ -32,7 +35,7 @@ from ..errors import SnapshotWriteWarning
 from ..layouts import copy_to_cpu, is_strided, load_module_state, nbytes
 from ..tree import flatten, slot, unflatten
 from .device_copy import DeviceCopy
-from .writer import SnapshotWriter, Write, write_atomic
+from .writer import SnapshotWriter, Write, why_not_written, write_atomic
 
 __all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state",
            "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms"]
@@ -94,6 +97,7 @@ class Snapshot:
     share: Optional["Snapshot"] = None  # ShardedStore: this rank's share, kept by the inner store
     norms: Optional[dict[str, float]] = None  # 2-norms of the module's floating tensors, once computed
     plan: Any = None  # ShardedStore: which rank keeps which tensor
+    in_memory: bool = False  # DiskStore: the disk could not hold it; its tensors are kept in host memory instead
 
 
 def written_by_forward(skeleton: Any, names: Optional[Iterable[str]]) -> Optional[set[int]]:
@@ -111,8 +115,9 @@ class SnapshotStore:
     """A ring of the newest ``keep`` known-good states of a fit (module docstring).
 
     Attributes:
-        failures: ``{"step", "path", "error"}`` of each snapshot that could not be kept (a failed write); such a
-            snapshot is never a rollback target.
+        failures: ``{"step", "path", "error", "in_memory"}`` of each snapshot that could not be written (warned once
+            per fit, the count said at its end); one kept in host memory instead (``in_memory``) is still a rollback
+            target until a newer one takes its place, any other never is.
         waits: reads that had to wait for a write still in flight.
         collective: reading a snapshot is a collective (:class:`~.sharded.ShardedStore`): every rank must make
             the same reads (``load``, ``restore``, ``settle``, ``prepare_norms``) in the same order.
@@ -126,6 +131,7 @@ class SnapshotStore:
         self.ring: deque[Snapshot] = deque()
         self._spare: list[Snapshot] = []  # evicted snapshots, reused by the next capture
         self.failures: list[dict[str, Any]] = []
+        self._warned = False  # a failed write is warned once per fit (the count comes at its end)
         self._waits = 0
         self._copier: Optional[DeviceCopy] = None  # device-to-host copies on a side stream (CUDA only)
 
@@ -237,11 +243,29 @@ class SnapshotStore:
             self._forget(snap)
             self._spare.append(snap)
 
-    def _report(self, snap: Snapshot, path: Optional[Path], error: str) -> None:
-        snap.failed = error
-        self.failures.append({"step": snap.step, "path": None if path is None else str(path), "error": error})
-        warnings.warn(f"[nanguard] the snapshot of step {snap.step} could not be written ({error}); no file was left "
-                      f"at {path}, and it is no rollback target", SnapshotWriteWarning, stacklevel=3)
+    def _report(self, snap: Snapshot, path: Optional[Path], error: str, in_memory: bool = False) -> None:
+        """``snap`` could not be written: a rollback target only ``in_memory``; the first one of a fit is warned."""
+        if not in_memory:
+            snap.failed = error
+        self.failures.append({"step": snap.step, "path": None if path is None else str(path), "error": error,
+                              "in_memory": in_memory})
+        if self._warned:
+            return
+        self._warned = True
+        what = ("it is kept in host memory instead, as a rollback target (only the newest snapshot the disk refused "
+                "is kept so)" if in_memory else "no file was left, and it is no rollback target")
+        warnings.warn(f"[nanguard] snapshot at step {snap.step} not written: {error} ({path}); {what}. Training goes "
+                      "on, later snapshots try the disk again; the count is said at the end of fit "
+                      "(guard.snapshots.failures). Said once per fit.", SnapshotWriteWarning, stacklevel=3)
+
+    def failure_summary(self) -> Optional[str]:
+        """One line on the snapshots not written this fit (None: none)."""
+        if not self.failures:
+            return None
+        held = any(f["in_memory"] for f in self.failures)
+        last = self.failures[-1]
+        return (f"[nanguard] {len(self.failures)} snapshot(s) not written this fit (the last at step {last['step']}: "
+                f"{last['error']}){'; the newest of them is kept in host memory instead' if held else ''}")
 
     def _host_copy(self, buffers: list[Tensor], live: list[Tensor],
                    first: Optional[set[int]]) -> tuple[list[Tensor], Optional[Any]]:
@@ -307,12 +331,16 @@ class MemoryStore(SnapshotStore):
         return unflatten(snap.skeleton, snap.tensors, clone=True)
 
 
+_SNAPSHOT_FILE = re.compile(r"snapshot-step\d+\.pt(\.tmp)?")
+
+
 class _Staging:
     """Host buffers that one write at a time reads from."""
 
     def __init__(self) -> None:
         self.tensors: list[Tensor] = []
         self.write: Optional[Write] = None
+        self.snap: Optional[Snapshot] = None  # the snapshot being written from them
 
 
 class DiskStore(SnapshotStore):
@@ -338,45 +366,94 @@ class DiskStore(SnapshotStore):
         self.writer: Optional[SnapshotWriter] = SnapshotWriter() if background else None
         self._staging = [_Staging() for _ in range(max(1, depth))]
         self._turn = 0
+        self._held: list[Snapshot] = []  # the snapshot the disk refused that is kept in host memory (the newest)
+        self.stale = self._remove_stale()
+
+    def _remove_stale(self) -> list[str]:
+        """Fit start: remove the snapshot files an earlier fit left in :attr:`directory` (a run killed, or ended,
+        with its snapshots on disk: they belong to another run's timeline, and would pile up, one set per crash).
+        Returns their names."""
+        try:
+            names = [n for n in os.listdir(self.directory) if _SNAPSHOT_FILE.fullmatch(n)]
+        except OSError:  # no folder yet (or not one): nothing of ours there
+            return []
+        removed = []
+        for name in sorted(names):
+            try:
+                (self.directory / name).unlink()
+                removed.append(name)
+            except OSError:
+                pass
+        return removed
 
     def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
         snap.path = path = self.directory / f"snapshot-step{snap.step}.pt"
-        snap.write = None
-        if self.writer is None:
-            write_atomic(unflatten(skeleton, live), path)
-            snap.nbytes = snap.total_nbytes = path.stat().st_size
+        snap.write, snap.in_memory, snap.skeleton, snap.tensors = None, False, skeleton, []
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if self.writer is None:
+                write_atomic(unflatten(skeleton, live), path)
+                snap.nbytes = snap.total_nbytes = path.stat().st_size
+                return
+        except OSError as exc:  # the folder cannot be made (a file in its way), or the disk is full: keep it in memory
+            tensors, _ = self._host_copy([], live, first)
+            snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in tensors)
+            self._hold(snap, tensors, why_not_written(exc))
             return
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         if staging.write is not None:
             staging.write.wait()  # the bound on writes in flight: these buffers are still being written
+            owner = staging.snap
+            if owner is not None and owner.write is staging.write:
+                self._check(owner, wait=True)  # failed on the disk: it takes these buffers (staging gets fresh ones)
         staging.tensors, event = self._host_copy(staging.tensors, live, first)
         tensors = list(staging.tensors)
         snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in tensors)
+        snap.tensors = tensors  # until its write is done (kept in memory if the disk refuses it)
         copier = self._copier
         before = (lambda: copier.backend.synchronize(event)) if event is not None and copier is not None else None
         snap.write = staging.write = self.writer.submit(path, lambda: unflatten(skeleton, tensors), before)
+        staging.snap = snap
+
+    def _hold(self, snap: Snapshot, tensors: list[Tensor], error: str) -> None:
+        """The disk refused ``snap``: keep ``tensors`` (its host copy) in memory as its state, in place of the older
+        snapshot held so (no longer a rollback target: at most one snapshot's worth of memory is held)."""
+        for old in self._held:
+            old.failed, old.tensors, old.in_memory = "replaced in memory by a newer snapshot", [], False
+        self._held = [snap]
+        snap.tensors, snap.in_memory = tensors, True
+        for staging in self._staging:  # these buffers are the snapshot's now
+            if staging.tensors and tensors and staging.tensors[0] is tensors[0]:
+                staging.tensors, staging.snap = [], None
+        self._report(snap, snap.path, error, in_memory=True)
 
     def load(self, snap: Snapshot) -> Any:
         self._check(snap, wait=True)
         if snap.failed:
             raise RuntimeError(f"the snapshot of step {snap.step} was not written ({snap.failed})")
+        if snap.in_memory:
+            if self._copier is not None:
+                self._copier.wait()
+            return unflatten(snap.skeleton, snap.tensors, clone=True)
         assert snap.path is not None
         return torch.load(snap.path, map_location="cpu", weights_only=False)
 
     def _forget(self, snap: Snapshot) -> None:
         # its write is done by now in practice (the oldest snapshot; the staging buffers wait for it anyway)
         self._check(snap, wait=True)
-        if snap.path is not None and not snap.failed:  # a failed write left nothing of ours at its path
+        if snap.path is not None and not snap.failed and not snap.in_memory:  # a failed write left no file of ours
             if self.writer is not None:
                 self.writer.remove(snap.path)  # freeing a large file's blocks: on the writer thread
             else:
                 snap.path.unlink(missing_ok=True)
-        snap.path = None
+        if snap in self._held:
+            self._held.remove(snap)
+        snap.path, snap.tensors, snap.in_memory = None, [], False
 
     def _check(self, snap: Snapshot, wait: bool) -> None:
-        """Done with ``snap``'s write (waiting for it with ``wait``)? Then report a failure and forget it."""
+        """Done with ``snap``'s write (waiting for it with ``wait``)? Then report a failure and forget it: a disk
+        that refused it leaves it in host memory (:meth:`_hold`), any other failure leaves no rollback target."""
         write = snap.write
         if write is None:
             return
@@ -385,7 +462,11 @@ class DiskStore(SnapshotStore):
         if write.done:
             snap.write = None
             if write.error is not None and not snap.failed:
+                if write.disk_error:
+                    self._hold(snap, snap.tensors, write.error)
+                    return
                 self._report(snap, write.path, write.error)
+            snap.tensors = []  # written (or failed otherwise): the staging buffers are the staging's again
 
     def flush(self) -> None:
         super().flush()

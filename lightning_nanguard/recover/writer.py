@@ -17,16 +17,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Write", "SnapshotWriter", "write_atomic"]
+__all__ = ["Write", "SnapshotWriter", "write_atomic", "why_not_written"]
 
 
 def write_atomic(obj: Any, path: Path) -> None:
     """``torch.save(obj)`` to ``path``: a temporary file, fsynced, then renamed; on failure the temporary file is
-    removed and the error raised (``path`` is never half written)."""
+    removed and the error raised (``path`` is never half written). Saved through a Python file object, so that a
+    full disk raises the OS's own ``OSError`` (ENOSPC), not torch's ``basic_ios::clear: iostream error``."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as fh:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -37,12 +39,21 @@ def write_atomic(obj: Any, path: Path) -> None:
         raise
 
 
+def why_not_written(exc: BaseException) -> str:
+    """Plain words for a failed write: the OS's own (``No space left on device``) for an ``OSError``, else the
+    exception's type and text."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
+
+
 class Write:
     """One file being written by a :class:`SnapshotWriter`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.error: Optional[str] = None  # why it failed ("PicklingError: ..."), once done
+        self.error: Optional[str] = None  # why it failed, once done: the OS's words, or "PicklingError: ..."
+        self.disk_error = False  # it failed on the disk (an OSError: full, not writable, a file in the way)
         self._done = threading.Event()
 
     @property
@@ -111,7 +122,7 @@ class SnapshotWriter:
                     before()
                 write_atomic(build(), write.path)
             except BaseException as exc:  # noqa: BLE001  (reported by the training thread; never half a file)
-                write.error = f"{type(exc).__name__}: {exc}"
+                write.error, write.disk_error = why_not_written(exc), isinstance(exc, OSError)
             finally:
                 if after is not None:
                     after()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import LoggingConfig
 from ..counters import Counters
+from ..errors import SinkWriteWarning
 from ..events import KINDS, NaNEvent
 from .render import ReportText
-from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink
+from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink, highest_index, highest_report
 
 __all__ = ["Recorder"]
 
@@ -19,10 +21,18 @@ class Recorder:
     the Trainer's loggers, incident reports, the screen; rank 0 writes, every rank keeps the events). An event of
     a kind that counts as an incident is counted in ``counters["incidents"]``, any other in ``counters["spikes"]``.
 
+    Numbering continues across a resumed fit (the checkpoint's count) and after the highest number already in
+    ``events.jsonl`` or among the report files (a run killed after its last checkpoint keeps its numbers).
+
+    A sink's failed write never reaches the fit: it is warned once per sink per fit
+    (:class:`~lightning_nanguard.errors.SinkWriteWarning`: which sink, where, the OS's words, what the guard still
+    does), the event stays in :attr:`events` and the other sinks, and the next event tries that sink again.
+
     Attributes:
         events: every event of this fit, in order (``guard.events``).
         sinks: where they are written (set at fit start).
         out_dir: ``<log_dir>/nanguard``, set at fit start.
+        failed_writes: sink name -> the writes of this fit it failed.
     """
 
     def __init__(self, cfg: LoggingConfig, counters: Counters, name: Optional[str] = None) -> None:
@@ -34,6 +44,9 @@ class Recorder:
         self.out_dir: Optional[Path] = None
         self._index = 0  # the last event's number; numbering continues across a resumed fit
         self._scalar_sinks: list[Sink] = []
+        self._reports: Optional[ReportSink] = None
+        self._jsonl: Optional[JsonlSink] = None
+        self.failed_writes: dict[str, int] = {}
 
     def start(self, trainer: Any, sinks: Optional[Sequence[Sink]] = None) -> None:
         """Fit start: the sinks (``sinks``, or those ``logging.*`` asks for, on global rank 0 only)."""
@@ -42,6 +55,21 @@ class Recorder:
             self.out_dir = self.out_dir / self.name
         self.sinks = list(sinks) if sinks is not None else self.default_sinks(trainer)
         self._scalar_sinks = [s for s in self.sinks if s.wants_scalars]
+        self._reports = next((s for s in self.sinks if isinstance(s, ReportSink)), None)
+        self._jsonl = next((s for s in self.sinks if isinstance(s, JsonlSink)), None)
+        self.failed_writes = {}
+        self._continue_numbering(trainer)
+
+    def _continue_numbering(self, trainer: Any) -> None:
+        """Number after the highest event already on disk (rank 0 reads; every rank numbers alike)."""
+        found = 0
+        if self._jsonl is not None:
+            found = highest_index(self._jsonl.path)
+        if self._reports is not None:
+            found = max(found, highest_report(self._reports.directory))
+        if int(getattr(trainer, "world_size", 1) or 1) > 1:
+            found = int(trainer.strategy.broadcast(found, src=0))
+        self._index = max(self._index, found)
 
     def default_sinks(self, trainer: Any) -> list[Sink]:
         assert self.out_dir is not None
@@ -51,7 +79,7 @@ class Recorder:
         if cfg.events_file:
             sinks.append(JsonlSink(self.out_dir / "events.jsonl"))
         if cfg.reports:
-            sinks.append(ReportSink(self.out_dir))
+            sinks.append(ReportSink(self.out_dir, cfg.max_reports))
         if cfg.loggers and trainer.loggers:
             sinks.append(LoggerSink(trainer.loggers, prefix=f"nanguard/{self.name}/" if self.name else "nanguard/"))
         if cfg.verbose:
@@ -59,7 +87,36 @@ class Recorder:
         return sinks
 
     def report_path(self, event: NaNEvent) -> Path:
+        """Where to read about ``event``: its report file if one of this fit holds it, else ``events.jsonl`` when
+        that is written (a report over ``logging.max_reports``, or one that could not be written), else the
+        report's name."""
+        if self._reports is not None and event.index in self._reports.written:
+            return self._reports.written[event.index]
+        if self._jsonl is not None:
+            return self._jsonl.path
         return ReportSink(self.out_dir if self.out_dir is not None else Path("nanguard")).path(event)
+
+    def _write(self, sink: Sink, write: Callable[[], None]) -> None:
+        """Run one sink's write; a failure is counted and warned once per sink per fit, never raised."""
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001  (the guard's own I/O never ends a fit)
+            first = sink.name not in self.failed_writes
+            self.failed_writes[sink.name] = self.failed_writes.get(sink.name, 0) + 1
+            if first:
+                self._warn(sink, exc)
+
+    def _warn(self, sink: Sink, exc: Exception) -> None:
+        if isinstance(exc, OSError):
+            where = exc.filename if exc.filename else sink.where
+            reason = exc.strerror or str(exc)
+        else:
+            where, reason = sink.where, f"{type(exc).__name__}: {exc}"
+        others = [s.name for s in self.sinks if s is not sink]
+        also = f" and in {', '.join(others)}" if others else ""
+        warnings.warn(f"[nanguard] {sink.name} could not be written ({where}: {reason}). Training and recovery go "
+                      f"on: every event stays in guard.events{also}; {sink.retry}. Said once per fit.",
+                      SinkWriteWarning, stacklevel=2)
 
     def record(self, event: NaNEvent, text: ReportText, scalars: Callable[[], dict[str, float]]) -> None:
         """Number ``event``, count it, keep it and write it to every sink; ``text`` goes into its incident
@@ -71,18 +128,18 @@ class Recorder:
         self.events.append(event)
         values = scalars() if self.sinks else {}
         for sink in self.sinks:
-            sink.event(event, text, values)
+            self._write(sink, lambda: sink.event(event, text, values))  # noqa: B023  (called at once)
 
     def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]]) -> None:
         """The guard's scalars of a step without an event, every ``log_every_n_steps`` steps."""
         if self._scalar_sinks and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             values = scalars()
             for sink in self._scalar_sinks:
-                sink.scalars(values, trainer.global_step)
+                self._write(sink, lambda: sink.scalars(values, trainer.global_step))  # noqa: B023
 
     def flush(self) -> None:
         for sink in self.sinks:
-            sink.flush()
+            self._write(sink, sink.flush)
 
     def state_dict(self) -> dict[str, Any]:
         return {"index": self._index}

@@ -1,0 +1,307 @@
+"""The guard's own files under real faults: a full disk (a symlink to ``/dev/full``), a file where a folder must
+be, a folder removed mid-run, a disk that frees up; and what a give-up or the end of fit says it restored.
+
+The fault matrix (``test_fault_matrix``) runs each (sink, fault, when) case in both ``check.sync`` modes and
+compares it with the same fit without the fault: the fit finishes, the rescue is the same (events, actions,
+restored steps, counters, bitwise weights), each failing sink is warned exactly once, and the files afterwards
+are what the fault left (nothing lost but the failed file). docs/recovery.md has the table.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import Logger
+
+from lightning_nanguard import NaNGuard, NaNGuardError
+from lightning_nanguard.errors import SinkWriteWarning, SnapshotWriteWarning
+
+from . import models
+
+NAN = float("nan")
+STEPS = 16
+SCENARIOS = {  # bad batches (batch index == step: 32 batches an epoch) and the recovery keys
+    "rescue": ((5, 6, 7, 11), {"max_skips": 2}),
+    "give_up": (tuple(range(6, 40)), {"max_skips": 1, "max_rollbacks": 1}),
+}
+
+
+class Net(models.Regression):
+    """nn.Linear, fused AdamW (it can skip on the device: lagged runs on the CPU); NaN loss on ``bad`` batches."""
+
+    def __init__(self, bad: tuple[int, ...] = ()) -> None:
+        super().__init__(lr=0.02)
+        self.bad = set(bad)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * NAN if batch_idx in self.bad else loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+
+
+class LineLogger(Logger):
+    """A real logger that appends one line per ``log_metrics`` call to ``path`` (no buffering)."""
+
+    def __init__(self, path: Path, root: Path) -> None:
+        super().__init__()
+        self.path, self.root, self.lines = Path(path), root, 0
+
+    name = property(lambda self: "lines")
+    version = property(lambda self: 0)
+    save_dir = property(lambda self: str(self.root))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: Optional[int] = None) -> None:
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(f"{step} {sorted(metrics.items())}\n")
+        self.lines += 1
+
+
+class At(pl.Callback):
+    """Listed ahead of the guard: ``action(root)`` at the start of step ``step`` (-1: at train start)."""
+
+    def __init__(self, step: int, action: Callable[[Path], None], root: Path) -> None:
+        self.step, self.action, self.root = step, action, root
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.step == -1:
+            self.action(self.root)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            self.action(self.root)
+
+
+# ---------------------------------------------------------------------------------------------- the faults
+
+def jsonl_full(root: Path) -> None:
+    (root / "nanguard").mkdir(parents=True, exist_ok=True)
+    (root / "nanguard" / "events.jsonl").unlink(missing_ok=True)
+    os.symlink("/dev/full", root / "nanguard" / "events.jsonl")
+
+
+def jsonl_freed(root: Path) -> None:
+    (root / "nanguard" / "events.jsonl").unlink()
+
+
+def folder_is_a_file(root: Path) -> None:
+    shutil.rmtree(root / "nanguard", ignore_errors=True)
+    (root / "nanguard").write_text("not a folder\n")
+
+
+def folder_removed(root: Path) -> None:
+    shutil.rmtree(root / "nanguard")
+
+
+def snapshots_full(root: Path) -> None:  # every temporary snapshot file of this fit lands on a full disk
+    (root / "snaps").mkdir(parents=True, exist_ok=True)
+    for step in range(STEPS + 1):
+        tmp = root / "snaps" / f"snapshot-step{step}.pt.tmp"
+        if not tmp.is_symlink():
+            os.symlink("/dev/full", tmp)
+
+
+def snapshot_dir_is_a_file(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "snaps").write_text("not a folder\n")
+
+
+def snapshot_dir_removed(root: Path) -> None:
+    shutil.rmtree(root / "snaps")
+
+
+def logger_full(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    os.symlink("/dev/full", root / "lines.txt")
+
+
+# (id, scenario, [(step, fault)], {warned sink: count}) -- step -2: before the fit, -1: at train start
+CASES = [
+    ("jsonl-enospc-rescue", "rescue", [(-2, jsonl_full)], {"events.jsonl": 1}),
+    ("jsonl-enospc-give_up", "give_up", [(3, jsonl_full)], {"events.jsonl": 1}),
+    ("jsonl-enospc-then-freed", "rescue", [(-2, jsonl_full), (9, jsonl_freed)], {"events.jsonl": 1}),
+    ("folder-is-a-file-rescue", "rescue", [(2, folder_is_a_file)], {"events.jsonl": 1, "the incident reports": 1}),
+    ("folder-is-a-file-give_up", "give_up", [(3, folder_is_a_file)],
+     {"events.jsonl": 1, "the incident reports": 1}),
+    ("folder-removed-mid-rescue", "rescue", [(7, folder_removed)], {}),
+    ("snapshot-enospc-rescue", "rescue", [(-1, snapshots_full)], {"snapshot": 1}),
+    ("snapshot-enospc-give_up", "give_up", [(-1, snapshots_full)], {"snapshot": 1}),
+    ("snapshot-dir-is-a-file", "rescue", [(-2, snapshot_dir_is_a_file)], {"snapshot": 1}),
+    ("snapshot-dir-removed-at-a-snapshot", "rescue", [(9, snapshot_dir_removed)], {}),
+    ("logger-enospc-healthy-step", "rescue", [(-2, logger_full)], {"the loggers": 1}),
+]
+
+
+def run_fit(root: Path, sync: str, scenario: str, faults: list = ()) -> dict:
+    bad, recovery = SCENARIOS[scenario]
+    root.mkdir(parents=True, exist_ok=True)
+    for step, fault in faults:
+        if step == -2:
+            fault(root)
+    guard = models.sync_guard(sync, quiet={"verbose": False, "events_file": True, "reports": True},
+                              recovery={"snapshot": "disk", "snapshot_dir": str(root / "snaps"), "snapshot_every": 3,
+                                        **recovery})
+    logger = LineLogger(root / "lines.txt", root)
+    callbacks = [At(step, fault, root) for step, fault in faults if step != -2] + [guard]
+    pl.seed_everything(0, verbose=False)
+    model = Net(bad)
+    trainer = models.trainer(root, callbacks, max_steps=STEPS, max_epochs=-1, logger=logger, log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, models.loader(models.regression_data(), 16))
+    assert guard.lagged is (sync == "lagged")
+    warned: dict[str, int] = {}
+    for w in caught:
+        if issubclass(w.category, SnapshotWriteWarning):
+            warned["snapshot"] = warned.get("snapshot", 0) + 1
+        elif issubclass(w.category, SinkWriteWarning):
+            name = str(w.message).split("]", 1)[1].split(" could not", 1)[0].strip()
+            warned[name] = warned.get(name, 0) + 1
+    return {"guard": guard, "model": model, "warned": warned, "logger": logger, "trainer": trainer,
+            "rescue": [(e.index, e.step, e.kind, e.cause, tuple(e.actions), e.details.get("restored_step"))
+                       for e in guard.events],
+            "counters": guard.counters}
+
+
+_CLEAN: dict = {}
+
+
+@pytest.fixture
+def clean(tmp_path_factory):
+    def get(sync: str, scenario: str) -> dict:
+        if (sync, scenario) not in _CLEAN:
+            _CLEAN[sync, scenario] = run_fit(tmp_path_factory.mktemp(f"clean-{sync}-{scenario}"), sync, scenario)
+        return _CLEAN[sync, scenario]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", models.SYNCS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_fault_matrix(tmp_path, clean, sync, case):
+    name, scenario, faults, expected = case
+    ref = clean(sync, scenario)
+    got = run_fit(tmp_path, sync, scenario, faults)
+    assert ref["warned"] == {}
+    assert got["rescue"] == ref["rescue"] and got["counters"] == ref["counters"], name
+    assert models.same_weights(got["model"], ref["model"]) and models.all_finite(got["model"])
+    assert got["warned"] == expected, name
+    guard, events = got["guard"], got["guard"].events
+    if scenario == "give_up":
+        assert guard.stopped and events[-1].actions[-1] == "stop" and events[-1].details["restored_step"] is not None
+    out, snaps = tmp_path / "nanguard", tmp_path / "snaps"
+    reports = sorted(p.name for p in out.glob("incident-*.txt")) if out.is_dir() else []
+    every_report = [f"incident-{e.index:04d}-step{e.step}.txt" for e in events]
+    every_line = [e.to_dict() for e in events]
+    if name.startswith("jsonl-enospc"):
+        assert reports == every_report  # the other sinks got every event
+        if name.endswith("freed"):  # the disk took the lines it had refused with the next event: complete, in order
+            assert models.read_events(tmp_path) == every_line
+        else:
+            assert (out / "events.jsonl").is_symlink()
+    elif name.startswith("folder-is-a-file"):
+        assert (out.read_text() == "not a folder\n") and not (tmp_path / "snaps").is_file()  # left alone
+    elif name == "folder-removed-mid-rescue":  # recreated at the next event: only the removed files are gone
+        later = [e for e in events if e.step >= 7]
+        assert later and models.read_events(tmp_path) == [e.to_dict() for e in later]
+        assert reports == [f"incident-{e.index:04d}-step{e.step}.txt" for e in later]
+    elif name.startswith("snapshot-enospc"):
+        files = sorted(p.name for p in snaps.iterdir())
+        assert all((snaps / f).is_symlink() for f in files)  # no snapshot file, no half file of ours
+        assert guard.snapshots.failures and all(f["error"] == "No space left on device"
+                                                for f in guard.snapshots.failures)
+        assert reports == every_report and models.read_events(tmp_path) == every_line
+    elif name == "snapshot-dir-is-a-file":
+        assert snaps.read_text() == "not a folder\n"
+        assert reports == every_report and models.read_events(tmp_path) == every_line
+    elif name == "snapshot-dir-removed-at-a-snapshot":  # recreated by the next snapshot
+        assert sorted(p.name for p in snaps.iterdir()) == [f"snapshot-step{s.step}.pt" for s in guard.snapshots.ring]
+    elif name == "logger-enospc-healthy-step":
+        assert got["logger"].lines == 0 and ref["logger"].lines > len(events)  # scalars of healthy steps too
+        assert reports == every_report and models.read_events(tmp_path) == every_line
+
+
+# ----------------------------------------------------------------------------------- what a give-up says
+
+
+def _give_up_fit(root: Path, recovery: dict, before: tuple = ()) -> tuple[NaNGuard, Net]:
+    guard = NaNGuard(logging={"verbose": False}, recovery={"max_skips": 1, "max_rollbacks": 1, **recovery})
+    pl.seed_everything(0, verbose=False)
+    model = Net(tuple(range(6, 40)))
+    trainer = models.trainer(root, [*before, guard], max_steps=STEPS, max_epochs=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, models.loader(models.regression_data(), 16))
+    return guard, model
+
+
+def test_a_give_up_without_a_snapshot_says_nothing_was_restored(tmp_path):
+    """``recovery.snapshot: off``: the give-up's message says that nothing could be restored and why, and that the
+    weights left are finite (the bad steps were skipped), instead of claiming a restore."""
+    guard = NaNGuard(logging={"verbose": False},
+                     recovery={"snapshot": "off", "max_skips": 1, "max_rollbacks": 0, "on_give_up": "raise"})
+    trainer = models.trainer(tmp_path, [guard], max_steps=STEPS, max_epochs=-1)
+    with pytest.raises(NaNGuardError) as info:
+        trainer.fit(Net(tuple(range(6, 40))), models.loader(models.regression_data(), 16))
+    message = str(info.value)
+    assert "nothing could be restored (recovery.snapshot is 'off')" in message, message
+    assert "restored to the last known-good" not in message and "(finite; that step was not applied)" in message
+    assert guard.events[-1].details["restored_step"] is None
+
+
+def test_a_give_up_with_every_snapshot_write_failing_still_restores_from_memory(tmp_path):
+    """Every snapshot write hits a full disk: the newest snapshot is kept in host memory, and the give-up restores
+    it (its message names the step), the same step as with a working disk; the weights are the same."""
+    disk = {"snapshot": "disk", "snapshot_every": 2}
+    ok, ok_model = _give_up_fit(tmp_path / "ok", dict(disk, snapshot_dir=str(tmp_path / "ok" / "snaps")))
+    root = tmp_path / "full"
+    guard, model = _give_up_fit(root, dict(disk, snapshot_dir=str(root / "snaps")), (At(-1, snapshots_full, root),))
+    restored = ok.events[-1].details["restored_step"]
+    assert restored is not None and guard.stopped and guard.events[-1].details["restored_step"] == restored
+    assert guard.snapshots.failures and all(f["in_memory"] for f in guard.snapshots.failures)
+    assert models.same_weights(model, ok_model) and models.all_finite(model)
+    assert not [p for p in (root / "snaps").iterdir() if not p.is_symlink()]  # nothing written: the disk is full
+
+
+class PoisonAfterStop(pl.Callback):
+    """Listed after the guard: once it has stopped, writes NaN into a weight (code outside the optimizer)."""
+
+    def __init__(self, guard: NaNGuard) -> None:
+        self.guard = guard
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if self.guard.stopped:
+            with torch.no_grad():
+                pl_module.linear.weight[0, 0] = NAN
+
+
+@pytest.mark.parametrize("snapshot", ["memory", "off"])
+def test_train_end_checks_the_weights_after_the_guard_stopped(tmp_path, snapshot):
+    """The weights turn NaN after the guard gave up: the check at train end runs anyway. With a snapshot the
+    newest is restored (an event says from which step); without one the event says that the weights are left
+    non-finite and nothing could be restored, and the fit stops as ``recovery.on_give_up`` says."""
+    guard = NaNGuard(logging={"verbose": False},
+                     recovery={"snapshot": snapshot, "max_skips": 1, "max_rollbacks": 1, "on_give_up": "stop"})
+    trainer = models.trainer(tmp_path, [guard, PoisonAfterStop(guard)], max_steps=STEPS, max_epochs=-1,
+                             min_steps=STEPS)
+    model = Net(tuple(range(6, 40)))
+    trainer.fit(model, models.loader(models.regression_data(), 16))
+    end = guard.events[-1]
+    assert end.details["detected_at"] == "train_end" and end.details["after_stop"]
+    if snapshot == "memory":
+        assert end.actions == ["rollback"] and end.details["restored_step"] is not None and models.all_finite(model)
+    else:
+        assert end.actions == ["stop"] and end.details["restored_step"] is None and not models.all_finite(model)
+        assert "NON-FINITE weights (linear.weight)" in end.suggestion and "nothing could be restored" in end.suggestion
