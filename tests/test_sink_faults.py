@@ -26,6 +26,7 @@ from lightning_nanguard.errors import SinkWriteWarning, SnapshotWriteWarning
 from . import models
 
 NAN = float("nan")
+ROOT_OF_TESTS = Path(__file__).resolve().parent
 STEPS = 16
 SCENARIOS = {  # bad batches (batch index == step: 32 batches an epoch) and the recovery keys
     "rescue": ((5, 6, 7, 11), {"max_skips": 2}),
@@ -305,3 +306,41 @@ def test_train_end_checks_the_weights_after_the_guard_stopped(tmp_path, snapshot
     else:
         assert end.actions == ["stop"] and end.details["restored_step"] is None and not models.all_finite(model)
         assert "NON-FINITE weights (linear.weight)" in end.suggestion and "nothing could be restored" in end.suggestion
+
+
+# ------------------------------------------------------------------------------------- a killed run resumed
+
+
+@pytest.mark.slow
+def test_a_resume_after_sigkill_keeps_event_numbers_and_leaves_no_stale_snapshot(tmp_path):
+    """A child fit is SIGKILLed after its last checkpoint (step 6), with event 2 (step 9) already in events.jsonl
+    and its snapshot files on disk. The resumed fit (``ckpt_path``) numbers its events after event 2 (the
+    checkpoint says 1), no report file is overwritten, and the killed run's snapshot files are removed at fit
+    start: afterwards the folder holds exactly this fit's snapshots."""
+    import subprocess
+    import sys
+
+    from . import killed_fit
+
+    root = ROOT_OF_TESTS.parent
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    child = subprocess.run([sys.executable, "-m", "tests.killed_fit", str(tmp_path)], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == -9, child.stderr[-3000:]
+    killed = models.read_events(tmp_path)
+    assert [(e["index"], e["step"]) for e in killed] == [(1, 3), (2, 9)]
+    left = sorted(p.name for p in (tmp_path / "snaps").iterdir())
+    assert left and all(name.startswith("snapshot-step") for name in left)
+    ckpt = tmp_path / "ckpt" / f"epoch=0-step={killed_fit.CKPT_EVERY}.ckpt"
+    assert ckpt.is_file()
+    guard = killed_fit.guard(tmp_path)
+    pl.seed_everything(0, verbose=False)
+    killed_fit.trainer(tmp_path, [guard], 16).fit(Net(killed_fit.BAD), models.loader(models.regression_data(), 16),
+                                                  ckpt_path=str(ckpt))
+    assert guard.events and guard.events[0].index == 3  # after the killed run's event 2, not the checkpoint's 1
+    lines = models.read_events(tmp_path)
+    assert lines[:2] == killed and [e["index"] for e in lines] == list(range(1, len(lines) + 1))
+    reports = sorted(p.name for p in (tmp_path / "nanguard").glob("incident-*.txt"))
+    assert len(reports) == len(lines) == len(set(reports))  # one file per event: none overwritten
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == \
+        sorted(f"snapshot-step{s.step}.pt" for s in guard.snapshots.ring)  # no leak from the killed run

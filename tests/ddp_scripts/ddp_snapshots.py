@@ -7,7 +7,8 @@ alone sees a NaN loss on three batches in a row (``BAD``): the third forces a ro
 callback listed after the guard keeps its own unsharded copy of every snapshot the guard takes
 (:class:`~lightning_nanguard.recover.snapshots.MemoryStore`, the store a single process uses) and, right after the
 rollback, compares the restored state with that copy. In the disk fit, rank 1's share of one snapshot cannot be
-written (a folder stands where its file goes): every rank must drop that snapshot and roll back one further.
+written (a folder stands where its file goes): rank 1 keeps that share in host memory, and every rank still rolls
+back to that snapshot.
 After each fit every rank reads the newest snapshot's module (a collective) and the module norms of every
 snapshot. Every ``torch.distributed`` collective the guard calls is counted (``ddp_guard.py``'s wrapper).
 
