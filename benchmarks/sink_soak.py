@@ -79,7 +79,7 @@ def main() -> None:
     class FullSnapshots(pl.Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             (out / "snapshots").mkdir(parents=True, exist_ok=True)
-            for step in range(0, args.steps + 1, 50):
+            for step in range(args.steps + 1):  # wherever a snapshot falls
                 os.symlink("/dev/full", out / "snapshots" / f"snapshot-step{step}.pt.tmp")
 
     guard = NaNGuard(logging={"verbose": False, "max_reports": args.max_reports},
@@ -112,6 +112,7 @@ def main() -> None:
         "rss_mib_at_10pct": probe.rss_early, "rss_mib_end": rss_mib(),
         "warnings": sorted({type(w.message).__name__ for w in caught if "nanguard" in str(w.message)}),
         "warning_count": len([w for w in caught if "[nanguard]" in str(w.message)]),
+        "snapshot_failures": len(guard.snapshots.failures) if guard.snapshots is not None else 0,
         "wall_s": round(wall, 1),
     }
     result["rss_growth_mib"] = round(result["rss_mib_end"] - result["rss_mib_at_10pct"], 1)

@@ -400,6 +400,9 @@ class DiskStore(SnapshotStore):
             snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in tensors)
             self._hold(snap, tensors, why_not_written(exc))
             return
+        except Exception as exc:  # noqa: BLE001  (written on the step: state that cannot be pickled; no target)
+            self._report(snap, path, why_not_written(exc))
+            return
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         if staging.write is not None:

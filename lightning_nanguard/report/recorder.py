@@ -101,21 +101,24 @@ class Recorder:
         try:
             write()
         except Exception as exc:  # noqa: BLE001  (the guard's own I/O never ends a fit)
-            first = sink.name not in self.failed_writes
-            self.failed_writes[sink.name] = self.failed_writes.get(sink.name, 0) + 1
+            name = _name(sink)
+            first = name not in self.failed_writes
+            self.failed_writes[name] = self.failed_writes.get(name, 0) + 1
             if first:
                 self._warn(sink, exc)
 
     def _warn(self, sink: Sink, exc: Exception) -> None:
+        where = getattr(sink, "where", "")
         if isinstance(exc, OSError):
-            where = exc.filename if exc.filename else sink.where
+            where = exc.filename if exc.filename else where
             reason = exc.strerror or str(exc)
         else:
-            where, reason = sink.where, f"{type(exc).__name__}: {exc}"
-        others = [s.name for s in self.sinks if s is not sink]
+            reason = f"{type(exc).__name__}: {exc}"
+        others = [_name(s) for s in self.sinks if s is not sink]
         also = f" and in {', '.join(others)}" if others else ""
-        warnings.warn(f"[nanguard] {sink.name} could not be written ({where}: {reason}). Training and recovery go "
-                      f"on: every event stays in guard.events{also}; {sink.retry}. Said once per fit.",
+        retry = getattr(sink, "retry", "later events try again")
+        warnings.warn(f"[nanguard] {_name(sink)} could not be written ({where}: {reason}). Training and recovery go "
+                      f"on: every event stays in guard.events{also}; {retry}. Said once per fit.",
                       SinkWriteWarning, stacklevel=2)
 
     def record(self, event: NaNEvent, text: ReportText, scalars: Callable[[], dict[str, float]]) -> None:
@@ -146,3 +149,8 @@ class Recorder:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._index = int(state.get("index", 0))
+
+
+def _name(sink: Any) -> str:
+    """What a sink is called in a warning (a sink of the user's own may have no ``name``)."""
+    return str(getattr(sink, "name", type(sink).__name__))
