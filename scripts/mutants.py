@@ -1228,13 +1228,24 @@ MUTANTS: list[Mutant] = [
            "            sinks.append(ReportSink(self.out_dir))",
            "docs/configuration.md: logging.reports: false writes no incident-NNNN-stepS.txt (a key read but ignored)"),
     Mutant("events", "doc-cli-middle-line-skipped", CLI,
-           "            if i == len(lines) - 1:", "            if True:",
+           "                if pending is not None:\n                    raise _bad_line(path, *pending, events)",
+           "                if False:\n                    raise _bad_line(path, *pending, events)",
            "CONTRACT.md / docs/events.md: 'a malformed line before the last one ends with exit status 2' (only "
            "a bad last line is skipped with a warning)"),
     Mutant("events", "doc-cli-empty-folder-ok", CLI,
            '    if not files:\n        raise InputError(f"{root}: no {EVENTS_FILE}',
            '    if False:\n        raise InputError(f"{root}: no {EVENTS_FILE}',
            "docs/events.md: 'a folder without any events.jsonl ... ends with exit status 2'"),
+    Mutant("events", "doc-cli-deep-json-traceback", CLI,
+           "    except RecursionError:\n        raise ValueError(f\"JSON nested more than {MAX_DEPTH} deep\") from None\n",
+           "",
+           "docs/events.md: whatever the bytes, exit 0 or 2, never a traceback; here a line of JSON nested 100,000 "
+           "deep ends `nanguard report` with a RecursionError"),
+    Mutant("events", "doc-cli-imports-torch", PKG + "__init__.py",
+           "from .errors import ConfigError, NaNGuardError\n",
+           "from .errors import ConfigError, NaNGuardError\nfrom .callback import NaNGuard\n",
+           "docs/events.md: `nanguard report` imports neither torch nor Lightning; here every call pays seconds of CPU "
+           "for them"),
     # ------------------------------------------------------------------ configuration
     Mutant("config", "doc-config-float-string-refused", CONFIG,
            "        if isinstance(value, str):  # YAML 1.1", "        if False:  # YAML 1.1",
