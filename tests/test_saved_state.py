@@ -221,3 +221,12 @@ def test_an_old_layout_that_cannot_be_upgraded_names_its_version():
         NaNGuard().load_state_dict({"version": 2, "recorder": [1, 2, 3]})
     with pytest.raises(NaNGuardError, match=r"recovery\.lr_scale: got nan"):  # upgraded, then checked
         NaNGuard().load_state_dict({"lr_scale": math.nan, "event_index": 4})
+
+
+def test_common_ratio_is_one_fraction_of_every_group_or_none():
+    from lightning_nanguard.recover.lr import common_ratio
+
+    assert common_ratio([0.1, 0.01], [0.05, 0.005]) == pytest.approx(0.5)
+    assert common_ratio([0.1, 0.01], [0.05, 0.01]) is None  # the groups disagree: not the guard's one cut
+    assert common_ratio([0.1], [0.05, 0.01]) is None and common_ratio([], []) is None
+    assert common_ratio([0.0], [0.0]) is None and common_ratio([0.1], [math.nan]) is None
