@@ -26,6 +26,7 @@ from .recover.snapshots import SnapshotStore
 from .report.progress import ProgressStatus
 from .report.recorder import Recorder
 from .responder import Responder
+from .state_schema import check_state, check_version
 from .step import StepFlow
 from .usage_errors import usage_errors
 
@@ -226,11 +227,26 @@ class NaNGuard(pl.Callback):
                 "overflow": self._overflow.state_dict(), "divergence": self._divergence.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from a saved state: checked first (:mod:`~lightning_nanguard.state_schema`), so that a malformed
+        decision raises :class:`NaNGuardError` naming its key before anything is loaded, and malformed statistics
+        are reset with one warning."""
+        source = f"checkpoint['callbacks'][{self.state_key!r}]"
+        version = check_version(state_dict, _STATE_VERSION, source)
         state = state_dict
-        if state.get("version", 1) < 2:
-            state = _upgrade_v1(state)
-        if state.get("version", 2) < 3:
-            state = _upgrade_v2(state)
+        try:
+            if version < 2:
+                state = _upgrade_v1(state)
+            if version < 3:
+                state = _upgrade_v2(state)
+        except (AttributeError, TypeError, ValueError) as exc:  # a section of the old layout that is not a mapping
+            raise NaNGuardError(f"NaNGuard cannot resume from the guard state saved in the checkpoint ({source}): "
+                                f"a version-{version} state that cannot be read ({exc})") from None
+        checked = check_state(state, source)
+        if checked.reset:
+            warn(f"[nanguard] the guard state saved in the checkpoint ({source}) holds unusable running statistics, "
+                 f"reset to a fresh warm-up (they are re-learned from the next healthy steps): "
+                 f"{'; '.join(checked.reset)}")
+        state = checked.state
         self._counters.load_state_dict(state.get("counters", {}))
         self._recorder.load_state_dict(state.get("recorder", {}))
         self._recovery.load_state_dict(state.get("recovery", {}))
@@ -255,6 +271,9 @@ class NaNGuard(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._resumed = False  # callback state is restored before this hook on every strategy
+        unsaved = self._recovery.reconcile_lr_scale(trainer)  # a resumed state without recovery.lr_scale
+        if unsaved:
+            warn(f"[nanguard] the guard state saved in the checkpoint has no recovery.lr_scale, and {unsaved}")
         self._evidence.activations.start(pl_module)
         self._diagnoser.start()  # here, inside the Trainer's own set_detect_anomaly context
         self._diagnoser.record_initial(pl_module)  # parameter scales at fit start, read only on an incident

@@ -10,8 +10,9 @@ class ConfigError(ValueError):
 
 
 class NaNGuardError(RuntimeError):
-    """Raised when NaNGuard gives up and ``recovery.on_give_up`` is ``"raise"``, or when it refuses to write a
-    checkpoint holding non-finite tensors it has no known-good state to replace with."""
+    """Raised when NaNGuard gives up and ``recovery.on_give_up`` is ``"raise"``, when it refuses to write a
+    checkpoint holding non-finite tensors it has no known-good state to replace with, or when the guard state of
+    the checkpoint a fit resumes from is malformed or newer than this release (naming the key)."""
 
 
 class SnapshotWriteWarning(RuntimeWarning):

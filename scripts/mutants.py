@@ -63,6 +63,7 @@ DIVERGENCE = PKG + "detect/divergence.py"
 FIND = PKG + "detect/find.py"
 DYNAMICS = PKG + "diagnose/dynamics.py"
 CLI = PKG + "report/cli.py"
+STATE_SCHEMA = PKG + "state_schema.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------ detection
@@ -534,11 +535,25 @@ MUTANTS: list[Mutant] = [
            "a resumed run forgets its unconfirmed rollbacks (gives up later than configured)"),
     # new: the version-1 state dict upgrade, and a named guard's state_key
     Mutant("checkpoint", "ckpt-v1-not-upgraded", CALLBACK,
-           'if state.get("version", 1) < 2:\n'
-           "            state = _upgrade_v1(state)",
-           'if False:\n'
-           "            state = _upgrade_v1(state)",
+           "if version < 2:\n"
+           "                state = _upgrade_v1(state)",
+           "if False:\n"
+           "                state = _upgrade_v1(state)",
            "a version-1 checkpoint resumes with every counter, the LR scale and the ladder reset"),
+    # issue 24: the saved state is checked on resume
+    Mutant("checkpoint", "doc-ckpt-state-nan-lr-scale-loaded", STATE_SCHEMA,
+           '"lr_scale": real(lo=0.0, lo_open=True, hi=1.0),', '"lr_scale": real(nan=True, lo=0.0, lo_open=True, hi=1.0),',
+           "docs/recovery.md: a NaN recovery.lr_scale in a checkpoint raises NaNGuardError naming it; here it loads and "
+           "the first rollback makes the LR NaN"),
+    Mutant("checkpoint", "doc-ckpt-state-statistics-kept", STATE_SCHEMA,
+           "                reset.append(str(bad))\n                if key == \"\":",
+           "                continue\n                if key == \"\":",
+           "docs/recovery.md: malformed running statistics are reset with one warning; here they load as they are (a "
+           "string clip history crashes the first incident after resume)"),
+    Mutant("checkpoint", "doc-ckpt-lr-scale-not-reconciled", RECOVERY,
+           "        self.lr_scale_known = \"lr_scale\" in state", "        self.lr_scale_known = True",
+           "docs/recovery.md: a cut LR in the checkpoint's optimizer without recovery.lr_scale is taken as the LR "
+           "scale, with a warning; here it is forgotten (lr_scale 1.0 while the optimizer runs at the cut LR)"),
     Mutant("checkpoint", "ckpt-v1-event-index-lost", CALLBACK,
            '"recorder": {"index": state.get("event_index", 0),', '"recorder": {"index": 0,',
            "resuming a version-1 checkpoint restarts event numbering (report files overwritten)"),
@@ -1213,13 +1228,24 @@ MUTANTS: list[Mutant] = [
            "            sinks.append(ReportSink(self.out_dir))",
            "docs/configuration.md: logging.reports: false writes no incident-NNNN-stepS.txt (a key read but ignored)"),
     Mutant("events", "doc-cli-middle-line-skipped", CLI,
-           "            if i == len(lines) - 1:", "            if True:",
+           "                if pending is not None:\n                    raise _bad_line(path, *pending, events)",
+           "                if False:\n                    raise _bad_line(path, *pending, events)",
            "CONTRACT.md / docs/events.md: 'a malformed line before the last one ends with exit status 2' (only "
            "a bad last line is skipped with a warning)"),
     Mutant("events", "doc-cli-empty-folder-ok", CLI,
            '    if not files:\n        raise InputError(f"{root}: no {EVENTS_FILE}',
            '    if False:\n        raise InputError(f"{root}: no {EVENTS_FILE}',
            "docs/events.md: 'a folder without any events.jsonl ... ends with exit status 2'"),
+    Mutant("events", "doc-cli-deep-json-traceback", CLI,
+           "    except RecursionError:\n        raise ValueError(f\"JSON nested more than {MAX_DEPTH} deep\") from None\n",
+           "",
+           "docs/events.md: whatever the bytes, exit 0 or 2, never a traceback; here a line of JSON nested 100,000 "
+           "deep ends `nanguard report` with a RecursionError"),
+    Mutant("events", "doc-cli-imports-torch", PKG + "__init__.py",
+           "from .errors import ConfigError, NaNGuardError\n",
+           "from .errors import ConfigError, NaNGuardError\nfrom .callback import NaNGuard\n",
+           "docs/events.md: `nanguard report` imports neither torch nor Lightning; here every call pays seconds of CPU "
+           "for them"),
     # ------------------------------------------------------------------ configuration
     Mutant("config", "doc-config-float-string-refused", CONFIG,
            "        if isinstance(value, str):  # YAML 1.1", "        if False:  # YAML 1.1",

@@ -5,12 +5,13 @@ Independent of Lightning: it takes optimizers and schedulers.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+import math
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["scale_lr", "current_lrs"]
+__all__ = ["scale_lr", "current_lrs", "reference_lrs", "common_ratio"]
 
 # param-group keys that hold absolute learning rates (OneCycleLR, CyclicLR and the chainable schedulers)
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")
@@ -62,3 +63,21 @@ def scale_lr(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[A
 
 def current_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:
     return [float(g["lr"]) for opt in optimizers for g in opt.param_groups]
+
+
+def reference_lrs(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:
+    """Per param group, the LR its schedule starts from: ``initial_lr`` (set by a torch scheduler, which decays
+    ``lr`` but never it; :func:`scale_lr` scales both), else ``lr``."""
+    return [float(g.get("initial_lr", g["lr"])) for opt in optimizers for g in opt.param_groups]
+
+
+def common_ratio(before: Sequence[float], after: Sequence[float], rel_tol: float = 1e-6) -> Optional[float]:
+    """``after[i] / before[i]`` when it is one positive finite ratio for every ``i`` (within ``rel_tol``), else
+    None (no values, different lengths, a zero or non-finite LR, or ratios that differ)."""
+    if not before or len(before) != len(after):
+        return None
+    ratios = [b / a if a > 0 and math.isfinite(a) and math.isfinite(b) else math.nan for a, b in zip(before, after)]
+    first = ratios[0]
+    if not all(r > 0 and math.isfinite(r) and math.isclose(r, first, rel_tol=rel_tol) for r in ratios):
+        return None
+    return first

@@ -24,7 +24,7 @@ from ..events import NaNEvent
 from ..layouts import load_module_state
 from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
-from .lr import current_lrs, scale_lr
+from .lr import common_ratio, current_lrs, reference_lrs, scale_lr
 from .metrics import MetricUndo
 from .sharded import ShardedStore
 from .snapshots import Norms, Snapshot, SnapshotStore, make_store
@@ -83,6 +83,8 @@ class Recovery:
         # it, so a rollback is not followed by statistics polluted by the divergence that caused it
         self.statistics = statistics
         self.lr_scale = 1.0
+        self.lr_scale_known = True  # False: resumed from a guard state without recovery.lr_scale (reconcile_lr_scale)
+        self._configured_lrs: list[float] = []  # the optimizers' reference LRs at fit start, before a resume loads theirs
         self.stopped = False
         self.skip_batches_left = 0
         self.healthy_since_snapshot = 0
@@ -100,6 +102,7 @@ class Recovery:
         off``): under a replicated strategy with several processes (DDP), each rank keeps its share of every
         snapshot (:class:`~.sharded.ShardedStore`); any other (FSDP, DeepSpeed) keeps what each rank holds."""
         cfg = self.cfg
+        self._configured_lrs = reference_lrs(trainer.optimizers)  # a resume restores the optimizers after this hook
         self.buffers = BufferUndo(pl_module)
         self.metrics = MetricUndo(pl_module)
         self.store = None
@@ -115,6 +118,29 @@ class Recovery:
             if stale:  # an earlier run's files (killed, or ended): removed, so they never pile up
                 say(trainer, f"[nanguard] removed {len(stale)} snapshot file(s) an earlier run left in {directory}")
             self.store = ShardedStore(store, world, trainer.global_rank) if replicated else store
+
+    def reconcile_lr_scale(self, trainer: "pl.Trainer") -> Optional[str]:
+        """Train start of a fit resumed from a guard state without ``recovery.lr_scale``: the restored optimizers may
+        run at an LR the guard cut. Where their reference LRs (:func:`~.lr.reference_lrs`) are one common fraction
+        of those configured at fit start, that fraction becomes :attr:`lr_scale`; returns what to tell the user
+        (None: nothing to reconcile)."""
+        if self.lr_scale_known:
+            return None
+        self.lr_scale_known = True
+        restored = reference_lrs(trainer.optimizers)
+        if not restored or restored == self._configured_lrs:
+            return None
+        ratio = common_ratio(self._configured_lrs, restored)
+        if ratio is None:
+            return (f"the checkpoint's optimizers run at learning rates {restored}, configured {self._configured_lrs}: "
+                    "not one common fraction, so the guard cannot tell which part is its own cut; lr_scale starts at "
+                    "1.0 and later cuts count from the restored learning rates")
+        if ratio >= 1.0:
+            return None  # above the configured LRs: no cut of the guard's (it only ever lowers them)
+        self.lr_scale = ratio
+        return (f"the checkpoint's optimizers run at {ratio:.6g} x the configured learning rate: taken as the LR "
+                f"scale of the guard's earlier cuts (lr_scale = {ratio:.6g}; recovery.min_lr_scale and later cuts "
+                "count from it)")
 
     def finish(self) -> None:
         """End of fit, or an exception: wait for the snapshot writes in flight (a failed one is reported) and end
@@ -411,6 +437,7 @@ class Recovery:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.lr_scale_known = "lr_scale" in state
         self._ladder.load_state_dict(state.get("ladder", {}))
         self.healthy_since_snapshot = int(state.get("healthy_since_snapshot", 0))
         self.pristine = self.healthy_since_snapshot == 0

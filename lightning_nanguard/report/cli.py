@@ -5,7 +5,10 @@ row per incident plus totals, and where they happened: per host and rank, the in
 with repeated faults that did not come back (a cause that counts against the hardware) first, each named with its rank, device and
 steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and skipped; a
 missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
-status 2 and one line on stderr, never a traceback.
+status 2 and one line on stderr, never a traceback, whatever the bytes (binary data, invalid UTF-8, JSON nested
+100,000 deep, a line of gigabytes). The files are read as streams, one line in memory at a time, twice (check and
+add up, then print), so memory does not grow with their size; and the command imports neither torch nor
+Lightning (``lightning_nanguard`` imports the callback only when ``NaNGuard`` is first used).
 
 ``validate`` resolves a NaNGuard YAML file (sections at the top, under ``nanguard:``, or the
 ``init_args`` of ``lightning_nanguard.NaNGuard`` in a LightningCLI config) and prints the complete
@@ -19,12 +22,12 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, TextIO
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO
 
 from ..causes import CAUSES
 from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
 
-__all__ = ["main", "read_events", "find_event_files", "InputError"]
+__all__ = ["main", "read_events", "scan_events", "find_event_files", "InputError", "Totals"]
 
 EVENTS_FILE = "events.jsonl"
 COLUMNS = ("step", "kind", "actions", "cause", "culprit")
@@ -37,87 +40,187 @@ class InputError(Exception):
 
 # ------------------------------------------------------------------------------------------------ reading
 
+MAX_LINE = 16 * 2**20  # bytes: an event line of the guard is a few kB; a longer line is not one (nor read whole)
+MAX_DEPTH = 64  # nesting of an event's JSON: the guard's are 5 deep; deeper is not an event (nor safe to recurse)
+
 
 def find_event_files(path: Path) -> list[Path]:
     """``path`` itself if it is a file, else every ``events.jsonl`` below it (sorted)."""
-    if not path.exists():
-        raise InputError(f"{path}: no such file or directory")
-    if path.is_file():
-        return [path]
     try:
+        if not path.exists():
+            raise InputError(f"{path}: no such file or directory")
+        if path.is_file():
+            return [path]
         return sorted(p for p in path.rglob(EVENTS_FILE) if p.is_file())
-    except OSError as err:
-        raise InputError(f"{path}: cannot search folder ({err.strerror or err})") from None
+    except (OSError, ValueError) as err:  # a name too long, a NUL in it, a folder that cannot be listed
+        raise InputError(f"{path}: cannot search ({getattr(err, 'strerror', None) or err})") from None
 
 
-def read_events(path: Path, warn: TextIO) -> list[dict[str, Any]]:
-    """Parse one events.jsonl; a bad last line is reported on ``warn`` and skipped, any other is fatal."""
+class _NotText(ValueError):
+    """A line that is not text (invalid UTF-8, NUL bytes): a binary file, when it is the first one."""
+
+    def __init__(self, message: str, binary: bool = False) -> None:
+        super().__init__(message)
+        self.binary = binary
+
+
+def _records(fh: BinaryIO, end: Optional[int] = None) -> Iterator[tuple[int, int, Any]]:
+    """``(line number, offset after the line, event or ValueError)`` for every non-blank line, up to byte ``end``.
+
+    One line in memory at a time, and at most :data:`MAX_LINE` bytes of it (the rest of a longer line is read in
+    pieces and dropped)."""
+    lineno = offset = 0
+    while end is None or offset < end:
+        raw = fh.readline(MAX_LINE + 1)
+        if not raw:
+            return
+        lineno += 1
+        offset += len(raw)
+        if len(raw) > MAX_LINE and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = fh.readline(MAX_LINE)
+                offset += len(raw)
+            yield lineno, offset, ValueError(f"a line longer than {MAX_LINE // 2**20} MiB")
+            continue
+        if raw.strip():
+            try:
+                yield lineno, offset, _parse_line(raw)
+            except ValueError as err:
+                yield lineno, offset, err
+
+
+def _open(path: Path) -> BinaryIO:
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a UTF-8 text file (expected JSON lines)") from None
+        return open(path, "rb")
     except OSError as err:
         raise InputError(f"{path}: cannot read ({err.strerror or err})") from None
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
-    events = []
-    for i, (lineno, line) in enumerate(lines):
+
+
+def scan_events(path: Path, warn: TextIO, each: Callable[[dict[str, Any]], None]) -> tuple[int, int]:
+    """Read one events.jsonl as a stream, calling ``each`` on every event; returns ``(events, end)``, ``end`` the
+    byte offset after the last valid event (:func:`read_events` stops there). A bad last line is reported on
+    ``warn`` and skipped (a run killed while writing it); any other bad line, a file that is not text, or a file
+    without a valid event raises :class:`InputError`."""
+    events = end = 0
+    pending: Optional[tuple[int, ValueError]] = None  # a bad line: fatal unless it is the last
+    with _open(path) as fh:
         try:
-            event = _parse_line(line)
-        except ValueError as err:
-            if i == len(lines) - 1:
-                warn.write(f"nanguard: warning: {path}:{lineno}: skipped a truncated or garbled last line "
-                           f"({err}); the run was probably killed while writing it\n")
-                continue
-            raise InputError(f"{path}:{lineno}: malformed event line: {err}") from None
-        events.append(event)
+            for lineno, after, item in _records(fh):
+                if pending is not None:
+                    raise _bad_line(path, *pending, events)
+                if isinstance(item, ValueError):
+                    pending = (lineno, item)
+                    continue
+                each(item)
+                events, end = events + 1, after
+        except OSError as err:
+            raise InputError(f"{path}: cannot read ({err.strerror or err})") from None
     if not events:
-        raise InputError(f"{path}: no valid event lines (expected one JSON object per line)")
-    return events
+        if pending is not None and isinstance(pending[1], _NotText):
+            raise _bad_line(path, *pending, events)
+        reason = f"; line {pending[0]}: {pending[1]}" if pending is not None else ""
+        raise InputError(f"{path}: no valid event lines (expected one JSON object per line{reason})")
+    if pending is not None:
+        warn.write(f"nanguard: warning: {path}:{pending[0]}: skipped a truncated or garbled last line "
+                   f"({pending[1]}); the run was probably killed while writing it\n")
+    return events, end
 
 
-def _parse_line(line: str) -> dict[str, Any]:
+def _bad_line(path: Path, lineno: int, err: ValueError, events_before: int) -> InputError:
+    if isinstance(err, _NotText) and not events_before:  # the first line already: not a text file at all
+        what = "binary data (NUL bytes), not a text file" if err.binary else "not a UTF-8 text file"
+        return InputError(f"{path}: {what} (expected JSON lines)")
+    return InputError(f"{path}:{lineno}: malformed event line: {err}")
+
+
+def read_events(path: Path, end: Optional[int] = None) -> Iterator[dict[str, Any]]:
+    """The events of one events.jsonl, read as a stream up to byte ``end`` (what :func:`scan_events` checked);
+    bad lines are skipped."""
+    with _open(path) as fh:
+        for _, _, item in _records(fh, end):
+            if not isinstance(item, ValueError):
+                yield item
+
+
+def _parse_line(raw: bytes) -> dict[str, Any]:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _NotText(f"not UTF-8 text (byte {err.start + 1})") from None
+    if "\x00" in line:
+        raise _NotText("binary data (NUL bytes), not JSON", binary=True)
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as err:
         raise ValueError(f"invalid JSON at column {err.colno}: {err.msg}") from None
+    except RecursionError:
+        raise ValueError(f"JSON nested more than {MAX_DEPTH} deep") from None
+    except ValueError as err:  # an integer of more than 4300 digits
+        raise ValueError(f"invalid JSON: {err}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if line.count("[") + line.count("{") > MAX_DEPTH and _depth(obj) > MAX_DEPTH:
+        raise ValueError(f"JSON nested more than {MAX_DEPTH} deep")
     missing = [k for k in REQUIRED if k not in obj]
     if missing:
         raise ValueError(f"missing key(s) {', '.join(missing)}")
     return obj
 
 
+def _depth(obj: Any) -> int:
+    """How deep lists and objects nest in ``obj`` (without recursion)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return depth
+            stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
 # ------------------------------------------------------------------------------------------------- report
+
+MAX_CELL = 100  # characters of a table cell (a culprit name is ~40; a longer value is cut)
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 
 
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value) or "-"
-    return str(value)
+        text = ",".join(str(v) for v in value) or "-"
+    else:
+        text = str(value)
+    if not text.isprintable():  # a newline or a tab in a name would break the table
+        text = text.translate(_CONTROL)
+    return text if len(text) <= MAX_CELL else text[:MAX_CELL - 3] + "..."
+
+
+class _Table:
+    """A table printed row by row, its column widths known before the first row (:meth:`fit` on every row)."""
+
+    def __init__(self, header: Sequence[str]) -> None:
+        self.header = list(header)
+        self.widths = [len(h) for h in header]
+
+    def fit(self, cells: Sequence[str]) -> None:
+        self.widths = [max(w, len(c)) for w, c in zip(self.widths, cells)]
+
+    def line(self, cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, self.widths)).rstrip()
+
+    def head(self) -> str:
+        return self.line(self.header) + "\n" + self.line(["-" * w for w in self.widths])
 
 
 def _table(rows: list[list[str]], header: Sequence[str]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*r) for r in rows]
-    return "\n".join(line.rstrip() for line in out)
-
-
-def _totals(events: list[dict[str, Any]], files: int) -> dict[str, Any]:
-    def count(key: str) -> dict[str, int]:
-        c: Counter = Counter()
-        for e in events:
-            vals = e.get(key)
-            for v in (vals if isinstance(vals, list) else [vals]):
-                c[str(v) if v is not None else "none"] += 1
-        return dict(c.most_common())
-
-    return {"incidents": len(events), "files": files, "kinds": count("kind"), "actions": count("actions"),
-            "causes": count("cause"), "places": _places(events)}
+    table = _Table(header)
+    for r in rows:
+        table.fit(r)
+    return "\n".join([table.head(), *(table.line(r) for r in rows)])
 
 
 UNKNOWN_RANK = "?"  # several ranks, none with evidence of its own (details.ranks empty)
@@ -126,32 +229,54 @@ REPEATED = 2  # faults that did not come back, on one rank, that make its row co
 FAULTS = next(c.name for c in CAUSES.values() if c.hardware_fault)
 
 
-def _places(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per host and rank: its incidents, their causes, its faults that did not come back (their steps); hosts with
-    repeated ones first. An event of several ranks that names none (``details.ranks: []``) counts on host and rank
-    ``?``, last."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for e in events:
+class Totals:
+    """Totals over the events, added one at a time: counts by kind, action and cause, and per host and rank."""
+
+    def __init__(self) -> None:
+        self.incidents = 0
+        self.counts: dict[str, Counter] = {"kinds": Counter(), "actions": Counter(), "causes": Counter()}
+        self.rows: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def add(self, e: dict[str, Any]) -> None:
+        self.incidents += 1
+        for name, key in (("kinds", "kind"), ("actions", "actions"), ("causes", "cause")):
+            vals = e.get(key)
+            for v in (vals if isinstance(vals, list) else [vals]):
+                self.counts[name][str(v) if v is not None else "none"] += 1
+        self._place(e)
+
+    def _place(self, e: dict[str, Any]) -> None:
+        """Per host and rank: its incidents, their causes, its faults that did not come back (their steps). An
+        event of several ranks that names none (``details.ranks: []``) counts on host and rank ``?``."""
         details = e.get("details") if isinstance(e.get("details"), dict) else {}
         known = details.get("ranks") != []
         host = str(e.get("host") or "-") if known else UNKNOWN_RANK
         rank = str(e.get("rank", 0)) if known else UNKNOWN_RANK
-        row = rows.setdefault((host, rank), {"host": host, "rank": rank,
-                                             "device": (e.get("device") or "-") if known else "-",
-                                             "local_rank": e.get("local_rank"), "incidents": 0, "causes": Counter(),
-                                             FAULTS: 0, FAULTS + "_steps": []})
+        row = self.rows.get((host, rank))
+        if row is None:
+            row = self.rows[(host, rank)] = {
+                "host": host, "rank": rank, "device": (e.get("device") or "-") if known else "-",
+                "local_rank": e.get("local_rank"), "incidents": 0, "causes": Counter(), FAULTS: 0,
+                FAULTS + "_steps": []}
         row["incidents"] += 1
         row["causes"][str(e.get("cause") or "none")] += 1
         if e.get("cause") == FAULTS:
             row[FAULTS] += 1
             row[FAULTS + "_steps"].append(e.get("step"))
-    host_transients = Counter()
-    for row in rows.values():
-        host_transients[row["host"]] += row[FAULTS]
-    ordered = sorted(rows.values(), key=lambda r: (r["host"] == UNKNOWN_RANK, -(host_transients[r["host"]] >= REPEATED),
-                                                  -host_transients[r["host"]], r["host"], -r[FAULTS],
-                                                  -r["incidents"], r["rank"]))
-    return [dict(r, causes=dict(r["causes"].most_common())) for r in ordered]
+
+    def places(self) -> list[dict[str, Any]]:
+        """The rows of :meth:`_place`, hosts with repeated faults that did not come back first, ``?`` last."""
+        host_transients: Counter = Counter()
+        for row in self.rows.values():
+            host_transients[row["host"]] += row[FAULTS]
+        ordered = sorted(self.rows.values(), key=lambda r: (
+            r["host"] == UNKNOWN_RANK, -(host_transients[r["host"]] >= REPEATED), -host_transients[r["host"]],
+            r["host"], -r[FAULTS], -r["incidents"], r["rank"]))
+        return [dict(r, causes=dict(r["causes"].most_common())) for r in ordered]
+
+    def as_dict(self, files: int) -> dict[str, Any]:
+        return {"incidents": self.incidents, "files": files,
+                **{name: dict(c.most_common()) for name, c in self.counts.items()}, "places": self.places()}
 
 
 def _fmt_counts(counts: Mapping[str, int]) -> str:
@@ -159,43 +284,69 @@ def _fmt_counts(counts: Mapping[str, int]) -> str:
 
 
 def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Two passes over the files, one line in memory at a time: the first checks every line and adds up the
+    totals and the table's widths (nothing is printed if any file is bad), the second prints."""
     root = Path(args.path)
     files = find_event_files(root)
     if not files:
         raise InputError(f"{root}: no {EVENTS_FILE} found in this folder or below it")
-    per_file = [(f, read_events(f, err)) for f in files]
-    everything = [dict(e, source=str(f)) for f, events in per_file for e in events]
-    totals = _totals(everything, len(files))
+    totals, tables, scanned = Totals(), [], []
+    for f in files:
+        table = _Table(COLUMNS)
+
+        def each(e: dict[str, Any], table: _Table = table) -> None:
+            totals.add(e)
+            if not args.json:
+                table.fit([_cell(e.get(c)) for c in COLUMNS])
+
+        scanned.append((f, *scan_events(f, err, each)))
+        tables.append(table)
+    summary = totals.as_dict(len(files))
     if args.json:
-        json.dump({"events": everything, "totals": totals}, out, indent=2, sort_keys=True)
-        out.write("\n")
+        _write_json(scanned, summary, out)
         return 0
-    for f, events in per_file:
-        if len(files) > 1 or root.is_dir():
-            out.write(f"{f}  ({len(events)} incident{'s' if len(events) != 1 else ''})\n")
-        rows = [[_cell(e.get(c)) for c in COLUMNS] for e in events]
-        out.write(_table(rows, COLUMNS) + "\n\n")
-    out.write(f"total: {totals['incidents']} incident(s) in {totals['files']} file(s)\n")
-    out.write(f"  kinds:   {_fmt_counts(totals['kinds'])}\n")
-    out.write(f"  actions: {_fmt_counts(totals['actions'])}\n")
-    out.write(f"  causes:  {_fmt_counts(totals['causes'])}\n")
-    _write_places(totals["places"], out)
+    headed = len(files) > 1 or root.is_dir()
+    for (f, count, end), table in zip(scanned, tables):
+        if headed:
+            out.write(f"{f}  ({count} incident{'s' if count != 1 else ''})\n")
+        out.write(table.head() + "\n")
+        for e in read_events(f, end):
+            out.write(table.line([_cell(e.get(c)) for c in COLUMNS]) + "\n")
+        out.write("\n")
+    out.write(f"total: {summary['incidents']} incident(s) in {summary['files']} file(s)\n")
+    out.write(f"  kinds:   {_fmt_counts(summary['kinds'])}\n")
+    out.write(f"  actions: {_fmt_counts(summary['actions'])}\n")
+    out.write(f"  causes:  {_fmt_counts(summary['causes'])}\n")
+    _write_places(summary["places"], out)
     return 0
+
+
+def _write_json(scanned: list[tuple[Path, int, int]], summary: dict[str, Any], out: TextIO) -> None:
+    """``{"events": [...], "totals": {...}}`` as ``json.dump(..., indent=2, sort_keys=True)`` writes it, one event
+    at a time."""
+    out.write('{\n  "events": [')
+    first = True
+    for f, _, end in scanned:
+        for e in read_events(f, end):
+            text = json.dumps(dict(e, source=str(f)), indent=2, sort_keys=True).replace("\n", "\n    ")
+            out.write(("\n    " if first else ",\n    ") + text)
+            first = False
+    out.write("\n  ],\n  \"totals\": " + json.dumps(summary, indent=2, sort_keys=True).replace("\n", "\n  ") + "\n}\n")
 
 
 def _write_places(places: list[dict[str, Any]], out: TextIO) -> None:
     """Where the incidents happened, hosts with repeated faults that did not come back first."""
     header = ("host", "rank", "device", "incidents", FAULTS, "causes")
-    rows = [[p["host"], p["rank"], str(p["device"]), str(p["incidents"]), str(p[FAULTS]), _fmt_counts(p["causes"])]
-            for p in places]
+    rows = [[_cell(p["host"]), _cell(p["rank"]), _cell(p["device"]), str(p["incidents"]), str(p[FAULTS]),
+             _fmt_counts(p["causes"])] for p in places]
     out.write("\nby host and rank (hosts with repeated faults that did not come back first):\n")
     out.write(_table(rows, header) + "\n")
     for p in places:
         if p[FAULTS] >= REPEATED:
-            rank = "an unknown rank" if p["rank"] == UNKNOWN_RANK else f"rank {p['rank']}"
-            steps = ", ".join(str(s) for s in p[FAULTS + "_steps"])
-            out.write(f"suspect: {rank} on host {p['host']} ({p['device']}) had {p[FAULTS]} faults that did not "
-                      f"come back (steps {steps}): test that device or exclude the host\n")
+            rank = "an unknown rank" if p["rank"] == UNKNOWN_RANK else f"rank {_cell(p['rank'])}"
+            steps = ", ".join(_cell(s) for s in p[FAULTS + "_steps"])
+            out.write(f"suspect: {rank} on host {_cell(p['host'])} ({_cell(p['device'])}) had {p[FAULTS]} faults "
+                      f"that did not come back (steps {steps}): test that device or exclude the host\n")
 
 
 # ----------------------------------------------------------------------------------------------- validate
@@ -264,6 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
+    for stream in (out, err):  # a name or an event string that the terminal cannot encode: escaped, not a traceback
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
     try:
         return args.func(args, out, err)
     except (InputError, ConfigError) as exc:
