@@ -11,8 +11,11 @@ The rules, in order (each puts its evidence in ``details`` under the key named i
 2. non-finite inputs (samples and features found in the batch): ``input`` [inputs];
 3. non-finite parameters or buffers after a step with finite gradients: ``optimizer`` (e.g. Adam ``eps=0``);
 4. otherwise (a non-finite loss, gradient or activation, or a finite ``divergence``) the micro-batch is
-   replayed (:mod:`.replay`; not for a divergence, where nothing is non-finite) to find *where*: a forward
-   value finite in float64 is ``overflow`` (beyond the dtype's max) or ``precision``; a NaN/Inf first
+   replayed (:mod:`.replay`; not for a divergence, where nothing is non-finite) to find *where*, judged at
+   the op that made the value (:func:`_judged_at_op`): finite when that op is recomputed in float64 is
+   ``overflow`` (beyond its working dtype's max) or ``precision``; non-finite there too is ``domain`` (its
+   inputs are outside its domain: log of 0, 0/0, std of one sample, softmax of an all -inf row) [domain], or
+   ``precision`` where the float64 model is finite (the inputs are the dtype's artefact); a NaN/Inf first
    appearing in backward is ``backward_op`` (``precision`` if the float64 backward is finite). *Why* comes
    from the step's own evidence (:mod:`.dynamics`), which needs no history, so these rules hold from step 0.
    First, though: a replay that is clean on the step's own weights (the same batch, the same RNG state) is
