@@ -2,9 +2,9 @@
 which input was outside the op's domain. Nothing here runs while training is healthy: the replay's op pass
 (:class:`~.probes.FirstBadOp`) calls it on the ops of the culprit's call, and only once on the op it names.
 
-- :func:`made_nonfinite`: does an op's output hold a NaN its inputs did not, or an infinity that neither its tensor
-  inputs nor its scalar arguments carried? ``masked_fill(mask, -inf)`` writes the infinity it was given: it is
-  never the op; the ``softmax`` of the all ``-inf`` row it leaves is.
+- :func:`made_nonfinite`: does an op's output hold a NaN its tensor inputs did not, or an infinity that neither
+  its tensor inputs nor its scalar arguments carried? ``masked_fill(mask, -inf)`` writes the infinity it was
+  given: it is never the op; the ``softmax`` of the all ``-inf`` row it leaves is.
 - :func:`op_evidence`: the op recomputed in float64 (autocast off) on the same inputs, its working dtype (the one
   that ran: autocast's, not the parameters'), and the input outside its domain (:func:`out_of_domain`).
 - :func:`fix`: the fix that fits the op and that input, for the suggestion.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -25,8 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..tree import iter_tensors, map_tensors
 
-__all__ = ["made_nonfinite", "scalars_of", "op_name", "in_place", "names_itself", "op_evidence", "out_of_domain", "fix", "inner_op",
-           "autograd_name", "MATMUL_OPS"]
+__all__ = ["made_nonfinite", "scalars_of", "op_name", "in_place", "names_itself", "op_evidence", "out_of_domain",
+           "describe", "fix", "inner_op", "autograd_name", "MATMUL_OPS"]
 
 MATMUL_OPS = frozenset({"bmm", "mm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "einsum", "dot", "mv",
                         "sum", "conv1d", "conv2d", "conv3d", "convolution", "tensordot", "inner", "outer"})
@@ -58,14 +58,14 @@ def _flags(tensors: list[Tensor]) -> tuple[bool, bool]:
     return bool(v[0]), bool(v[1])
 
 
-def made_nonfinite(ins: list[Tensor], outs: list[Tensor], scalars: list[float] = ()) -> bool:  # type: ignore[assignment]
-    """The op made it: its output holds a NaN and no input does, or an infinity that no input (tensor or scalar)
-    carried."""
+def made_nonfinite(ins: list[Tensor], outs: list[Tensor], scalars: Sequence[float] = ()) -> bool:
+    """The op made it: its output holds a NaN and no tensor input does (a NaN passed on was made upstream; one
+    from a scalar argument, ``loss * nan``, is made here), or an infinity that no input, tensor or scalar, carried
+    (``masked_fill(mask, -inf)`` writes the infinity it was given)."""
     out_nan, out_inf = _flags(outs)
     if not (out_nan or out_inf):
         return False
     in_nan, in_inf = _flags(ins)
-    in_nan = in_nan or any(math.isnan(s) for s in scalars)
     in_inf = in_inf or any(math.isinf(s) for s in scalars)
     return not in_nan and (out_nan or not in_inf)
 
@@ -117,11 +117,15 @@ def op_evidence(func: Any, args: Any, kwargs: Any, out: Any, float64: bool = Tru
     dtype = outs[0].dtype if outs else torch.float32
     bad = torch.stack([(~torch.isfinite(t.detach())).sum() for t in outs]).sum() if outs else torch.zeros(())
     found: dict[str, Any] = {"dtype": str(dtype), "dtype_max": torch.finfo(dtype).max, "positions": int(bad)}
+    if any(math.isnan(s) for s in scalars_of([args, kwargs])):
+        found["nan_argument"] = True  # a NaN given to the op (loss * nan): passed on, no input out of its domain
     try:
         if not float64:
             raise _Skipped
         with _no_autocast(ins), torch.no_grad():
-            again = _floats(func(*_double(args), **_double(kwargs)))
+            # a cast to a narrower dtype (x.half(), x.to(torch.float16)) recomputed in float64 is its input
+            again = _floats(_double(args[:1])) if op_name(func) in _CASTS else \
+                _floats(func(*_double(args), **_double(kwargs)))
         if again:
             a = torch.stack([t.abs().amax() if t.numel() else t.new_zeros(()) for t in
                              (torch.where(torch.isfinite(t), t, 0.0) for t in again)]).amax()
@@ -135,6 +139,9 @@ def op_evidence(func: Any, args: Any, kwargs: Any, out: Any, float64: bool = Tru
     if domain:
         found["domain"] = domain
     return found
+
+
+_CASTS = frozenset({"half", "bfloat16", "float", "to", "type", "type_as", "to_copy", "_to_copy"})
 
 
 class _Skipped(Exception):
@@ -231,7 +238,7 @@ def _classify(name: str, x: Any, args: tuple, kwargs: dict, outs: list[Tensor]) 
         return found("an empty selection", 1)
     if name in ("cross_entropy", "nll_loss"):
         target = _arg(args, kwargs, 1, "target")
-        ignore = _arg(args, kwargs, 4 if name == "nll_loss" else 4, "ignore_index", -100)
+        ignore = _arg(args, kwargs, 4, "ignore_index", -100)
         if isinstance(target, Tensor) and not target.is_floating_point() and target.numel() and \
                 _count(target == ignore) == target.numel() and kwargs.get("reduction", "mean") == "mean":
             return found("every target ignored", int(target.numel()), argument="target", ignore_index=ignore)

@@ -6,7 +6,7 @@ while training is healthy.
   device tensor, like transformers' ``DebugUnderflowOverflow`` but without a host sync per module:
   :meth:`FrameRecorder.read` reads all frames at once.
 - :class:`FirstBadOp`: a ``TorchFunctionMode`` naming the first torch op, inside a given module call, that made a
-  non-finite value: its output holds a NaN its inputs did not, or an infinity that neither its tensor inputs nor
+  non-finite value: its output holds a NaN its tensor inputs did not, or an infinity that neither its tensor inputs nor
   its scalar arguments carried (``masked_fill(mask, -inf)`` is never it; the softmax of the row it fills is), with
   the op's evidence (:func:`~.domain.op_evidence`: its float64 recompute, working dtype, out-of-domain input).
 - :class:`GraphWatch`: hooks on every node of an autograd graph, naming the first backward function that

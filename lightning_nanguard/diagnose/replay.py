@@ -12,7 +12,7 @@ at the end of the replay. Evidence gathered:
 
 - forward: the first module call whose output is non-finite while its inputs were finite (post-order hooks
   make it the innermost module that ran the bad op), and the first op inside it (or, with no such module, in
-  ``training_step``) that made a non-finite value (a TorchFunctionMode pass: a NaN its inputs did not hold, or
+  ``training_step``) that made a non-finite value (a TorchFunctionMode pass: a NaN its tensor inputs did not hold, or
   an infinity none of its inputs or scalar arguments carried), recomputed in float64 on the same inputs;
 - backward: the first module, in backward order, whose input gradients are non-finite while its output
   gradients were finite (full backward hooks), and the first autograd function that produced NaN *or* Inf

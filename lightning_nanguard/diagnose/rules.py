@@ -405,9 +405,10 @@ def _judged_at_op(details: dict, op: Optional[dict], f64: Optional[dict]) -> Opt
     inputs finite and beyond its working dtype's max is ``overflow``, finite within it ``precision``; non-finite
     there too, the op's inputs are outside its domain: ``domain``, unless the float64 model (``f64``) is finite,
     where those inputs are themselves an artefact of the dtype (a probability that underflowed to 0): ``precision``.
-    None without the op's float64 recompute (``anomaly.float64_check: false``, or it could not run)."""
-    if not op or "float64_finite" not in op:
-        return None
+    None without the op's float64 recompute (``anomaly.float64_check: false``, or it could not run), and for an op
+    given a NaN as an argument (``loss * nan``)."""
+    if not op or "float64_finite" not in op or op.get("nan_argument"):
+        return None  # (a NaN given as an argument, loss * nan: nothing was outside the op's domain)
     details.update(dtype=op["dtype"], dtype_max=op["dtype_max"], judged_at="op")
     if op.get("domain"):
         details["domain"] = op["domain"]
