@@ -438,7 +438,6 @@ def _fit(fit: Any, case: Case, sync: str) -> Any:
     return guard
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", CORPUS, ids=[c.name for c in CORPUS])
 def test_field_trap_names_the_cause_culprit_and_op_in_both_sync_modes(fit: Any, case: Case) -> None:
     for sync in MODES:
