@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .diagnose.domain import MATMUL_OPS, describe, fix
+
 __all__ = ["Cause", "CAUSES", "NAMES", "cause", "suggest", "where_it_ran"]
 
 # a suggestion drawn from an event's evidence (its details, culprit and op); None falls back to the advice
@@ -82,19 +84,52 @@ def _feature_hint(d: dict) -> str:
             f"{_fmt(f['median_abs_max'])}), or compute it in float64")
 
 
+def _function(d: dict) -> str:
+    """The name of the op that made the value, as the user called it (``bmm``, ``log``, ``softmax``)."""
+    f = d.get("forward_op") or {}
+    return str(f.get("inner_function") or f.get("function") or "the op").strip("_")
+
+
+def _wider(dtype: str) -> str:
+    """The dtype to compute an op in instead of ``dtype``: float32 for a half type, else float64."""
+    return "float32" if ("16" in dtype or "8" in dtype) else "float64"
+
+
 def _overflow(ev: Any, advice: str) -> Optional[str]:
     d = ev.details
     if "abs_max_float64" not in d:  # no replay evidence (e.g. GradScaler overflows)
         return None
     where, op = _where(ev)
-    return (f"Overflow{where}{op}: values reach {_fmt(d.get('abs_max_float64'))}, beyond "
-            f"{d.get('dtype', 'the dtype')}'s max {_fmt(d.get('dtype_max'))}; {_feature_hint(d)}.")
+    dtype = str(d.get("dtype", "the dtype")).replace("torch.", "")
+    reach = f"values reach {_fmt(d.get('abs_max_float64'))}, beyond {dtype}'s max {_fmt(d.get('dtype_max'))}"
+    if d.get("judged_at") == "op" and _function(d) in MATMUL_OPS and not d.get("extreme_features"):
+        return (f"Overflow{where}{op}: {reach}: the sum exceeds {dtype}'s range: compute it in {_wider(dtype)} or "
+                "scale before the product (e.g. divide one factor by sqrt of the normaliser first).")
+    return f"Overflow{where}{op}: {reach}; {_feature_hint(d)}."
 
 
 def _precision(ev: Any, advice: str) -> Optional[str]:
+    d = ev.details
     where, op = _where(ev)
-    return (f"Precision loss{where}{op}: finite in float64, not in {ev.details.get('dtype', 'the working dtype')}; "
-            f"{_feature_hint(ev.details)}.")
+    dtype = str(d.get("dtype", "the working dtype")).replace("torch.", "")
+    found = d.get("domain")
+    if found and found.get("input"):
+        return (f"Precision loss{where}{op}: in {dtype} {describe(found)}, not in float64: "
+                f"{fix(found, dtype)}, or compute this op in {_wider(dtype)}.")
+    hint = _feature_hint(d) if dtype == "float32" or d.get("extreme_features") else \
+        f"compute this op in {_wider(dtype)} (autocast(enabled=False) around it), or rescale its inputs"
+    return f"Precision loss{where}{op}: finite in float64, not in {dtype}; {hint}."
+
+
+def _domain(ev: Any, advice: str) -> Optional[str]:
+    d = ev.details
+    found = d.get("domain") or {}
+    where, op = _where(ev)
+    src = (d.get("forward_op") or {}).get("source")
+    at = f" at {src}" if src else ""
+    what = describe(found) if found.get("input") else f"{_function(d)} made a NaN from finite inputs"
+    fixed = fix(found) if found.get("input") else "clamp or mask its inputs, or add an eps"
+    return (f"Outside the op's domain{where}{op}{at}: {what}, in float64 too. Fix: {fixed}.")
 
 
 def _backward_op(ev: Any, advice: str) -> Optional[str]:
@@ -109,8 +144,10 @@ def _initialization(ev: Any, advice: str) -> Optional[str]:
     f = ev.details.get("initialization")
     if not f:
         return f"Non-finite values in {ev.culprit}. " + advice if ev.culprit else None
-    return (f"{f['parameter']} was initialised {_fmt(f['ratio'])}x too large: RMS {_fmt(f['scale'])} against the "
-            f"usual {_fmt(f['expected_scale'])} (1/sqrt(fan_in), fan_in={f['fan_in']}); no learning rate helps. "
+    # the scale it was given, measured at fit start (later steps' updates of a blown-up weight inflate the ratio)
+    ratio, scale = f.get("ratio_at_fit_start", f["ratio"]), f.get("scale_at_fit_start", f["scale"])
+    return (f"{f['parameter']} was initialised {_fmt(ratio)}x too large: RMS {_fmt(scale)} at fit start against "
+            f"the usual {_fmt(f['expected_scale'])} (1/sqrt(fan_in), fan_in={f['fan_in']}); no learning rate helps. "
             "Re-initialise it with nn.init.xavier_uniform_ / kaiming_normal_, or check what loads or scales it.")
 
 
@@ -182,6 +219,11 @@ CAUSES: dict[str, Cause] = {c.name: c for c in (
     Cause("precision", "precision lost in the working dtype (finite in float64)", lr_cut="never",
           advice="Precision loss in the working dtype: compute this op in float64 (or float32 under AMP), add an "
                  "epsilon, or rescale the inputs.", suggest=_precision),
+    Cause("domain", "an op fed inputs outside its domain in the forward pass (log of 0, 0/0, std of one sample, "
+                    "softmax of an all -inf row); float64 does not help", lr_cut="never",
+          advice="An op got inputs outside its domain (log of 0 or of a negative, 0/0, std of one sample, softmax of "
+                 "a row masked to -inf everywhere): add an eps, clamp or mask its inputs, or use the stable form "
+                 "(log_softmax, BCEWithLogitsLoss, logsumexp).", suggest=_domain),
     Cause("backward_op", "an op whose derivative is infinite or undefined at its inputs", lr_cut="never",
           advice="An op has an infinite or undefined derivative at these inputs (sqrt/norm at 0, log at 0, pow with "
                  "fractional exponent at 0): add an epsilon (e.g. sqrt(x + 1e-12)) or mask the rows.",

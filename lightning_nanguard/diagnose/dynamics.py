@@ -132,7 +132,8 @@ def oversized(module: nn.Module, initial: dict[str, float], ratio: float = INIT_
         found = scale / expected
         if found >= ratio and at_start / expected >= ratio and (worst is None or found > worst["ratio"]):
             worst = {"parameter": name, "scale": scale, "expected_scale": expected, "ratio": found,
-                     "scale_at_fit_start": at_start, "fan_in": fan_in(p.shape)}
+                     "scale_at_fit_start": at_start, "ratio_at_fit_start": at_start / expected,
+                     "fan_in": fan_in(p.shape)}
     return worst
 
 

@@ -5,8 +5,10 @@ while training is healthy.
   abs-max, abs-min (of finite values) and the count of non-finite values of inputs and outputs as a small
   device tensor, like transformers' ``DebugUnderflowOverflow`` but without a host sync per module:
   :meth:`FrameRecorder.read` reads all frames at once.
-- :class:`FirstBadOp`: a ``TorchFunctionMode`` naming the first torch op, inside a given module call, whose
-  output is non-finite while its inputs were finite (autograd name, function and source line).
+- :class:`FirstBadOp`: a ``TorchFunctionMode`` naming the first torch op, inside a given module call, that made a
+  non-finite value: its output holds a NaN its tensor inputs did not, or an infinity that neither its tensor inputs nor
+  its scalar arguments carried (``masked_fill(mask, -inf)`` is never it; the softmax of the row it fills is), with
+  the op's evidence (:func:`~.domain.op_evidence`: its float64 recompute, working dtype, out-of-domain input).
 - :class:`GraphWatch`: hooks on every node of an autograd graph, naming the first backward function that
   produced NaN *or* Inf from finite gradients (anomaly mode only checks NaN).
 """
@@ -14,6 +16,7 @@ while training is healthy.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import os
 import sysconfig
@@ -29,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..layouts import is_strided, stored_values
 from ..tree import iter_tensors
+from . import domain
 
 __all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",
            "floats_of", "user_frame", "is_compiled", "public_name"]
@@ -185,25 +189,45 @@ def format_frames(frames: list[Frame], title: str) -> str:
 
 
 class FirstBadOp(TorchFunctionMode):
-    """Names the first torch op, inside ``module`` (innermost), whose output is non-finite from finite inputs."""
+    """Names the first torch op, inside ``module`` (innermost), that made a non-finite value
+    (:func:`~.domain.made_nonfinite`), with its evidence (:func:`~.domain.op_evidence`). A Python composite whose
+    output's autograd name is not its own (``multi_head_attention_forward``, whose output comes from a transpose)
+    is named by the aten op inside it that made the value (``SoftmaxBackward0``)."""
 
-    def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]]) -> None:
+    def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]], float64: bool = True) -> None:
         super().__init__()
-        self.recorder, self.module = recorder, module
+        self.recorder, self.module, self.float64 = recorder, module, float64
         self.found: Optional[dict[str, Any]] = None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.found is None:
-            where = self.recorder.stack[-1] if self.recorder.stack else None
-            if self.module is None or where == self.module:
-                outs = floats_of(out)
-                if outs and not all_finite(outs) and all_finite(floats_of([args, kwargs or {}])):
-                    grad_fn = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
-                    self.found = {"op": grad_fn.name() if grad_fn is not None else None,
-                                  "function": getattr(func, "__name__", str(func)),
-                                  "module": where[0] if where else None, "source": user_frame()}
+        kwargs = kwargs or {}
+        watched = self.found is None and (self.module is None or (self.recorder.stack[-1] if self.recorder.stack
+                                                                    else None) == self.module)
+        before = args
+        if watched and domain.in_place(func) and args and isinstance(args[0], Tensor):
+            before = (args[0].detach().clone(), *args[1:])  # an in-place op: its input as it was
+        out = func(*args, **kwargs)
+        if watched:
+            outs = floats_of(out)
+            if outs and domain.made_nonfinite(floats_of([before, kwargs]), outs, domain.scalars_of([before, kwargs])):
+                self.found = self._evidence(func, before, kwargs, out, outs)
         return out
+
+    def _evidence(self, func: Any, args: Any, kwargs: Any, out: Any, outs: list[Tensor]) -> dict[str, Any]:
+        where = self.recorder.stack[-1] if self.recorder.stack else None
+        grad_fn = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
+        name = getattr(func, "__name__", str(func))
+        found = {"op": grad_fn.name() if grad_fn is not None else None, "function": name,
+                 "module": where[0] if where else None, "source": user_frame()}
+        if inspect.isfunction(func) and found["op"] is not None and not domain.names_itself(found["op"]):
+            inner = domain.inner_op(func, args, kwargs)
+            if inner is not None:
+                aten, inner_args, inner_kwargs, inner_out = inner
+                found.update(op=domain.autograd_name(domain.op_name(aten)), inner_function=domain.op_name(aten))
+                found.update(domain.op_evidence(aten, inner_args, inner_kwargs, inner_out, self.float64))
+                return found
+        found.update(domain.op_evidence(func, args, kwargs, out, self.float64))
+        return found
 
 
 class GraphWatch:

@@ -11,7 +11,9 @@ number of non-finite values of inputs and outputs, but the statistics stay on th
 at the end of the replay. Evidence gathered:
 
 - forward: the first module call whose output is non-finite while its inputs were finite (post-order hooks
-  make it the innermost module that ran the bad op), and the first op inside it (a TorchFunctionMode pass);
+  make it the innermost module that ran the bad op), and the first op inside it (or, with no such module, in
+  ``training_step``) that made a non-finite value (a TorchFunctionMode pass: a NaN its tensor inputs did not hold, or
+  an infinity none of its inputs or scalar arguments carried), recomputed in float64 on the same inputs;
 - backward: the first module, in backward order, whose input gradients are non-finite while its output
   gradients were finite (full backward hooks), and the first autograd function that produced NaN *or* Inf
   (hooks on the autograd graph) next to what ``detect_anomaly(check_nan=True)`` reports;
@@ -206,7 +208,7 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             warnings.filterwarnings("ignore", message="For backward hooks to be called")  # a ModelOutput
             try:
-                _replay_one(result, module, batch, batch_idx, rng, plugin, frames, norm_type)
+                _replay_one(result, module, batch, batch_idx, rng, plugin, frames, norm_type, float64_check)
             except Exception as err:  # the replay must never break training
                 result.errors.append(f"replay: {type(err).__name__}: {err}")
         if result.reproduced:
@@ -281,7 +283,7 @@ def _ctx(plugin: Any) -> Any:
 
 
 def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-                frames: int, norm_type: float = 2.0) -> None:
+                frames: int, norm_type: float = 2.0, float64: bool = True) -> None:
     named = [(public_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
     rec = FrameRecorder(module, backward=True, root_name=f"<{type(module).__name__}>")
     try:
@@ -314,7 +316,7 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
     if res.forward is not None:
         where = (first_fwd.module, first_fwd.call) if first_fwd is not None else None
         with preserved_state(module):  # every pass starts from the same buffers
-            res.forward_op = _op_pass(module, batch, batch_idx, rng, plugin, where)
+            res.forward_op = _op_pass(module, batch, batch_idx, rng, plugin, where, float64)
         return
     if bad_grads:
         first_bwd = rec.first_bad(rec.backward_frames)
@@ -329,9 +331,9 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
 
 
 def _op_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-             where: Optional[tuple[str, int]]) -> Optional[dict]:
+             where: Optional[tuple[str, int]], float64: bool = True) -> Optional[dict]:
     rec = FrameRecorder(module, backward=False, root_name=f"<{type(module).__name__}>")
-    mode = FirstBadOp(rec, where)
+    mode = FirstBadOp(rec, where, float64)
     with rec, mode:
         _run(module, batch, batch_idx, rng, _ctx(plugin))
     return mode.found

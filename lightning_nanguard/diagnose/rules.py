@@ -11,8 +11,11 @@ The rules, in order (each puts its evidence in ``details`` under the key named i
 2. non-finite inputs (samples and features found in the batch): ``input`` [inputs];
 3. non-finite parameters or buffers after a step with finite gradients: ``optimizer`` (e.g. Adam ``eps=0``);
 4. otherwise (a non-finite loss, gradient or activation, or a finite ``divergence``) the micro-batch is
-   replayed (:mod:`.replay`; not for a divergence, where nothing is non-finite) to find *where*: a forward
-   value finite in float64 is ``overflow`` (beyond the dtype's max) or ``precision``; a NaN/Inf first
+   replayed (:mod:`.replay`; not for a divergence, where nothing is non-finite) to find *where*, judged at
+   the op that made the value (:func:`_judged_at_op`): finite when that op is recomputed in float64 is
+   ``overflow`` (beyond its working dtype's max) or ``precision``; non-finite there too is ``domain`` (its
+   inputs are outside its domain: log of 0, 0/0, std of one sample, softmax of an all -inf row) [domain], or
+   ``precision`` where the float64 model is finite (the inputs are the dtype's artefact); a NaN/Inf first
    appearing in backward is ``backward_op`` (``precision`` if the float64 backward is finite). *Why* comes
    from the step's own evidence (:mod:`.dynamics`), which needs no history, so these rules hold from step 0.
    First, though: a replay that is clean on the step's own weights (the same batch, the same RNG state) is
@@ -64,7 +67,7 @@ from ..detect.spikes import history_zscore, norm_growth
 from ..events import NaNEvent
 from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
-from . import dynamics, replay
+from . import domain, dynamics, replay
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT"]
 
@@ -153,7 +156,8 @@ def diagnose(ctx: IncidentContext) -> str:
             ev.culprit, ev.op, cause = prev.culprit, prev.op, prev.cause
             details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
             details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
-                                                         "forward_op", "backward_op") if k in prev.details})
+                                                         "forward_op", "backward_op", "domain", "judged_at")
+                            if k in prev.details})
         if cause != TRANSIENT:  # clean on the same weights: the step's dynamics did not make it non-finite
             cause = _dynamics_cause(ctx, cause, rows)
     if ctx.scaler_overflows is not None:
@@ -359,7 +363,7 @@ def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
         if res.forward.get("call"):
             details["culprit_call"] = res.forward["call"]
         if res.forward_op:
-            ev.op = res.forward_op.get("op") or res.forward_op.get("function")
+            ev.op = res.forward_op.get("op") or domain.op_name(res.forward_op.get("function"))
             details["forward_op"] = res.forward_op
             if ev.culprit == "training_step" and res.forward_op.get("module"):
                 ev.culprit = res.forward_op["module"]
@@ -367,6 +371,9 @@ def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
         if features:
             details["extreme_features"] = features
         f64 = res.float64
+        at_op = _judged_at_op(details, res.forward_op, f64)
+        if at_op is not None:
+            return at_op
         if f64 is not None and f64.get("module_finite", f64.get("loss_finite")):
             dtype = getattr(torch, str(res.forward.get("dtype", "float32")), torch.float32)
             limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
@@ -390,6 +397,29 @@ def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
             return "precision"
         return "backward_op"
     return None
+
+
+def _judged_at_op(details: dict, op: Optional[dict], f64: Optional[dict]) -> Optional[str]:
+    """Overflow, precision or domain, judged at the op that made the non-finite value (``op``: its evidence,
+    :func:`~.domain.op_evidence`) rather than at the module's output: the op recomputed in float64 on the same
+    inputs finite and beyond its working dtype's max is ``overflow``, finite within it ``precision``; non-finite
+    there too, the op's inputs are outside its domain: ``domain``, unless the float64 model (``f64``) is finite,
+    where those inputs are themselves an artefact of the dtype (a probability that underflowed to 0): ``precision``.
+    None without the op's float64 recompute (``anomaly.float64_check: false``, or it could not run), and for an op
+    given a NaN as an argument (``loss * nan``)."""
+    if not op or "float64_finite" not in op or op.get("nan_argument"):
+        return None  # (a NaN given as an argument, loss * nan: nothing was outside the op's domain)
+    details.update(dtype=op["dtype"], dtype_max=op["dtype_max"], judged_at="op")
+    if op.get("domain"):
+        details["domain"] = op["domain"]
+    if op["float64_finite"]:
+        details["abs_max_float64"] = op["abs_max_float64"]
+        return "overflow" if op["abs_max_float64"] > op["dtype_max"] else "precision"
+    if f64 is not None and f64.get("module_finite", f64.get("loss_finite")):
+        return "precision"
+    details.setdefault("domain", {"op": op.get("inner_function") or op.get("function"), "input": None,
+                                  "positions": op.get("positions")})
+    return "domain"
 
 
 def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -> list[dict]:

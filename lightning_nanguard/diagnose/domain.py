@@ -1,0 +1,384 @@
+"""What an op's inputs say about its non-finite output: the op that made a NaN, its own float64 recompute, and
+which input was outside the op's domain. Nothing here runs while training is healthy: the replay's op pass
+(:class:`~.probes.FirstBadOp`) calls it on the ops of the culprit's call, and only once on the op it names.
+
+- :func:`made_nonfinite`: does an op's output hold a NaN its tensor inputs did not, or an infinity that neither
+  its tensor inputs nor its scalar arguments carried? ``masked_fill(mask, -inf)`` writes the infinity it was
+  given: it is never the op; the ``softmax`` of the all ``-inf`` row it leaves is.
+- :func:`op_evidence`: the op recomputed in float64 (autocast off) on the same inputs, its working dtype (the one
+  that ran: autocast's, not the parameters'), and the input outside its domain (:func:`out_of_domain`).
+- :func:`fix`: the fix that fits the op and that input, for the suggestion.
+- :func:`inner_op`: the first aten op inside a Python composite (``multi_head_attention_forward``) that made the
+  non-finite value, named as autograd names its backward (``_softmax`` -> ``SoftmaxBackward0``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import nullcontext
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..tree import iter_tensors, map_tensors
+
+__all__ = ["made_nonfinite", "scalars_of", "op_name", "in_place", "names_itself", "op_evidence", "out_of_domain",
+           "describe", "fix", "inner_op", "autograd_name", "MATMUL_OPS"]
+
+MATMUL_OPS = frozenset({"bmm", "mm", "matmul", "addmm", "baddbmm", "addbmm", "linear", "einsum", "dot", "mv",
+                        "sum", "conv1d", "conv2d", "conv3d", "convolution", "tensordot", "inner", "outer"})
+
+
+def _floats(obj: Any) -> list[Tensor]:
+    return [t for _, t in iter_tensors(obj, "") if t.is_floating_point() and t.layout == torch.strided and t.numel()]
+
+
+def scalars_of(obj: Any) -> list[float]:
+    """The Python numbers among an op's (nested) arguments: a fill value, an exponent, a divisor."""
+    if isinstance(obj, bool):
+        return []
+    if isinstance(obj, (int, float)):
+        return [float(obj)]
+    if isinstance(obj, (list, tuple)):
+        return [s for o in obj for s in scalars_of(o)]
+    if isinstance(obj, dict):
+        return [s for o in obj.values() for s in scalars_of(o)]
+    return []
+
+
+def _flags(tensors: list[Tensor]) -> tuple[bool, bool]:
+    """(any NaN, any infinity) over ``tensors``, read at once."""
+    if not tensors:
+        return False, False
+    v = torch.stack([torch.stack([torch.isnan(t).any(), torch.isinf(t).any()]).to(tensors[0].device)
+                     for t in (x.detach() for x in tensors)]).any(0).tolist()
+    return bool(v[0]), bool(v[1])
+
+
+def made_nonfinite(ins: list[Tensor], outs: list[Tensor], scalars: Sequence[float] = ()) -> bool:
+    """The op made it: its output holds a NaN and no tensor input does (a NaN passed on was made upstream; one
+    from a scalar argument, ``loss * nan``, is made here), or an infinity that no input, tensor or scalar, carried
+    (``masked_fill(mask, -inf)`` writes the infinity it was given)."""
+    out_nan, out_inf = _flags(outs)
+    if not (out_nan or out_inf):
+        return False
+    in_nan, in_inf = _flags(ins)
+    in_inf = in_inf or any(math.isinf(s) for s in scalars)
+    return not in_nan and (out_nan or not in_inf)
+
+
+_IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ifloordiv__",
+                               "__ipow__", "__imod__"})
+
+
+def in_place(func: Any) -> bool:
+    """Does ``func`` write into its first argument (``div_``, ``__itruediv__``, ``aten.masked_fill_``)?"""
+    packet = getattr(func, "overloadpacket", None)
+    name = getattr(packet if packet is not None else func, "__name__", "") or ""
+    return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+
+
+def op_name(func: Any) -> str:
+    """``__truediv__`` and ``__itruediv__`` -> ``truediv``, ``aten._softmax`` -> ``softmax``, ``log_`` -> ``log``."""
+    packet = getattr(func, "overloadpacket", None)
+    name = getattr(packet if packet is not None else func, "__name__", None) or str(func)
+    if name in _IN_PLACE_DUNDERS:
+        name = "__" + name[3:]
+    return name.strip("_")
+
+
+def autograd_name(aten_name: str) -> str:
+    """How autograd names the backward of an aten op: ``_softmax`` -> ``SoftmaxBackward0``."""
+    return "".join(p[:1].upper() + p[1:] for p in aten_name.strip("_").split("_") if p) + "Backward0"
+
+
+def _double(obj: Any) -> Any:
+    return map_tensors(obj, lambda t: t.detach().double() if t.is_floating_point() else t)
+
+
+def _no_autocast(tensors: list[Tensor]) -> Any:
+    device = tensors[0].device.type if tensors else "cpu"
+    try:
+        return torch.autocast(device, enabled=False)
+    except Exception:  # pragma: no cover  (a device autocast does not know)
+        return nullcontext()
+
+
+def op_evidence(func: Any, args: Any, kwargs: Any, out: Any, float64: bool = True) -> dict[str, Any]:
+    """The evidence of the op that made a non-finite value: its working dtype and that dtype's max, the count of
+    non-finite output positions, with ``float64`` the op recomputed in float64 on the same inputs with autocast
+    off (finite there, and its abs-max: overflow or precision is judged at the op, not at the module), and the
+    input outside its domain (:func:`out_of_domain`)."""
+    outs = _floats(out)
+    ins = _floats([args, kwargs])
+    dtype = outs[0].dtype if outs else torch.float32
+    bad = torch.stack([(~torch.isfinite(t.detach())).sum() for t in outs]).sum() if outs else torch.zeros(())
+    found: dict[str, Any] = {"dtype": str(dtype), "dtype_max": torch.finfo(dtype).max, "positions": int(bad)}
+    if any(math.isnan(s) for s in scalars_of([args, kwargs])):
+        found["nan_argument"] = True  # a NaN given to the op (loss * nan): passed on, no input out of its domain
+    try:
+        if not float64:
+            raise _Skipped
+        with _no_autocast(ins), torch.no_grad():
+            # a cast to a narrower dtype (x.half(), x.to(torch.float16)) recomputed in float64 is its input
+            again = _floats(_double(args[:1])) if op_name(func) in _CASTS else \
+                _floats(func(*_double(args), **_double(kwargs)))
+        if again:
+            a = torch.stack([t.abs().amax() if t.numel() else t.new_zeros(()) for t in
+                             (torch.where(torch.isfinite(t), t, 0.0) for t in again)]).amax()
+            found["float64_finite"] = all(bool(torch.isfinite(t).all()) for t in again)
+            found["abs_max_float64"] = float(a)
+    except _Skipped:
+        pass
+    except Exception as err:  # the recompute is evidence, never an error of the replay
+        found["float64_error"] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+    domain = out_of_domain(op_name(func), args, kwargs or {}, outs)
+    if domain:
+        found["domain"] = domain
+    return found
+
+
+_CASTS = frozenset({"half", "bfloat16", "float", "to", "type", "type_as", "to_copy", "_to_copy"})
+
+
+class _Skipped(Exception):
+    pass
+
+
+def _arg(args: Any, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default
+
+
+def _count(mask: Any) -> int:
+    return int(mask.sum()) if isinstance(mask, Tensor) else int(bool(mask))
+
+
+def _producer(t: Any) -> Optional[str]:
+    """The autograd name of the op that made ``t`` (one level through ``1 - x`` and ``x + eps``)."""
+    node = getattr(t, "grad_fn", None)
+    if node is None:
+        return None
+    name = node.name()
+    if name.startswith(("RsubBackward", "SubBackward", "AddBackward", "NegBackward", "MulBackward")):
+        inner = next((n for n, _ in node.next_functions if n is not None and n.name() != "AccumulateGrad"), None)
+        return inner.name() if inner is not None else name
+    return name
+
+
+def out_of_domain(name: str, args: Any, kwargs: dict, outs: list[Tensor]) -> Optional[dict[str, Any]]:
+    """Which input of op ``name`` was outside its domain, at how many positions: ``zero``, ``negative``, ``an all
+    -inf row``, ``a single sample``, ``an empty selection``, ``every target ignored``, ``0 x inf``, ``inf - inf``,
+    ``outside [-1, 1]``; None when the op is not one this knows."""
+    args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
+    x = args[0] if args else None
+    try:
+        with torch.no_grad():
+            return _classify(name, x, args, kwargs, outs)
+    except Exception:  # evidence only
+        return None
+
+
+def _classify(name: str, x: Any, args: tuple, kwargs: dict, outs: list[Tensor]) -> Optional[dict[str, Any]]:
+    tensor = isinstance(x, Tensor) and x.is_floating_point()
+
+    def found(what: str, positions: int, argument: str = "input", **more: Any) -> dict[str, Any]:
+        return {"op": name, "input": what, "argument": argument, "positions": positions, **more}
+
+    if name in ("log", "log2", "log10") and tensor:
+        zeros, negs = _count(x == 0), _count(x < 0)
+        if zeros or negs:
+            return found("zero" if zeros else "negative", zeros or negs, produced_by=_producer(x))
+    if name == "log1p" and tensor and _count(x <= -1):
+        return found("at or below -1", _count(x <= -1))
+    if name in ("sqrt", "rsqrt") and tensor:
+        negs = _count(x < 0)
+        if negs:
+            return found("negative", negs)
+        if name == "rsqrt" and _count(x == 0):
+            return found("zero", _count(x == 0))
+    if name in ("div", "truediv", "true_divide", "divide", "rtruediv", "reciprocal"):
+        num, den = (None, x) if name == "reciprocal" else (_arg(args, kwargs, 1, "other"), x) \
+            if name == "rtruediv" else (x, _arg(args, kwargs, 1, "other"))
+        if isinstance(den, (int, float)) and not isinstance(den, bool):
+            den = torch.tensor(float(den))
+        if isinstance(den, Tensor):
+            zero = den == 0
+            n = _count(zero)
+            if n:
+                if isinstance(num, (int, float)) and not isinstance(num, bool):
+                    num = torch.tensor(float(num))
+                both = _count(zero & (num == 0)) if isinstance(num, Tensor) else 0
+                if outs and zero.dim() == 0:
+                    n = int(outs[0].numel())
+                return found("zero", n, argument="denominator", zero_over_zero=bool(both))
+    if name in ("std", "var", "std_mean", "var_mean") and tensor and outs:
+        correction = kwargs.get("correction")
+        if correction is None:
+            unbiased = kwargs.get("unbiased", args[1] if len(args) > 1 and isinstance(args[1], bool) else True)
+            correction = 1 if unbiased else 0
+        samples = x.numel() // max(outs[0].numel(), 1)
+        if samples <= correction:
+            return found("a single sample" if samples == 1 else "no samples", int(outs[0].numel()),
+                         samples=samples, correction=float(correction))
+    if name in ("softmax", "log_softmax", "softmin") and tensor:
+        dim = _arg(args, kwargs, 1, "dim", -1)
+        if isinstance(dim, int) and x.dim():
+            rows = _count(torch.isneginf(x).all(dim)) if name != "softmin" else _count(torch.isposinf(x).all(dim))
+            if rows:
+                return found("an all -inf row", rows, dim=dim)
+            pos = _count(torch.isposinf(x).any(dim))
+            if pos:
+                return found("+inf in a row", pos, dim=dim)
+    if name in ("mean", "nanmean") and isinstance(x, Tensor) and x.numel() == 0:
+        return found("an empty selection", 1)
+    if name in ("cross_entropy", "nll_loss"):
+        target = _arg(args, kwargs, 1, "target")
+        ignore = _arg(args, kwargs, 4, "ignore_index", -100)
+        if isinstance(target, Tensor) and not target.is_floating_point() and target.numel() and \
+                _count(target == ignore) == target.numel() and kwargs.get("reduction", "mean") == "mean":
+            return found("every target ignored", int(target.numel()), argument="target", ignore_index=ignore)
+    if name in ("mul", "multiply") and len(args) > 1:
+        y = args[1]
+        xs = x if isinstance(x, Tensor) else torch.tensor(float(x))
+        ys = y if isinstance(y, Tensor) else torch.tensor(float(y)) if isinstance(y, (int, float)) else None
+        if ys is not None:
+            n = _count((torch.isinf(xs) & (ys == 0)) | ((xs == 0) & torch.isinf(ys)))
+            if n:
+                return found("0 x inf", n)
+    if name in ("add", "sub", "subtract", "rsub") and len(args) > 1:
+        y = args[1]
+        xs = x if isinstance(x, Tensor) else torch.tensor(float(x))
+        ys = y if isinstance(y, Tensor) else torch.tensor(float(y)) if isinstance(y, (int, float)) else None
+        if ys is not None:
+            same = torch.sign(xs) == torch.sign(ys)
+            n = _count(torch.isinf(xs) & torch.isinf(ys) & (same if name in ("sub", "subtract", "rsub") else ~same))
+            if n:
+                return found("inf - inf", n)
+    if name in ("acos", "asin", "atanh") and tensor:
+        n = _count(x.abs() > 1) if name != "atanh" else _count(x.abs() >= 1)
+        if n:
+            return found("outside [-1, 1]", n)
+    if name in ("pow", "float_power") and tensor:
+        e = _arg(args, kwargs, 1, "exponent")
+        if isinstance(e, (int, float)):
+            if e != int(e) and _count(x < 0):
+                return found("negative", _count(x < 0), exponent=float(e))
+            if e < 0 and _count(x == 0):
+                return found("zero", _count(x == 0), exponent=float(e))
+    return None
+
+
+def describe(domain: dict[str, Any]) -> str:
+    """What was outside the op's domain, in words: ``the denominator of div is 0 at 3 position(s) (0/0)``."""
+    name, what, n = domain.get("op", "the op"), domain.get("input"), domain.get("positions")
+    if what == "an all -inf row":
+        return f"{n} row(s) of the input of {name} are -inf everywhere (every position masked)"
+    if what in ("a single sample", "no samples"):
+        return (f"{name} reduces over {domain.get('samples')} element(s) with correction="
+                f"{_fmt_num(domain.get('correction'))} ({what})")
+    if what == "an empty selection":
+        return f"{name} of an empty tensor (an empty selection)"
+    if what == "every target ignored":
+        return f"every target of {name} is ignore_index ({domain.get('ignore_index')}): a mean over no targets"
+    if what in ("0 x inf", "inf - inf"):
+        return f"{name} computes {what} at {n} position(s)"
+    shown = "0" if what == "zero" else what
+    tail = " (0/0)" if domain.get("zero_over_zero") else ""
+    return f"the {domain.get('argument', 'input')} of {name} is {shown} at {n} position(s){tail}"
+
+
+def _fmt_num(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
+def fix(domain: dict[str, Any], dtype: Optional[str] = None) -> str:
+    """The fix that fits the op and its out-of-domain input."""
+    name, what = domain.get("op", ""), domain.get("input")
+    made = str(domain.get("produced_by") or "")
+    if name in ("log", "log2", "log10") and what == "zero":
+        if made.startswith(("SoftmaxBackward", "_SoftmaxBackward")):
+            return "take log_softmax of the logits instead of log(softmax(...)) (or cross_entropy on the logits)"
+        if made.startswith("SigmoidBackward"):
+            return ("use BCEWithLogitsLoss (binary_cross_entropy_with_logits) or F.logsigmoid on the logits instead "
+                    "of log(sigmoid(...))")
+        if made.startswith(("SumBackward", "ExpBackward")):
+            return "use torch.logsumexp instead of log(sum(exp(...)))"
+        return ("add an eps (log(x + 1e-8)) or clamp(min=1e-8) before the log; for a probability use log_softmax, "
+                "BCEWithLogitsLoss or logsumexp on the logits")
+    if what == "negative" and name.startswith(("log", "sqrt", "rsqrt")):
+        return f"clamp the input of {name} to a positive value (x.clamp(min=1e-8)) or check why it is negative"
+    if what == "negative" and name in ("pow", "float_power"):
+        return "clamp the base (x.clamp(min=1e-8)) before a fractional power, or use an integer exponent"
+    if name in ("div", "truediv", "true_divide", "divide", "rtruediv", "reciprocal", "rsqrt") or \
+            (what == "zero" and name in ("pow", "float_power")):
+        return ("add an eps to the denominator (x / (d + 1e-8)), clamp it (d.clamp(min=1e-8)), or use "
+                "F.normalize(x, dim=..., eps=1e-12) for a per-sample normalisation")
+    if what in ("a single sample", "no samples"):
+        return ("a dimension of one element has no unbiased std/var: use correction=0 (unbiased=False), or guard "
+                "the batch size (DataLoader(drop_last=True), or skip a batch of one sample)")
+    if what == "an all -inf row":
+        return ("let the mask leave at least one position in every row (e.g. never mask a sequence's own or first "
+                "token), or fill with torch.finfo(dtype).min instead of -inf and zero the fully masked rows after "
+                "the softmax")
+    if what == "an empty selection":
+        return "guard the empty selection (if mask.any(): ...), or divide the sum by count.clamp(min=1)"
+    if what == "every target ignored":
+        return ("a batch whose every target is ignore_index has no mean: skip it, or use reduction='sum' divided "
+                "by the count clamped to 1")
+    if what == "0 x inf":
+        return ("mask with masked_fill or torch.where instead of multiplying by an infinite value (0 x inf is NaN), "
+                "or fill with torch.finfo(dtype).min instead of -inf")
+    if what == "inf - inf":
+        return "use torch.finfo(dtype).min instead of -inf (inf - inf is NaN), or mask with torch.where"
+    if what == "outside [-1, 1]":
+        return f"clamp the input of {name} to [-1 + 1e-7, 1 - 1e-7]"
+    return "clamp or mask its inputs, or add an eps"
+
+
+class _FirstAten(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: Optional[tuple[Any, Any, Any, Any]] = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        before = args
+        if self.found is None and in_place(func) and args and isinstance(args[0], Tensor):
+            before = (args[0].clone(), *args[1:])
+        out = func(*args, **kwargs)
+        if self.found is None:
+            outs = _floats(out)
+            if outs and made_nonfinite(_floats([before, kwargs]), outs, scalars_of([before, kwargs])):
+                self.found = (func, before, kwargs, out)
+        return out
+
+
+def inner_op(func: Any, args: Any, kwargs: Any) -> Optional[tuple[Any, Any, Any, Any]]:
+    """The aten op inside the Python composite ``func`` that made the non-finite value (``func`` rerun once on
+    the same inputs, without autograd): (the op, its arguments, keyword arguments, output); None when none did or
+    it cannot run again."""
+    mode = _FirstAten()
+    try:
+        with torch.no_grad(), mode:
+            func(*args, **(kwargs or {}))
+    except Exception:
+        return None
+    return mode.found
+
+
+_RESHAPES = ("Transpose", "View", "Permute", "Reshape", "UnsafeView", "Squeeze", "Unsqueeze", "Expand", "Clone",
+             "Select", "Slice", "AsStrided", "T")
+
+
+def names_itself(grad_name: Optional[str]) -> bool:
+    """Does the autograd node of a composite's output name an op that computed it (``MseLossBackward0``,
+    ``NllLossBackward0``), rather than a reshape of what an op inside computed (``TransposeBackward0`` at the end
+    of ``multi_head_attention_forward``)? No node (nothing required grad) names nothing."""
+    if not grad_name:
+        return False
+    return re.sub(r"Backward\d*$", "", grad_name) not in _RESHAPES
