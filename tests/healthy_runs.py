@@ -211,14 +211,13 @@ def load(path: Path = TRACES) -> dict[str, dict[str, list[float]]]:
     return {name: {k: _unpack(v) for k, v in t.items()} for name, t in doc["cases"].items()}
 
 
-def judge(losses: list[float], norms: list[float], config: Optional[NaNGuardConfig] = None,
-          device_check: bool = False) -> list[tuple[int, str, str]]:
+def judge(losses: list[float], norms: list[float], config: Optional[NaNGuardConfig] = None
+          ) -> list[tuple[int, str, str]]:
     """The events the guard's host-side detectors raise on these numbers: ``(step, kind, cause)``.
 
     Every step is healthy (finite), so it goes where :meth:`~lightning_nanguard.step.StepFlow._healthy` sends
     it: the divergence watch, the spike test (``LossWatch``), the spike's cause from the gradient-norm history,
-    then the adaptive clip's statistics and the histories learn the norm. With ``device_check`` each step's
-    device-side spike test (``check.sync: lagged``) is made too and must take the same decision."""
+    then the adaptive clip's statistics and the histories learn the norm."""
     cfg = config or NaNGuardConfig()
     check, clip = cfg.check, cfg.clip
     watch = LossWatch(check.spike_action, check.spike_z, check.spike_warmup)
@@ -228,14 +227,11 @@ def judge(losses: list[float], norms: list[float], config: Optional[NaNGuardConf
     history: list[float] = []
     events: list[tuple[int, str, str]] = []
     for step, (loss, norm) in enumerate(zip(losses, norms)):
-        flag = watch.spike_flag(torch.tensor(loss, dtype=torch.float32)) if device_check else None
         found = divergence.observe(step, loss, norm)
         if found is not None:
             events.append((step, "divergence", found["rule"]))
             continue
         z = watch.observe(loss)
-        if device_check:
-            assert (flag is not None and bool(flag)) == (z is not None), (step, loss, z)
         if z is not None:
             events.append((step, "spike", spike_cause(norm, history, check.divergence_growth,
                                                       check.divergence_steps)[0]))
