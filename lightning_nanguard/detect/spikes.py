@@ -151,7 +151,7 @@ class SpikeDetector:
         self.rel_floor = float(rel_floor)
         self.stats = RunningStats(alpha, warmup)
         self.peak = 0.0  # how far the highest recent loss rose above the mean, decaying by PEAK_DECAY per step
-        self.last: dict[str, float] = {}  # the terms of the latest test, before it updated them (an event's details)
+        self._last: tuple[float, ...] = ()  # the latest test's mean, std, peak and spread, before it updated them
         self._recent: list[int] = []  # steps of recent spikes
 
     def repeated(self, step: int, count: int, window: int) -> bool:
@@ -171,6 +171,16 @@ class SpikeDetector:
         """The spread of the test (see the class docstring), never below 1e-12."""
         stats = self.stats
         return max(stats.std, self.rel_floor * abs(stats.mean), PEAK_SHARE * self.peak, 1e-12)
+
+    @property
+    def last(self) -> dict[str, float]:
+        """The terms of the latest test, as they were before it updated them (a spike event's details): ``mean``,
+        ``std``, ``peak``, ``spread`` and ``threshold`` (a loss above it was a spike); empty before the first."""
+        if not self._last:
+            return {}
+        mean, std, peak, spread = self._last
+        return {"mean": mean, "std": std, "peak": peak, "spread": spread,
+                "threshold": mean + self.z_threshold * spread}
 
     def test_terms(self) -> Optional[tuple[float, float]]:
         """``(mean, spread)`` of the test :meth:`observe` makes while ready (None before): a loss is a spike when
@@ -192,7 +202,7 @@ class SpikeDetector:
         mean, spread = stats.mean, self.spread()
         z = (loss - mean) / spread
         band = self.z_threshold * spread
-        self.last = {"mean": mean, "std": stats.std, "peak": self.peak, "spread": spread, "threshold": mean + band}
+        self._last = (mean, stats.std, self.peak, spread)
         capped = min(max(loss, mean - band), mean + band)
         self.peak = max(capped - mean, self.peak * PEAK_DECAY)
         stats.update(capped)
