@@ -1036,7 +1036,8 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: the spread is at least half the peak, so that the heavy tail of per-batch losses "
            "widens the test (issue 24: 317 false spikes on the long healthy corpus without it)"),
     Mutant("spikes", "doc-spike-peak-takes-the-whole-spike", SPIKES,
-           "self.peak = max(capped - mean, self.peak * PEAK_DECAY)", "self.peak = max(loss - mean, self.peak * PEAK_DECAY)",
+           "self.peak = max(capped - mean, self.peak * PEAK_DECAY)",
+           "self.peak = max(loss - mean, self.peak * PEAK_DECAY)",
            "docs/recovery.md: 'a spike counts up to the threshold' in the peak; here one spike widens the test so "
            "much that the next ones of its size are hidden"),
     Mutant("spikes", "doc-spike-cause-one-step", RULES,

@@ -5,7 +5,7 @@ Each case is a real ``pl.Trainer`` fit without a guard; :class:`Trace` records, 
 the guard would read (the step's loss, float32) and the total gradient norm (``get_total_norm``, the same
 arithmetic as the guard's). A healthy step under ``NaNGuard()`` (``spike_action: warn``) changes nothing, so
 these are the numbers the guard sees in the same fit. They are stored in ``tests/data/healthy_traces.json.gz``
-(base64 float32) so that :func:`judge` can replay 60,000 steps through the detectors in a second;
+(base64 float32) so that :func:`judge` can replay 60,000 steps through the detectors in about two seconds;
 ``python -m tests.healthy_runs`` re-records them (about two minutes on one CPU core).
 
 What makes each case hard for a spike test: batches of 4 (or 8) samples, whose per-batch loss is right-skewed
@@ -253,7 +253,8 @@ if __name__ == "__main__":  # python -m tests.healthy_runs [NAME ...]: re-record
         recorded = record(tmp, wanted)
     assert all(math.isfinite(v) for t in recorded.values() for vs in t.values() for v in vs)
     kept = load() if wanted and TRACES.exists() else {}
-    merged = {name: recorded.get(name) or kept[name] for name in [*CASES, FINE_TUNE] if name in recorded or name in kept}
+    merged = {name: recorded.get(name) or kept[name] for name in [*CASES, FINE_TUNE]
+              if name in recorded or name in kept}
     save(merged)
     total = sum(len(t["losses"]) for t in merged.values())
     print(f"{len(merged)} cases, {total} steps -> {TRACES} ({TRACES.stat().st_size} bytes)", file=sys.stderr)
