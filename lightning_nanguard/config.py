@@ -102,8 +102,9 @@ class CheckConfig(_Section):
     activations: Union[Literal["off", "on_incident", "always"], int] = _opt(
         "on_incident", "module outputs: off, during the incident replay, every step, or every N steps")
     spike_action: Literal["off", "warn", "skip_step", "clip", "reduce_lr"] = _opt(
-        "warn", "what to do when the loss jumps spike_z standard deviations above its running mean")
-    spike_z: float = _opt(6.0, "z-score of the loss against its running statistics that counts as a spike",
+        "warn", "what to do when the loss jumps spike_z spreads above its running mean")
+    spike_z: float = _opt(6.0, "spreads above the loss's running mean that count as a spike (the spread: its standard "
+                               "deviation, 1% of |mean|, or half the recent peak over the mean, the largest)",
                           lo=0.0, lo_open=True)
     spike_warmup: int = _opt(50, "healthy steps of loss statistics before spike detection starts", lo=1)
     divergence: Literal["off", "warn", "act"] = _opt(

@@ -273,11 +273,12 @@ class Responder:
         already, by the same test; an LR cut applies from the step after it."""
         action, flags = self.config.check.spike_action, record.evidence
         event = self._event(trainer, "spike", record)
-        norm_z = self.clipper.zscore(flags.grad_norm)
-        stats = self.losses.detector.stats
-        event.details.update(loss=flags.loss, loss_zscore=z, loss_mean=stats.mean, loss_std=stats.std,
-                             grad_norm=flags.grad_norm, grad_norm_zscore=norm_z)
-        event.cause = spike_cause(norm_z, self.clipper.zclip.z_threshold)
+        test, check = self.losses.detector.last, self.config.check
+        event.details.update(loss=flags.loss, loss_zscore=z, **{f"loss_{k}": v for k, v in test.items()},
+                             grad_norm=flags.grad_norm, grad_norm_zscore=self.clipper.zscore(flags.grad_norm))
+        event.cause, growth = spike_cause(flags.grad_norm, list(self.clipper.history), check.divergence_growth,
+                                          check.divergence_steps)
+        event.details.update(growth)
         event.suggestion = KINDS["spike"].advice
         response = SpikeResponse()
         if action == "skip_step":

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect.spikes import RunningStats, SpikeDetector
+from lightning_nanguard.diagnose.rules import spike_cause
 from lightning_nanguard.responder import SPIKES_BEFORE_LR_CUT
 from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
 from lightning_nanguard.testing import Fault, FaultInjector
@@ -90,13 +91,34 @@ def test_spike_detector_warmup_threshold_and_one_sidedness() -> None:
     fired = [d.observe(2.0 + 0.1 * rng.gauss(0, 1)) for _ in range(20000)]
     assert all(f is None for f in fired)
     mean, std, state = d.stats.mean, d.stats.std, d.state_dict()
+    # the spread: the std, or half the highest recent excess over the mean (a Gaussian's is ~3.3 std)
+    assert 2.8 * std < d.peak < 4.5 * std and d.spread() == 0.5 * d.peak
     assert d.observe(mean - 50 * std) is None  # a falling loss is never a spike
     d.load_state_dict(state)
-    z = d.observe(mean + 10 * std)
-    assert z is not None and z == pytest.approx(10.0, rel=0.05)
+    spread = d.spread()
+    assert d.observe(mean + 5.9 * spread) is None
+    d.load_state_dict(state)
+    z = d.observe(mean + 60 * std)
+    assert z is not None and z == pytest.approx(60 * std / spread)
     # the spike is folded in capped at the threshold: the baseline hardly moves, the next spike is still seen
-    assert d.stats.mean < mean + 0.02 * 6 * std + 0.05
-    assert d.observe(mean + 10 * std) is not None
+    assert d.stats.mean < mean + 0.02 * 6 * spread + 1e-9 and d.peak == pytest.approx(6 * spread)
+    assert d.observe(mean + 60 * std) is not None
+
+
+def test_spike_detector_learns_a_heavy_tail() -> None:
+    """Per-batch losses of 4 samples (a chi-square of 4 dof: right-skewed) plus a batch at 12x the mean once every
+    64 steps (a hard batch every epoch): the Gaussian z-test on their EMA fired on it every epoch (314 times); the
+    peak of the recent losses widens the spread instead: only its first sighting, with nothing like it before, is a
+    spike. A loss 30x the recent peak is still one."""
+    rng = random.Random(2)
+    d = SpikeDetector(z_threshold=6.0, warmup=50)
+    fired = []
+    for step in range(20000):
+        loss = 0.1 * (48.0 if step % 64 == 63 else sum(rng.gauss(0, 1) ** 2 for _ in range(4)))
+        fired += [step] if d.observe(loss) is not None else []
+    assert fired == [63]
+    assert d.peak > 3.0 and d.spread() == 0.5 * d.peak > 2 * d.stats.std  # the tail, not the std, decides
+    assert d.observe(30 * d.peak) is not None
 
 
 def test_spike_detector_relative_floor_on_a_constant_loss() -> None:
@@ -178,13 +200,52 @@ def test_bad_batch_spike_is_one_event_and_skipped(tmp_path: Any, fit: Any) -> No
     event = guard.events[0]
     assert event.step == 30 and event.actions == ["skip_step"]
     assert event.details["loss_zscore"] > 6 and event.details["loss"] > 1e3
-    assert event.cause == "exploding_gradient"  # the bad batch's gradient norm is an outlier too
+    # its gradient norm is an outlier too, but one hard or bad batch is not growth: no exploding_gradient
+    assert event.cause == "unknown" and event.details["grad_norm_zscore"] > 100
+    assert "grad_norm_growth" not in event.details and "grad_norm_trend" not in event.details
     assert guard.counters["spikes"] == 1 and guard.counters["incidents"] == 0
     assert guard.counters["skipped_steps"] == 1
     lines = (tmp_path / "nanguard" / "events.jsonl").read_text().splitlines()
     assert [json.loads(line)["kind"] for line in lines] == ["spike"]
     x, y = regression_data().tensors
     assert float(nn.functional.mse_loss(model(x).detach(), y)) < 0.05  # the x1000 step never reached the weights
+
+
+class GrowingGradient(SpikyRegression):
+    """A parameter ``extra`` whose gradient (not the loss value) grows 4-fold at each of optimizer steps 27-30; at
+    step 30 the loss also jumps by 1000: a spike at the end of a growth across steps."""
+
+    def __init__(self, at: int, mode: str) -> None:
+        super().__init__(at, mode)
+        self.extra = nn.Parameter(torch.zeros(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        k = 4.0 ** (self.global_step - 26) if 27 <= self.global_step <= 30 else 0.0
+        return loss + k * (self.extra - self.extra.detach())  # the same value; d(loss)/d(extra) = k
+
+
+def test_spike_after_gradient_growth_is_exploding_gradient(fit: Any) -> None:
+    """exploding_gradient means growth: the gradient norm rose check.divergence_growth-fold at each of the last
+    check.divergence_steps steps up to the spike. (The divergence watch, off here, calls the same growth and the
+    loss's jump a divergence.)"""
+    guard = NaNGuard(check={"spike_warmup": 20, "divergence": "off"})
+    fit(GrowingGradient(at=30, mode="offset"), regression_data(), [guard], shuffle=True, max_epochs=3)
+    assert [(e.kind, e.step, e.cause) for e in guard.events] == [("spike", 30, "exploding_gradient")]
+    tail = guard.events[0].details["grad_norm_growth"]
+    assert len(tail) == 4 and all(b >= 2 * a for a, b in zip(tail, tail[1:]))
+
+
+def test_spike_cause_needs_growth_across_steps() -> None:
+    flat = [1.0, 1.2, 0.9, 1.1] * 10
+    assert spike_cause(1000.0, flat, 2.0, 3) == ("unknown", {})  # one large norm: a hard batch
+    assert spike_cause(4.0, flat + [1.0, 2.0], 2.0, 3) == ("unknown", {})  # two 2x rises: not three
+    assert spike_cause(8.0, flat + [1.0, 2.0, 4.0], 2.0, 3) == ("exploding_gradient",
+                                                               {"grad_norm_growth": [1.0, 2.0, 4.0, 8.0]})
+    assert spike_cause(8.0, flat + [1.0, 2.0, 4.0], 2.0, 4)[0] == "unknown"  # check.divergence_steps: 4
+    cause, evidence = spike_cause(1.0, flat + [30.0, 25.0, 40.0, 35.0, 30.0], 2.0, 3)  # a sustained rise before
+    assert cause == "exploding_gradient" and evidence["grad_norm_trend"]["recent_mean"] == 32.0
+    assert spike_cause(0.0, [], 2.0, 3) == ("unknown", {})  # no norm (check.gradients off), no history
 
 
 def test_unguarded_bad_batch_wrecks_the_same_run(fit: Any) -> None:

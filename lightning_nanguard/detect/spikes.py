@@ -6,8 +6,8 @@ already on the host and identical on every rank.)
 
 - :class:`RunningStats`: mean and variance of a scalar stream, exact (Welford) during a warm-up, then an
   exponential moving average; :meth:`RunningStats.zscore` is the package's one z-score.
-- :class:`SpikeDetector`: a loss spike is a loss ``z`` standard deviations *above* its running mean
-  (one-sided: a falling loss is never a spike).
+- :class:`SpikeDetector`: a loss spike is a loss ``z`` spreads *above* its running mean (one-sided: a falling
+  loss is never a spike), the spread widened by the recent tail of the losses.
 - :func:`norm_growth`: the signature of a divergence in a history of gradient norms.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from torch import Tensor
 
-__all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore"]
+__all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore", "PEAK_SHARE", "PEAK_DECAY"]
 
 
 class RunningStats:
@@ -110,16 +110,37 @@ def norm_growth(history: Sequence[float], recent: int = 5, ratio: float = 10.0) 
     return (late_mean, early_mean) if late_mean > ratio * early_mean else None
 
 
-class SpikeDetector:
-    """One-sided z-score test of the loss against its running statistics.
+# the spread of the spike test is at least this share of how far the highest recent loss rose above the mean
+# (:attr:`SpikeDetector.peak`): with check.spike_z 6, a spike rises 3x as far above the mean as any loss of the
+# last ~1,000 steps did. Per-batch losses of tiny batches are heavy-tailed (a batch holding one hard sample costs
+# 5-50x the typical one), so a Gaussian z-test on their EMA fires on healthy batches; the peak learns the tail.
+# A Gaussian loss stream's peak is ~3 standard deviations: there the standard deviation still decides.
+PEAK_SHARE = 0.5
+# the peak's decay per step: the memory of a heavy tail, ~1,000 steps (a hard batch once every epoch of up to
+# a few hundred batches stays learned); measured on tests/healthy_runs.py's corpus (tests/test_healthy_corpus.py)
+PEAK_DECAY = 0.999
 
-    ``observe(loss)`` returns the z-score when ``loss`` is a spike (``z > z_threshold`` after ``warmup``
-    values), else ``None``, and then updates the statistics: with the loss itself, or, for a spike, with the
-    loss capped at the threshold, so that one spike neither hides the next one nor shifts the baseline.
-    The standard deviation is floored at ``rel_floor * |mean|`` so that an almost constant loss (full-batch
-    training, a converged run) does not turn a 1% wobble into a spike. Statistics warmed up on losses that were
-    all exactly 0 have no scale at all (every later loss would be a spike of 1e12 standard deviations): the
-    warm-up starts again from the next loss.
+
+class SpikeDetector:
+    """One-sided test of the loss against its running statistics, with a spread that learns a heavy tail.
+
+    ``observe(loss)`` returns the z-score ``(loss - mean) / spread`` when ``loss`` is a spike (``z >
+    z_threshold`` after ``warmup`` values), else ``None``, and then updates the statistics: with the loss
+    itself, or, for a spike, with the loss capped at the threshold, so that one spike neither hides the next
+    one of its size nor shifts the baseline much.
+
+    The spread (:meth:`spread`) is the largest of:
+
+    - the standard deviation of the EMA (decay ``alpha``; exact over the warm-up);
+    - ``rel_floor * |mean|``, so that an almost constant loss (full-batch training, a converged run) does not
+      turn a 1% wobble into a spike;
+    - ``PEAK_SHARE`` of :attr:`peak`, how far the highest recent loss rose above the mean (decaying by
+      ``PEAK_DECAY`` per step; a capped spike counts up to the threshold), so that the heavy right tail of
+      per-batch losses (batches of a few samples, a hard batch every epoch) widens the test instead of firing
+      it, and a tail that came once keeps the test wide for a thousand steps or so.
+
+    Statistics warmed up on losses that were all exactly 0 have no scale at all (every later loss would be a
+    spike of 1e12 standard deviations): the warm-up starts again from the next loss.
     """
 
     def __init__(self, z_threshold: float = 6.0, warmup: int = 50, alpha: float = 0.98,
@@ -129,6 +150,8 @@ class SpikeDetector:
         self.z_threshold = float(z_threshold)
         self.rel_floor = float(rel_floor)
         self.stats = RunningStats(alpha, warmup)
+        self.peak = 0.0  # how far the highest recent loss rose above the mean, decaying by PEAK_DECAY per step
+        self._last: tuple[float, ...] = ()  # the latest test's mean, std, peak and spread, before it updated them
         self._recent: list[int] = []  # steps of recent spikes
 
     def repeated(self, step: int, count: int, window: int) -> bool:
@@ -142,33 +165,55 @@ class SpikeDetector:
 
     def _scaleless(self) -> bool:
         """Warmed up, on losses that were all exactly 0: nothing to measure a spike against."""
-        return self.stats.ready and self.stats.mean == 0 and self.stats.var == 0
+        return self.stats.ready and self.stats.mean == 0 and self.stats.var == 0 and self.peak == 0
+
+    def spread(self) -> float:
+        """The spread of the test (see the class docstring), never below 1e-12."""
+        stats = self.stats
+        return max(stats.std, self.rel_floor * abs(stats.mean), PEAK_SHARE * self.peak, 1e-12)
+
+    @property
+    def last(self) -> dict[str, float]:
+        """The terms of the latest test, as they were before it updated them (a spike event's details): ``mean``,
+        ``std``, ``peak``, ``spread`` and ``threshold`` (a loss above it was a spike); empty before the first."""
+        if not self._last:
+            return {}
+        mean, std, peak, spread = self._last
+        return {"mean": mean, "std": std, "peak": peak, "spread": spread,
+                "threshold": mean + self.z_threshold * spread}
 
     def test_terms(self) -> Optional[tuple[float, float]]:
-        """``(mean, std)`` of the test :meth:`observe` makes while ready (None before): a loss is a spike when
-        ``(loss - mean) / std > z_threshold``, in float64; the same test can be made on the device."""
+        """``(mean, spread)`` of the test :meth:`observe` makes while ready (None before): a loss is a spike when
+        ``(loss - mean) / spread > z_threshold``, in float64; the same test can be made on the device."""
         if not self.stats.ready or self._scaleless():
             return None
-        return self.stats.mean, max(self.stats.std, self.rel_floor * abs(self.stats.mean), 1e-12)
+        return self.stats.mean, self.spread()
 
     def observe(self, loss: float) -> Optional[float]:
         if not math.isfinite(loss):
             return None
-        if self._scaleless():
-            self.stats = RunningStats(self.stats.alpha, self.stats.warmup)  # warm up again from this loss
-        if not self.stats.ready:
-            self.stats.update(loss)
+        if self._scaleless():  # warm up again from this loss
+            self.stats, self.peak = RunningStats(self.stats.alpha, self.stats.warmup), 0.0
+        stats = self.stats
+        if not stats.ready:
+            stats.update(loss)
+            self.peak = max(loss - stats.mean, self.peak * PEAK_DECAY)  # against the exact mean so far
             return None
-        z = self.stats.zscore(loss, self.rel_floor)
-        band = self.z_threshold * max(self.stats.std, self.rel_floor * abs(self.stats.mean), 1e-12)
-        self.stats.update(min(max(loss, self.stats.mean - band), self.stats.mean + band))
+        mean, spread = stats.mean, self.spread()
+        z = (loss - mean) / spread
+        band = self.z_threshold * spread
+        self._last = (mean, stats.std, self.peak, spread)
+        capped = min(max(loss, mean - band), mean + band)
+        self.peak = max(capped - mean, self.peak * PEAK_DECAY)
+        stats.update(capped)
         return z if z > self.z_threshold else None
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.stats.state_dict(), recent=list(self._recent))
+        return dict(self.stats.state_dict(), peak=self.peak, recent=list(self._recent))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stats.load_state_dict(state)
+        self.peak = float(state.get("peak", 0.0))
         self._recent = [int(s) for s in state.get("recent", [])]
 
 

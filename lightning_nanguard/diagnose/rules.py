@@ -57,11 +57,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..causes import suggest
+from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
 from ..detect.spikes import history_zscore, norm_growth
 from ..events import NaNEvent
@@ -466,10 +467,23 @@ def _with_rows(pl_module: Any, findings: list[dict]) -> list[dict]:
     return nonfinite_rows(named, findings)
 
 
-def spike_cause(grad_norm_zscore: Optional[float], z_threshold: float) -> str:
-    """A finite loss spike: exploding gradients when the step's gradient norm was also above the adaptive
-    clip's threshold, else unknown (a bad batch, a phase the LR is too high for)."""
-    return "exploding_gradient" if grad_norm_zscore is not None and grad_norm_zscore > z_threshold else "unknown"
+def spike_cause(grad_norm: float, norm_history: Sequence[float], growth: float, steps: int
+                ) -> tuple[str, dict[str, Any]]:
+    """A finite loss spike: ``exploding_gradient`` only with evidence that the gradients grew, else ``unknown``
+    (one bad or hard batch, a phase the LR is too high for), with that evidence for the event's details.
+
+    Growth is the gradient norm rising ``growth``-fold at each of the last ``steps`` steps up to the spike's own
+    norm [grad_norm_growth] (``check.divergence_growth``, ``check.divergence_steps``), or the healthy history
+    before the spike growing geometrically, its last 5 norms averaging 10x the earlier ones [grad_norm_trend].
+    A large norm at the spike alone is not growth: a hard batch has a large gradient too. ``norm_history``: the
+    healthy norms before the spike, oldest first."""
+    norms = [*norm_history[-steps:], grad_norm]
+    if len(norms) > steps and growth_streak(norms, growth) >= steps:
+        return "exploding_gradient", {"grad_norm_growth": norms}
+    trend = norm_growth(norm_history)
+    if trend is not None:
+        return "exploding_gradient", {"grad_norm_trend": {"recent_mean": trend[0], "earlier_mean": trend[1]}}
+    return "unknown", {}
 
 
 def persistent_clipping_cause() -> str:
