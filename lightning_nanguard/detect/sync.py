@@ -14,10 +14,19 @@ sum runs over the whole world, which is right for full sharding; hybrid sharding
 would over-count the norm by the number of replicas.
 
 Replicas (``check.replicas``, DDP): the reduced gradient is identical on every rank by construction, so each rank
-puts its own norm of its copy into the same all-reduce (:meth:`StepSync.own_parts`: its sum, a sum signed by the
-rank, the sum of squares, and the number of non-finite copies). Identical norms cancel in the signed sum to within
-rounding; a rank whose copy differs leaves its difference there (:func:`replicas_disagree`), which every rank reads
-alike, with no extra collective and no extra host read. At every snapshot, a checksum of the weights' bits is
+puts a summary of its own copy into the same all-reduce (:meth:`StepSync.own_parts`), which every rank reads alike,
+with no extra collective and no extra host read:
+
+- ``check.replica_compare: exact`` (the default): a checksum of the copy's bits (:func:`bits_checksum`, the sum of
+  its words as integers), as three integers that float32 sums carry exactly: ``weight x (checksum mod p)`` for three
+  primes (:func:`checksum_primes`), with weights that sum to 0 over ranks (:func:`checksum_weight`). Identical
+  copies leave three zeros; one rank whose copy differs by any one element (any flipped bit) never does
+  (:func:`checksums_disagree`).
+- ``tolerance``: its norm (its sum, a sum signed by the rank, the sum of squares). Identical norms cancel in the
+  signed sum to within rounding; a rank whose norm differs by more than ``check.replica_tolerance`` leaves its
+  difference there (:func:`replicas_disagree`). For ranks whose copies may legitimately differ in their last bits.
+
+Both count the non-finite copies. At every snapshot, a checksum of the weights' bits (:func:`weights_checksum`) is
 compared across ranks (:meth:`StepSync.snapshot_agreement`: one small all-reduce per snapshot).
 
 On an incident only, :func:`share_incident` gathers every rank's evidence and diagnosis, so that all
