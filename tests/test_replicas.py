@@ -257,6 +257,24 @@ def test_repeated_transients_on_one_rank_stop_every_rank_naming_it(world):
     assert replicas_identical(fits, "suspect")
 
 
+@pytest.mark.slow  # one spawn per world size, ~10-20 s each
+@pytest.mark.ddp
+def test_a_transient_no_rank_can_claim_counts_against_no_rank_hardware(world):
+    """The same gradient element poisoned on every rank's copy at steps 3 and 6: the copies agree (no replica
+    event), no rank's replay reproduces it, so the cause is transient with no rank known (``details.ranks`` empty,
+    rank 0's account). With recovery.transient_limit 2 and on_suspect_hardware stop, neither counts against rank
+    0's hardware (nor any rank's): no suspect, no stop."""
+    size, fits = world
+    for r in range(size):
+        fit = fits[r]["unknown"]
+        assert [(e["step"], e["kind"], e["cause"], e["actions"], e["rank"], e["details"]["ranks"])
+                for e in fit["events"]] == [(3, "gradient", "transient", ["skip_step"], 0, []),
+                                            (6, "gradient", "transient", ["skip_step"], 0, [])]
+        assert all("suspect_hardware" not in e["details"] for e in fit["events"])
+        assert not fit["stopped"] and fit["global_step"] == 16
+    assert replicas_identical(fits, "unknown")
+
+
 # -------------------------------------------------------------------------------------- the arithmetic
 
 
@@ -346,7 +364,7 @@ def test_the_exact_replica_check_is_exact_in_float32_sums_and_names_the_odd_rank
         assert sum(weights) == 0 and all(weights) and len(set(primes)) == 3
         assert all(p % d for p in primes for d in range(2, math.isqrt(p) + 1))
         assert sum(map(abs, weights)) * (max(primes) - 1) < FLOAT32_EXACT
-        assert math.prod(primes) > 2 ** 40  # every one-element change (by less than 2^33) is caught
+        assert math.prod(primes) > 2 ** 40  # every checksum difference (0 < |d| < 2^32) is caught
         p = torch.tensor(primes)
         for trial in range(20 if world < 100 else 2):
             grads = [torch.randn(6, 4) * 10 ** rng.uniform(-6, 2), torch.randn(3)]

@@ -18,10 +18,10 @@ puts a summary of its own copy into the same all-reduce (:meth:`StepSync.own_par
 with no extra collective and no extra host read:
 
 - ``check.replica_compare: exact`` (the default): a checksum of the copy's bits (:func:`bits_checksum`, the sum of
-  its words as integers), as three integers that float32 sums carry exactly: ``weight x (checksum mod p)`` for three
-  primes (:func:`checksum_primes`), with weights that sum to 0 over ranks (:func:`checksum_weight`). Identical
-  copies leave three zeros; one rank whose copy differs by any one element (any flipped bit) never does
-  (:func:`checksums_disagree`).
+  its words as integers, modulo 2^32), as three integers that float32 sums carry exactly: ``weight x (checksum
+  mod p)`` for three primes (:func:`checksum_primes`), with weights that sum to 0 over ranks
+  (:func:`checksum_weight`). Identical copies leave three zeros; one rank whose copy differs by any one element
+  (any flipped bit) never does (:func:`checksums_disagree`).
 - ``tolerance``: its norm (its sum, a sum signed by the rank, the sum of squares). Identical norms cancel in the
   signed sum to within rounding; a rank whose norm differs by more than ``check.replica_tolerance`` leaves its
   difference there (:func:`replicas_disagree`). For ranks whose copies may legitimately differ in their last bits.
@@ -147,7 +147,7 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 def _words(t: Tensor) -> Tensor:
     """The bits of ``t`` as signed integers: int32 words for elements of 4 bytes and wider (an 8-byte element is
-    two words, so that a sum of up to 2^32 words never wraps in int64), else of the element's width."""
+    two words), else of the element's width."""
     size = t.element_size()
     if size > 4 and size % 4 == 0:
         return t.reshape(-1).view(torch.int32)
@@ -155,24 +155,27 @@ def _words(t: Tensor) -> Tensor:
 
 
 def bits_checksum(tensors: Iterable[Tensor]) -> Optional[Tensor]:
-    """0-dim int64 tensor: the sum of the bit patterns of ``tensors`` (as integers: :func:`_words`), on the device.
-    Exact and independent of the order of the sum: identical copies give identical checksums, and a changed bit
-    changes it (by +-2^b). Sparse, empty and sharded (DTensor) tensors are left out; None when nothing is left.
-    No sync: one integer sum per tensor (and one of their stack)."""
+    """0-dim int64 tensor: the sum of the bit patterns of ``tensors`` (as integers: :func:`_words`) modulo 2^32 (as
+    a signed 32-bit value), on the device. Exact (integer arithmetic wraps: the sum is modular) and independent
+    of the order of the sum: identical copies give identical checksums, and a changed element of 4 bytes or less
+    changes it, by ``d`` with ``0 < |d| < 2^32`` (one flipped bit: by +-2^b). Sparse, empty and sharded (DTensor)
+    tensors are left out; None when nothing is left. No sync: one integer sum per tensor, in int32 (an int64 sum of
+    the words would upcast every element: 4x the time on the CPU), and one of their stack."""
     parts: list[Tensor] = []
-    for t in tensors:
-        t = t.detach()
-        if t.layout is not torch.strided or t.numel() == 0 or hasattr(t, "placements"):
-            continue
-        parts.append(_words(t).sum(dtype=torch.int64))
+    with torch.no_grad():  # (cheaper than a detach per tensor: this runs every step, over every gradient)
+        for t in tensors:
+            if t.layout is not torch.strided or not t.numel() or hasattr(t, "placements"):
+                continue
+            size = t.element_size()
+            words = t.view(_BITS[size]) if size in _BITS else _words(t)
+            parts.append(words.sum(dtype=torch.int32))
     if not parts:
         return None
     if len(parts) == 1:
-        return parts[0]
+        return parts[0].long()
     first = parts[0].device
-    if all(p.device == first for p in parts):
-        return torch.stack(parts).sum()
-    return torch.stack([p.to(first) for p in parts]).sum()
+    same = all(p.device == first for p in parts)
+    return torch.stack(parts if same else [p.to(first) for p in parts]).sum(dtype=torch.int32).long()
 
 
 def weights_checksum(module: Any) -> Optional[Tensor]:
@@ -203,8 +206,9 @@ def _is_prime(n: int) -> bool:
 def checksum_primes(world: int, count: int = 3) -> tuple[int, ...]:
     """The ``count`` largest odd primes ``p`` with ``sum(|weight|) x (p - 1) < 2^24``: every field (the ranks'
     weighted residues modulo ``p``) and every partial sum of it is an integer that float32 holds exactly, whatever
-    the order of the all-reduce. Their product (2^69 for 2 ranks, 2^33 at 8,000 ranks) bounds what the check
-    misses: a checksum difference that is a multiple of every prime."""
+    the order of the all-reduce. Their product (2^69 for 2 ranks, 2^42 at 1,000, above 2^32 up to 8,190) bounds
+    what the check misses: a checksum difference that is a multiple of every prime, which no difference of two
+    :func:`bits_checksum` values (``0 < |d| < 2^32``) is below 8,191 ranks."""
     total = sum(abs(checksum_weight(r, world)) for r in range(world))
     n, found = max(3, (FLOAT32_EXACT - 1) // total), []
     while len(found) < count and n >= 3:

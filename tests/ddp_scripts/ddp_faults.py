@@ -22,6 +22,9 @@ event that names the right host names it from the right rank. The fits:
   rolls every rank back;
 - ``lagged``: the finite shift at step 9 with ``check.sync: lagged`` and a fused AdamW (skipped on the device);
 - ``suspect``: module outputs non-finite once at steps 3, 6 and 9 on rank ODD, ``recovery.transient_limit: 3``,
+  ``on_suspect_hardware: stop``;
+- ``unknown``: ``FaultInjector``'s gradient fault on every rank at steps 3 and 6 (the same element of every copy:
+  the copies agree, no rank's replay reproduces it, no rank is known), ``transient_limit: 2``,
   ``on_suspect_hardware: stop``.
 
 Each rank writes ``OUT_DIR/rank{r}.pt``: per fit, events, counters, LR scale, whether the guard stopped, the final
@@ -226,6 +229,8 @@ def main(out: Path) -> None:
         "suspect": run(out, "suspect", [OutputOnce([3, 6, 9])],
                        guard(recovery={"transient_limit": 3, "transient_window": 100,
                                        "on_suspect_hardware": "stop"})),
+        "unknown": run(out, "unknown", [FaultInjector(Fault("gradient", steps=[3, 6]))],
+                       guard(recovery={"transient_limit": 2, "on_suspect_hardware": "stop"})),
     }
     save_and_exit({"rank": RANK, "world": WORLD, "fits": fits}, out / f"rank{RANK}.pt")
 
