@@ -224,7 +224,8 @@ def test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot(world):
 @pytest.mark.slow  # one spawn per world size, ~10-20 s each
 @pytest.mark.ddp
 def test_a_replica_disagreement_read_one_step_late_was_skipped_on_the_device(world):
-    """check.sync lagged with a fused AdamW: the replica flag joins the device skip flag of every rank, so the
+    """check.sync lagged with a fused AdamW, check.replica_compare tolerance (the norms' test on the device; the
+    exact test's is in the corrupt_lagged fit): the replica flag joins the device skip flag of every rank, so the
     shifted step is skipped everywhere before any host read; the event comes one step later, as every lagged
     decision, and names the last rank."""
     size, fits = world
@@ -234,6 +235,7 @@ def test_a_replica_disagreement_read_one_step_late_was_skipped_on_the_device(wor
         assert [(e["step"], e["kind"], e["cause"], e["actions"], e["rank"], e["host"]) for e in fit["events"]] == [
             (9, "replica", "transient", ["skip_step"], odd, f"node{odd}")]
         assert fit["counters"]["skipped_steps"] == 1 and fit["counters"]["rollbacks"] == 0
+        assert fit["events"][0]["details"]["replica"]["compared"] == "tolerance"
     assert replicas_identical(fits, "lagged")
 
 

@@ -152,6 +152,7 @@ class Flat(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
 
 
+@pytest.mark.slow  # two fits of 40 steps, ~2 s
 @pytest.mark.parametrize("sync", models.SYNCS)
 def test_the_spike_test_floors_the_std_at_one_percent_of_the_mean_in_both_sync_modes(fit, sync):
     """Losses of 1 +- 1e-5 for 30 steps, then one of 1.03 (z = 3000 against their standard deviation, 3 against the

@@ -20,7 +20,8 @@ event that names the right host names it from the right rank. The fits:
 - ``tolerant``: the x1.5 + 1e-3 corruption at step 9 with ``check.replica_compare: tolerance``: its norm moves by
   less than ``replica_tolerance``, the step is taken, and the next snapshot finds the replicas' weights apart and
   rolls every rank back;
-- ``lagged``: the finite shift at step 9 with ``check.sync: lagged`` and a fused AdamW (skipped on the device);
+- ``lagged``: the finite shift at step 9 with ``check.sync: lagged``, ``check.replica_compare: tolerance`` (the
+  norms, compared on the device) and a fused AdamW (skipped on the device);
 - ``suspect``: module outputs non-finite once at steps 3, 6 and 9 on rank ODD, ``recovery.transient_limit: 3``,
   ``on_suspect_hardware: stop``;
 - ``unknown``: ``FaultInjector``'s gradient fault on every rank at steps 3 and 6 (the same element of every copy:
@@ -225,7 +226,8 @@ def main(out: Path) -> None:
         "corrupt_lagged": (lambda g: run(out, "corrupt_lagged", [CorruptGrad({4: "scale", 8: "bit", 12: "scale"})], g,
                                          fused=True, count=True))(guard(check={"sync": "lagged"}, recovery=RARE)),
         "tolerant": run(out, "tolerant", [CorruptGrad({9: "scale"})], guard(check={"replica_compare": "tolerance"})),
-        "lagged": run(out, "lagged", [ShiftGrad(9)], guard(check={"sync": "lagged"}), fused=True),
+        "lagged": run(out, "lagged", [ShiftGrad(9)], guard(check={"sync": "lagged", "replica_compare": "tolerance"}),
+                      fused=True),
         "suspect": run(out, "suspect", [OutputOnce([3, 6, 9])],
                        guard(recovery={"transient_limit": 3, "transient_window": 100,
                                        "on_suspect_hardware": "stop"})),
