@@ -327,7 +327,8 @@ class StepSync:
             primes = self._primes.get(checksum.device)
             if primes is None:
                 primes = self._primes[checksum.device] = torch.tensor(self.primes, device=checksum.device)
-            return {"own_grad_bad": bad, **dict(zip(CHECKSUM_FIELDS, checksum_parts(checksum, self.weight, primes).unbind()))}
+            parts = checksum_parts(checksum, self.weight, primes).unbind()
+            return {"own_grad_bad": bad, **dict(zip(CHECKSUM_FIELDS, parts))}
         own = torch.where(bad, 0.0, norm)
         return {"own_grad_norm": own, "own_grad_norm_signed": own if self.rank % 2 == 0 else -own,
                 "own_grad_norm_sq": own * own, "own_grad_bad": bad}
@@ -506,7 +507,8 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
     reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
     evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0
     payload = {"rank": sync.rank, "evidence": evidence, "local": local, "extra": extra, "own_norm": own_norm,
-               "residues": None if residues is None else list(residues), "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
+               "residues": None if residues is None else list(residues),
+               "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
     gathered = sync.gather(payload)
     ranks = [p["rank"] for p in gathered if p["evidence"] > 0]
     best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
