@@ -4,10 +4,16 @@ The same workloads as ``overhead.py`` (a small transformer LM and an MLP), train
 torchrun launches them (this script starts them), every configuration in the same processes, interleaved:
 
   plain                    pl.Trainer(strategy="ddp")
-  NaNGuard()               the defaults (check.replicas on: 4 more numbers in the step's all-reduce)
+  NaNGuard()               the defaults (check.replicas on, replica_compare exact: a checksum of the gradients'
+                           bits, 3 numbers in the step's all-reduce, besides the norm fields)
+  tolerance                NaNGuard(check={"replica_compare": "tolerance"}): the ranks' norms compared instead
   replicas off             NaNGuard(check={"replicas": False})
   NaNGuard() before        ``--baseline DIR``: another copy of the package (e.g. ``git archive main
-                           lightning_nanguard | tar -x -C /tmp/base``), whose all-reduce has 5 numbers
+                           lightning_nanguard | tar -x -C /tmp/base``)
+
+Rank 0 also times the two passes over the gradients in isolation (one process, after a backward of each
+workload): the fused total norm (``total_norm``) and the checksum of their bits (``bits_checksum``, what
+``replica_compare: exact`` adds), median of 200 calls each.
 
 Per step, each guard's hooks are timed (CPU time and wall time: gloo's all-reduce waits for the other rank, so the
 wall time of ``on_before_optimizer_step`` holds the collective), and the guard's collectives and host reads are
@@ -151,6 +157,7 @@ def main() -> None:
     common.single_thread()
     configs: dict[str, Callable[[], Optional[Any]]] = {
         "plain": lambda: None, "NaNGuard()": lambda: NaNGuard(logging={"loggers": False}),
+        "tolerance": lambda: NaNGuard(check={"replica_compare": "tolerance"}, logging={"loggers": False}),
         "replicas off": lambda: NaNGuard(check={"replicas": False}, logging={"loggers": False})}
     if args.baseline is not None:
         before = load_baseline(args.baseline.resolve())
@@ -170,12 +177,38 @@ def main() -> None:
         if RANK == 0:
             print(f"  {workload}: done ({time.perf_counter() - start:.0f} s)", flush=True)
     if RANK == 0:
-        report(results, names, args, repeats, steps)
+        report(results, names, args, repeats, steps, passes(args.quick))
     dist.barrier()
     os._exit(0)
 
 
-def report(results: dict, names: list[str], args: Any, repeats: int, steps: int) -> None:
+def passes(quick: bool, calls: int = 200) -> list[dict]:
+    """The norm pass and the checksum pass over each workload's gradients, timed alone (ms, median of ``calls``)."""
+    from lightning_nanguard.detect.kernels import total_norm
+    from lightning_nanguard.detect.sync import bits_checksum
+
+    rows = []
+    for workload, (make_model, data) in workloads(quick).items():
+        pl.seed_everything(0, verbose=False)
+        model = make_model()
+        loss = model.training_step(next(iter(data)), 0)
+        loss = loss["loss"] if isinstance(loss, dict) else loss
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        row: dict[str, Any] = {"workload": workload, "tensors": len(grads), "elements": sum(g.numel() for g in grads)}
+        for name, fn in (("norm", lambda: total_norm(grads)), ("checksum", lambda: bits_checksum(grads))):
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t))
+            row[name] = statistics.median(times)
+        row["ratio"] = row["checksum"] / row["norm"]
+        rows.append(row)
+    return rows
+
+
+def report(results: dict, names: list[str], args: Any, repeats: int, steps: int, alone: list[dict]) -> None:
     w = args.warmup
     rows = []
     for workload, per in results.items():
@@ -203,6 +236,11 @@ def report(results: dict, names: list[str], args: Any, repeats: int, steps: int)
         lines.append(f"| {r['workload']} | {r['config']} | {r['ms']:.2f} | {r['ratio']:.3f} | " + " | ".join(hooks)
                      + f" | {'; '.join(r.get('collectives_per_step', ['-']))} | "
                        f"{'; '.join(r.get('host_reads_per_step', ['-']))} |")
+    lines += ["", "The two passes over the gradients alone (rank 0, one process, ms, median of 200 calls):", "",
+              "| workload | gradient tensors | elements | total norm | bits checksum | checksum / norm |",
+              "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['workload']} | {r['tensors']} | {r['elements']} | {r['norm']:.3f} | {r['checksum']:.3f} | "
+              f"{r['ratio']:.2f} |" for r in alone]
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -210,7 +248,7 @@ def report(results: dict, names: list[str], args: Any, repeats: int, steps: int)
     (args.out / f"{stem}.md").write_text(text + "\n", encoding="utf-8")
     (args.out / f"{stem}.json").write_text(json.dumps({"date": stamp, "machine": machine(), "world": WORLD,
                                                        "repeats": repeats, "steps": steps, "warmup": w,
-                                                       "rows": rows}, indent=2) + "\n", encoding="utf-8")
+                                                       "rows": rows, "passes": alone}, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -123,11 +123,16 @@ class CheckConfig(_Section):
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",
                                 lo=0.0, lo_open=True)
     replicas: bool = _opt(
-        True, "DDP: compare every rank's copy of the reduced gradient (its norm, in the step's one all-reduce) and, at "
+        True, "DDP: compare every rank's copy of the reduced gradient (in the step's one all-reduce) and, at "
               "every snapshot, a checksum of the weights; ranks that disagree skip the step, or roll back everywhere")
+    replica_compare: Literal["exact", "tolerance"] = _opt(
+        "exact", "DDP: how the ranks' copies of the reduced gradient are compared: exact (a checksum of their bits: "
+                 "any changed bit is a disagreement) or tolerance (their norms, within replica_tolerance: for ranks "
+                 "whose copies may legitimately differ, e.g. heterogeneous hardware or a non-deterministic reduction)")
     replica_tolerance: float = _opt(
-        1e-3, "relative difference between two ranks' gradient norms that counts as replicas disagreeing (raised "
-              "automatically above float32 rounding at many ranks)", lo=0.0, hi=1.0, lo_open=True)
+        1e-3, "replica_compare: tolerance: relative difference between two ranks' gradient norms that counts as "
+              "replicas disagreeing (raised automatically above float32 rounding at many ranks)", lo=0.0, hi=1.0,
+        lo_open=True)
     sync: Literal["auto", "eager", "lagged"] = _opt(
         "auto", "when the step's flags reach the host: eager (one sync per step, exact host-side skip), lagged "
                 "(read one step late, bad steps skipped on the device: no sync), auto (lagged off the CPU when "

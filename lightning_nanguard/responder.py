@@ -212,11 +212,13 @@ class Responder:
         self._arm_clip(plan, event)
         self.pending.append(Pending(event, plan, ctx, extra))
 
-    def _recompute(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord) -> Optional[float]:
+    def _recompute(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                   record: StepRecord) -> Optional[tuple[float, Optional[tuple[int, ...]]]]:
         """Two replicas disagree and no majority can tell which copy is wrong: recompute the reduced gradient's
-        norm from every rank's replayed local gradient (one incident-only all-reduce of the whole gradient, on
-        every rank). None where it cannot be: with ``anomaly.mode: off`` (no replays), manual optimization, more
-        than two ranks (a majority tells), or a step whose update was already applied (other weights)."""
+        norm (and checksum) from every rank's replayed local gradient (one incident-only all-reduce of the whole
+        gradient, on every rank: :meth:`.StepSync.reduced_norm`). None where it cannot be: with ``anomaly.mode:
+        off`` (no replays), manual optimization, more than two ranks (a majority tells), or a step whose update was
+        already applied (other weights)."""
         if (self.sync.world_size != 2 or self.config.anomaly.mode == "off" or record.update is UpdateStage.APPLIED
                 or not getattr(pl_module, "automatic_optimization", True)):
             return None
@@ -591,8 +593,9 @@ class Responder:
             "weights_checksums": sums, "odd_ranks": odd, "found_by": how, "agreed_at_step": newest})
         who = where_it_ran(event) if odd else "some rank (two ranks: no majority tells which)"
         event.suggestion = (f"The replicas' weights drifted apart since the snapshot of step {newest}: {who} holds "
-                            "different weights, from a fault too small for the per-step check of the gradient norms "
-                            "(check.replica_tolerance) or an update that one rank made alone. Every rank was rolled "
+                            "different weights, from a fault the per-step check of the gradients let through "
+                            "(check.replica_compare: tolerance, or a corruption after the check) or an update that "
+                            "one rank made alone. Every rank was rolled "
                             "back to that snapshot. If it comes back, test that GPU or exclude the host.")
         plan = Plan()
         self.recovery.must_roll_back(plan, "the DDP replicas' weights differ")

@@ -73,7 +73,8 @@ class StepFlow:
         """Fit start: how flags agree across ranks, and eager or lagged reads (said once)."""
         check = self.config.check
         self.sync = self.responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type, check.replicas,
-                                                               check.replica_tolerance)
+                                                               check.replica_tolerance,
+                                                               exact=check.replica_compare == "exact")
         self.lagged, why = choose_sync(self.config.check.sync, trainer, pl_module)
         if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
@@ -114,19 +115,20 @@ class StepFlow:
                             optimizer=optimizer, update=UpdateStage.PENDING, scaled=scaler is not None,
                             has_norm=norm is not None, params=params)
         if self.lagged:
-            self._stage(record, norm, device, scaler)
+            self._stage(record, norm, device, scaler, grads)
             return
-        record.flags = self.evidence.read(norm, device, scaler, self.sync)  # the one host-device sync of the step
+        record.flags = self.evidence.read(norm, device, scaler, self.sync, grads)  # the step's one host-device sync
         record.local = self.sync.last_local
         # several processes: the flags were reduced over ranks, so everything below is identical on every rank
         record.norm = self.sync.global_norm(norm, record.flags.grad_norm)
         self.outcome = self._judge(trainer, pl_module, record)
 
-    def _stage(self, record: StepRecord, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any]) -> None:
+    def _stage(self, record: StepRecord, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any],
+               grads: list[Tensor]) -> None:
         """``check.sync: lagged``: skip on the device if the flags say so, clip on the device, and start the
         copy of the flags to the host; the step is judged when they are read (:meth:`_judge_late`)."""
         record.window = record.window.copy()  # the evidence's window is the next step's by the time it is judged
-        vec = self.evidence.vector(norm, device, scaler, self.sync)  # reduced over ranks: the same everywhere
+        vec = self.evidence.vector(norm, device, scaler, self.sync, grads)  # reduced over ranks: the same everywhere
         if norm is not None and self.sync.sharded:
             norm = SCHEMA.get(vec, "grad_norm").to(norm.dtype)  # the completed norm
         # under a GradScaler, non-finite gradients are its own (routine) overflows: its found_inf skips them

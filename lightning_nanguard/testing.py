@@ -18,8 +18,10 @@ Where each kind is injected (``micro_batch`` selects the micro-batch of a gradie
 
 =================== =========================================================================================
 ``input``           ``on_train_batch_start``: one element of a floating tensor of the batch (of a sparse
-                    tensor: one stored value), in place; the original value is written back after the
-                    optimizer step, so a dataset that hands out views of its storage is not corrupted.
+                    tensor: one stored value), in place; the original value is written back one optimizer
+                    step later (after a ``check.sync: lagged`` guard has judged the step and replayed its
+                    batch), or as soon as a later batch shares the poisoned tensor's storage, so a dataset
+                    that hands out views of its storage is not corrupted.
 ``loss``            ``on_before_backward``: the loss *value* becomes NaN/Inf and so does the gradient that
                     flows out of it (a tensor hook), as a real non-finite loss would; the autograd graph is
                     not modified (no in-place op on a saved tensor).
@@ -183,7 +185,8 @@ class FaultInjector(pl.Callback):
         self._plan: list[_Planned] = []
         self._micro = -1
         self._stepped = False
-        self._restore: list[tuple[Tensor, tuple[int, ...], Tensor]] = []
+        self._restore: list[tuple[Tensor, tuple[int, ...], Tensor]] = []  # this step's poisoned inputs
+        self._pending: list[tuple[Tensor, tuple[int, ...], Tensor]] = []  # the previous step's, written back later
         self._handles: list[Any] = []
 
     @classmethod
@@ -233,6 +236,8 @@ class FaultInjector(pl.Callback):
                 p.record.epoch, p.record.batch_idx = trainer.current_epoch, batch_idx
                 self.log.append(p.record)
         self._micro += 1
+        if self._pending:
+            self._release_shared(batch)
         for p in self._due(("input",)):
             self._poison_input(p, batch)
         for p in self._due(("activation",)):
@@ -281,21 +286,43 @@ class FaultInjector(pl.Callback):
         self._end_window()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._end_window()
+        self._end_window()  # (a lagged guard judges the last step after this hook: its inputs stay until teardown)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._end_window()
+        self._end_window(restore_all=True)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._end_window()
+        self._end_window(restore_all=True)
 
     # ------------------------------------------------------------------------------------------ poison
 
-    def _end_window(self) -> None:
+    @staticmethod
+    def _write_back(entries: list[tuple[Tensor, tuple[int, ...], Tensor]]) -> None:
         with torch.no_grad():
-            for tensor, index, original in reversed(self._restore):
+            for tensor, index, original in reversed(entries):
                 tensor[index] = original
-        self._restore.clear()
+
+    def _release_shared(self, batch: Any) -> None:
+        """Write back now the previous step's poisoned inputs whose storage this batch shares (a dataset handing
+        out views of one tensor): the new batch must not see an old fault."""
+        storages = {t.untyped_storage().data_ptr() for t in
+                    (raw_values(t) for _, t in iter_tensors(batch)) if t is not None}
+        shared = [e for e in self._pending if e[0].untyped_storage().data_ptr() in storages]
+        if shared:
+            self._write_back(shared)
+            self._pending = [e for e in self._pending if all(e is not x for x in shared)]
+
+    def _end_window(self, restore_all: bool = False) -> None:
+        """The step is over: write back the previous step's poisoned inputs and keep this step's for one more step
+        (a lagged guard replays the batch one step later); ``restore_all``: write back both (the fit is over)."""
+        if restore_all:
+            self._write_back(self._restore)  # (the newest first: an element poisoned twice gets its first value)
+            self._write_back(self._pending)
+            self._pending = []
+        else:
+            self._write_back(self._pending)
+            self._pending = self._restore
+        self._restore = []
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -328,6 +328,7 @@ DOCUMENTED = [
     ("check.replica_tolerance", "0", ConfigError), ("check.replica_tolerance", "1.0e-6", 1e-6),
     ("check.replica_tolerance", "1", 1.0), ("check.replica_tolerance", "1.5", ConfigError),
     ("check.replicas", "false", False), ("check.replicas", "'no'", ConfigError),
+    ("check.replica_compare", "tolerance", "tolerance"), ("check.replica_compare", "bitwise", ConfigError),
     ("recovery.transient_limit", "0", ConfigError), ("recovery.transient_limit", "1", 1),
     ("recovery.transient_window", "0", ConfigError), ("recovery.transient_window", "1", 1),
     ("recovery.on_suspect_hardware", "raise", "raise"), ("recovery.on_suspect_hardware", "exit", ConfigError),

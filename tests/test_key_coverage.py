@@ -46,6 +46,9 @@ KEY_TESTS: dict[str, list[str]] = {
     "check.replicas": [
         "tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot",
         "tests/test_replicas.py::test_a_healthy_ddp_run_is_untouched_for_one_all_reduce_and_one_host_read_per_step"],
+    "check.replica_compare": [
+        "tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot",
+        "tests/test_replicas.py::test_one_changed_element_of_one_rank_gradient_copy_is_caught_at_its_step_in_both_sync_modes"],
     "check.replica_tolerance": [
         "tests/test_replicas.py::test_replicas_that_drift_apart_are_rolled_back_at_the_next_snapshot"],
     "check.sync": [f"{SY}::test_the_flags_are_read_once_per_step_and_lagged_one_step_late",

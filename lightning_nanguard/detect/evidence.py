@@ -11,7 +11,7 @@ the step.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -130,9 +130,10 @@ class StepEvidence:
         """Drop the pending parameter/buffer flag (a rollback replaced the weights it was computed on)."""
         self._state_bad = self._state_module = None
 
-    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> Tensor:
-        """The step's evidence vector (:data:`~.vector.SCHEMA`) on the device, stacked with ``norm`` and agreed across ranks
-        (one all-reduce under DDP); nothing is read."""
+    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync,
+               grads: Sequence[Tensor] = ()) -> Tensor:
+        """The step's evidence vector (:data:`~.vector.SCHEMA`) on the device, stacked with ``norm`` (of ``grads``)
+        and agreed across ranks (one all-reduce under DDP); nothing is read."""
         consts = self._consts.get(device)
         if consts is None:  # stacked, never written: shared by every step
             consts = self._consts[device] = SCHEMA.constants(device)
@@ -150,15 +151,16 @@ class StepEvidence:
                  "activation_bad": part(self.activations.take()),
                  "grad_scale": scale_flag(scaler, device) if scaler is not None else None}
         if norm is not None and sync.replicas:  # DDP: this rank's own copy of the reduced gradient, for the check
-            parts.update((name, part(t)) for name, t in sync.own_parts(norm).items())
+            parts.update((name, part(t)) for name, t in sync.own_parts(norm, grads).items())
         if self._state_bad is not None:  # checked with this step's flags
             self._state_bad = self._state_module = None
         self._read = True
         return sync.reduce(SCHEMA.build(parts, consts))
 
-    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync) -> StepFlags:
+    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync,
+             grads: Sequence[Tensor] = ()) -> StepFlags:
         """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
-        return SCHEMA.read(self.vector(norm, device, scaler, sync).tolist())
+        return SCHEMA.read(self.vector(norm, device, scaler, sync, grads).tolist())
 
     def stage(self, vec: Tensor) -> None:
         """Start copying ``vec`` to the host without waiting (``check.sync: lagged``); :meth:`take` reads it."""

@@ -14,10 +14,19 @@ sum runs over the whole world, which is right for full sharding; hybrid sharding
 would over-count the norm by the number of replicas.
 
 Replicas (``check.replicas``, DDP): the reduced gradient is identical on every rank by construction, so each rank
-puts its own norm of its copy into the same all-reduce (:meth:`StepSync.own_parts`: its sum, a sum signed by the
-rank, the sum of squares, and the number of non-finite copies). Identical norms cancel in the signed sum to within
-rounding; a rank whose copy differs leaves its difference there (:func:`replicas_disagree`), which every rank reads
-alike, with no extra collective and no extra host read. At every snapshot, a checksum of the weights' bits is
+puts a summary of its own copy into the same all-reduce (:meth:`StepSync.own_parts`), which every rank reads alike,
+with no extra collective and no extra host read:
+
+- ``check.replica_compare: exact`` (the default): a checksum of the copy's bits (:func:`bits_checksum`, the sum of
+  its words as integers, modulo 2^32), as three integers that float32 sums carry exactly: ``weight x (checksum
+  mod p)`` for three primes (:func:`checksum_primes`), with weights that sum to 0 over ranks
+  (:func:`checksum_weight`). Identical copies leave three zeros; one rank whose copy differs by any one element
+  (any flipped bit) never does (:func:`checksums_disagree`).
+- ``tolerance``: its norm (its sum, a sum signed by the rank, the sum of squares). Identical norms cancel in the
+  signed sum to within rounding; a rank whose norm differs by more than ``check.replica_tolerance`` leaves its
+  difference there (:func:`replicas_disagree`). For ranks whose copies may legitimately differ in their last bits.
+
+Both count the non-finite copies. At every snapshot, a checksum of the weights' bits (:func:`weights_checksum`) is
 compared across ranks (:meth:`StepSync.snapshot_agreement`: one small all-reduce per snapshot).
 
 On an incident only, :func:`share_incident` gathers every rank's evidence and diagnosis, so that all
@@ -29,7 +38,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,11 +49,14 @@ from .kernels import total_norm
 from .vector import SCHEMA
 
 __all__ = ["StepSync", "shards_gradients", "replicates", "local_tensor", "local_norm_power", "share_incident",
-           "choose_sync", "whereabouts", "replicas_disagree", "odd_ranks", "weights_checksum", "REPLICA_FIELDS"]
+           "choose_sync", "whereabouts", "replicas_disagree", "odd_ranks", "weights_checksum", "bits_checksum",
+           "checksum_weight", "checksum_primes", "checksum_parts", "checksums_disagree", "own_residues",
+           "odd_checksums", "REPLICA_FIELDS", "CHECKSUM_FIELDS"]
 
 _SHARDING_NAMES = ("FSDP", "FullyShardedDataParallel", "ModelParallel")
 _EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion", "host", "device", "local_rank")
 REPLICA_FIELDS = ("own_grad_norm", "own_grad_norm_signed", "own_grad_norm_sq", "own_grad_bad")
+CHECKSUM_FIELDS = ("grad_checksum_0", "grad_checksum_1", "grad_checksum_2")
 EPS32 = 2.0 ** -24  # float32's unit roundoff
 
 
@@ -130,22 +142,118 @@ def odd_ranks(norms: Sequence[float], limit: float, recomputed: Optional[float] 
     return [], "untold"
 
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def _words(t: Tensor) -> Tensor:
+    """The bits of ``t`` as signed integers: int32 words for elements of 4 bytes and wider (an 8-byte element is
+    two words), else of the element's width."""
+    size = t.element_size()
+    if size > 4 and size % 4 == 0:
+        return t.reshape(-1).view(torch.int32)
+    return t.view(_BITS.get(size, torch.uint8))
+
+
+def bits_checksum(tensors: Iterable[Tensor]) -> Optional[Tensor]:
+    """0-dim int64 tensor: the sum of the bit patterns of ``tensors`` (as integers: :func:`_words`) modulo 2^32 (as
+    a signed 32-bit value), on the device. Exact (integer arithmetic wraps: the sum is modular) and independent
+    of the order of the sum: identical copies give identical checksums, and a changed element of 4 bytes or less
+    changes it, by ``d`` with ``0 < |d| < 2^32`` (one flipped bit: by +-2^b). Sparse, empty and sharded (DTensor)
+    tensors are left out; None when nothing is left. No sync: one integer sum per tensor, in int32 (an int64 sum of
+    the words would upcast every element: 4x the time on the CPU), and one of their stack."""
+    parts: list[Tensor] = []
+    with torch.no_grad():  # (cheaper than a detach per tensor: this runs every step, over every gradient)
+        for t in tensors:
+            if t.layout is not torch.strided or not t.numel() or hasattr(t, "placements"):
+                continue
+            size = t.element_size()
+            words = t.view(_BITS[size]) if size in _BITS else _words(t)
+            parts.append(words.sum(dtype=torch.int32))
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0].long()
+    first = parts[0].device
+    same = all(p.device == first for p in parts)
+    return torch.stack(parts if same else [p.to(first) for p in parts]).sum(dtype=torch.int32).long()
 
 
 def weights_checksum(module: Any) -> Optional[Tensor]:
-    """0-dim int64 tensor: the sum of the bit patterns of every parameter (as integers of their width), on the
-    device. Exact and independent of the order of the sum: identical replicas give identical checksums, and a
-    flipped bit changes it. None without parameters. No sync."""
-    total: Optional[Tensor] = None
-    for p in module.parameters():
-        t = p.detach()
-        if t.layout is not torch.strided or t.numel() == 0 or hasattr(t, "placements"):
-            continue
-        bits = t.view(_BITS.get(t.element_size(), torch.uint8))
-        part = bits.sum(dtype=torch.int64)
-        total = part if total is None else total + part.to(total.device)
-    return total
+    """0-dim int64 tensor: :func:`bits_checksum` of every parameter of ``module``; None without parameters."""
+    return bits_checksum(module.parameters())
+
+
+# ------------------------------------------------------------------- the exact replica check, in float32 sums
+
+FLOAT32_EXACT = 2 ** 24  # every integer up to this is exact in float32, and so is every partial sum below it
+
+
+def checksum_weight(rank: int, world: int) -> int:
+    """The rank's weight in the checksum fields: non-zero integers that sum to 0 over the ``world`` ranks, so that
+    identical checksums cancel and one rank's difference never does. +1, -1 alternating; with an odd number of
+    ranks the last three are 2, -1, -1."""
+    if world % 2 and rank >= world - 3:
+        return (2, -1, -1)[rank - (world - 3)]
+    return 1 if rank % 2 == 0 else -1
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def checksum_primes(world: int, count: int = 3) -> tuple[int, ...]:
+    """The ``count`` largest odd primes ``p`` with ``sum(|weight|) x (p - 1) < 2^24``: every field (the ranks'
+    weighted residues modulo ``p``) and every partial sum of it is an integer that float32 holds exactly, whatever
+    the order of the all-reduce. Their product (2^69 for 2 ranks, 2^42 at 1,000, above 2^32 up to 8,190) bounds
+    what the check misses: a checksum difference that is a multiple of every prime, which no difference of two
+    :func:`bits_checksum` values (``0 < |d| < 2^32``) is below 8,191 ranks."""
+    total = sum(abs(checksum_weight(r, world)) for r in range(world))
+    n, found = max(3, (FLOAT32_EXACT - 1) // total), []
+    while len(found) < count and n >= 3:
+        if _is_prime(n):
+            found.append(n)
+        n -= 1
+    return tuple(found)
+
+
+def checksum_parts(checksum: Tensor, weight: int, primes: Tensor) -> Tensor:
+    """This rank's checksum fields: ``weight x (checksum mod p)`` for each of ``primes`` (an int64 tensor on the
+    checksum's device), as float32, exact (:func:`checksum_primes`). A few device ops on 0-dim tensors, no sync."""
+    return (torch.remainder(checksum, primes) * weight).float()
+
+
+def checksums_disagree(summed: Sequence[Any]) -> Any:
+    """Do the ranks' checksums differ? From the checksum fields summed over ranks: identical checksums cancel
+    (the weights sum to 0), so every field is 0; one rank whose checksum differs by ``d`` leaves ``weight x (d mod
+    p)`` in each, 0 for all of them only when ``d`` is a multiple of every prime. Exact: an integer compared with
+    0, the same on the device (a float32 tensor) and on the host (floats)."""
+    if isinstance(summed, Tensor):
+        return summed.ne(0).any()
+    return any(v != 0 for v in summed)
+
+
+def own_residues(parts: Sequence[float], weight: int) -> tuple[int, ...]:
+    """This rank's checksum modulo each prime, back from its (unreduced) checksum fields."""
+    return tuple(int(round(v)) // weight for v in parts)
+
+
+def odd_checksums(residues: Sequence[Optional[Sequence[int]]],
+                  recomputed: Optional[Sequence[int]] = None) -> tuple[list[int], str]:
+    """Which ranks' copies differ, exactly, from every rank's checksum residues (:func:`own_residues`): with 3 or
+    more ranks the ones that differ from the residues more than half of the ranks share (``majority``); else the
+    ranks that differ from ``recomputed``, the residues of the reduced gradient recomputed from every rank's
+    replayed local gradient, when some rank's copy matches it (``recomputed``). ``([], "untold")`` otherwise."""
+    keys = [None if r is None else tuple(r) for r in residues]
+    world = len(keys)
+    if world >= 3:
+        for k in keys:
+            if k is not None and keys.count(k) * 2 > world:
+                return [r for r, x in enumerate(keys) if x != k], "majority"
+    if recomputed is not None and tuple(recomputed) in keys:
+        return [r for r, x in enumerate(keys) if x != tuple(recomputed)], "recomputed"
+    return [], "untold"
 
 
 def shards_gradients(strategy: Any) -> bool:
@@ -173,7 +281,8 @@ class StepSync:
     """How the guard's per-step flags agree across ranks. ``distributed`` is False on one process."""
 
     def __init__(self, world_size: int = 1, sharded: bool = False, norm_type: float = 2.0,
-                 group: Optional[Any] = None, replicas: bool = False, tolerance: float = 1e-3) -> None:
+                 group: Optional[Any] = None, replicas: bool = False, tolerance: float = 1e-3,
+                 exact: bool = True) -> None:
         self.world_size = int(world_size)
         self.distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
         self.sharded = sharded and self.distributed
@@ -187,24 +296,39 @@ class StepSync:
         # far above what float32 sums of identical norms round to (module docstring of replicas_disagree)
         self.signed_limit = max(self.tolerance, 8 * self.world_size * EPS32)
         self.sq_limit = max(self.tolerance, 4 * self.world_size * math.sqrt(EPS32))
+        # check.replica_compare: exact (a checksum of the copies' bits) or tolerance (their norms)
+        self.exact = bool(exact)
+        self.weight = checksum_weight(self.rank, self.world_size)
+        self.primes = checksum_primes(self.world_size) if self.replicas and self.exact else ()
+        self._primes: dict[torch.device, Tensor] = {}
 
     @classmethod
     def for_trainer(cls, trainer: Any, norm_type: float = 2.0, replicas: bool = False,
-                    tolerance: float = 1e-3) -> "StepSync":
+                    tolerance: float = 1e-3, exact: bool = True) -> "StepSync":
         strategy = getattr(trainer, "strategy", None)
         replicas = replicas and replicates(strategy, getattr(trainer, "lightning_module", None))
         return cls(int(getattr(trainer, "world_size", 1) or 1), shards_gradients(strategy), norm_type,
-                   replicas=replicas, tolerance=tolerance)
+                   replicas=replicas, tolerance=tolerance, exact=exact)
 
     # ------------------------------------------------------------------------------------------- replicas
 
-    def own_parts(self, norm: Tensor) -> dict[str, Tensor]:
-        """The replica fields of this rank's evidence vector, from its own norm of its copy of the reduced gradient
-        (a few device ops, no sync); empty without the replica check."""
+    def own_parts(self, norm: Tensor, grads: Sequence[Tensor] = ()) -> dict[str, Tensor]:
+        """The replica fields of this rank's evidence vector, from its copy of the reduced gradient ``grads`` and
+        its own norm of it (a few device ops, and with ``replica_compare: exact`` one integer sum per gradient: no
+        sync); empty without the replica check."""
         if not self.replicas:
             return {}
         norm = norm.detach().float()
         bad = ~torch.isfinite(norm)
+        if self.exact:
+            checksum = bits_checksum(grads)
+            if checksum is None:
+                return {"own_grad_bad": bad}
+            primes = self._primes.get(checksum.device)
+            if primes is None:
+                primes = self._primes[checksum.device] = torch.tensor(self.primes, device=checksum.device)
+            parts = checksum_parts(checksum, self.weight, primes).unbind()
+            return {"own_grad_bad": bad, **dict(zip(CHECKSUM_FIELDS, parts))}
         own = torch.where(bad, 0.0, norm)
         return {"own_grad_norm": own, "own_grad_norm_signed": own if self.rank % 2 == 0 else -own,
                 "own_grad_norm_sq": own * own, "own_grad_bad": bad}
@@ -215,6 +339,9 @@ class StepSync:
         if not self.replicas:
             return None
         own, signed, sq, bad = (vec[SCHEMA.index[n]] for n in REPLICA_FIELDS)
+        if self.exact:
+            first = SCHEMA.index[CHECKSUM_FIELDS[0]]
+            return (bad > 0) & (bad < self.world_size) | checksums_disagree(vec[first:first + len(CHECKSUM_FIELDS)])
         return replicas_disagree(own, signed, sq, bad, self.world_size, self.signed_limit, self.sq_limit)
 
     def disagreement(self, flags: Any) -> Optional[dict[str, Any]]:
@@ -223,11 +350,17 @@ class StepSync:
         if not self.replicas:
             return None
         own, signed, sq, bad = (getattr(flags, n) for n in REPLICA_FIELDS)
+        if self.exact:
+            sums = [getattr(flags, n) for n in CHECKSUM_FIELDS]
+            if not (0 < bad < self.world_size or checksums_disagree(sums)):
+                return None
+            return {"compared": "exact", "nonfinite_copies": int(bad), "checksum_fields": sums,
+                    "primes": list(self.primes)}
         if not replicas_disagree(own, signed, sq, bad, self.world_size, self.signed_limit, self.sq_limit, _f32):
             return None
         world, n = self.world_size, self.world_size - int(bad)
         mean = own / n if n else math.nan
-        found: dict[str, Any] = {"nonfinite_copies": int(bad), "mean_grad_norm": mean,
+        found: dict[str, Any] = {"compared": "tolerance", "nonfinite_copies": int(bad), "mean_grad_norm": mean,
                                  "tolerance": self.tolerance, "signed_limit": self.signed_limit,
                                  "square_limit": self.sq_limit}
         if not bad and mean:
@@ -235,12 +368,16 @@ class StepSync:
             found["square_deviation"] = math.sqrt(max(world * sq - own * own, 0.0) / (world - 1)) / mean
         return found
 
-    def reduced_norm(self, grads: Optional[Sequence[Optional[Tensor]]], params: Sequence[Tensor]) -> Optional[float]:
+    def reduced_norm(self, grads: Optional[Sequence[Optional[Tensor]]],
+                     params: Sequence[Tensor]) -> Optional[tuple[float, Optional[tuple[int, ...]]]]:
         """Incident only: the norm of the mean over ranks of ``grads`` (this rank's own gradient of each of
         ``params``, recomputed; None where a parameter got none; ``grads`` None: it could not be recomputed), with
-        one all-reduce of the whole gradient. Every rank calls it; None when some rank could not recompute."""
+        one all-reduce of the whole gradient, and (``replica_compare: exact``) the residues of its checksum
+        (:func:`own_residues`; in each parameter's dtype, where it got a gradient), which a copy that the all-reduce
+        made alike matches bit for bit. Every rank calls it; None when some rank could not recompute."""
         device = params[0].device if params else torch.device("cpu")
         failed = grads is None
+        given = [g is not None for g in grads] if grads is not None else [False] * len(params)
         flat = [torch.zeros(p.numel(), device=device) if failed or g is None
                 else g.detach().reshape(-1).float().to(device) for g, p in zip(grads or [None] * len(params), params)]
         flat.append(torch.full((1,), float(failed), device=device))
@@ -248,7 +385,14 @@ class StepSync:
         dist.all_reduce(buf, group=self.group)
         if bool(buf[-1] > 0):
             return None
-        return float(torch.linalg.vector_norm(buf[:-1] / self.world_size, self.norm_type))
+        mean = buf[:-1] / self.world_size
+        residues = None
+        if self.primes:
+            parts = mean.split([p.numel() for p in params])
+            checksum = bits_checksum(part.to(p.dtype) for part, p, g in zip(parts, params, given) if g)
+            if checksum is not None:
+                residues = tuple(int(v) for v in torch.remainder(checksum.cpu(), torch.tensor(self.primes)).tolist())
+        return float(torch.linalg.vector_norm(mean, self.norm_type)), residues
 
     def snapshot_agreement(self, module: Any, flags: Sequence[bool]) -> tuple[bool, list[bool]]:
         """Before a snapshot, on every rank: (are the weights bitwise the same on every rank?, is each of ``flags``
@@ -327,14 +471,16 @@ class StepSync:
 
 
 def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tensor] = None,
-                   own_norm: Optional[float] = None, recomputed: Optional[float] = None,
+                   own_norm: Optional[float] = None, recomputed: Optional[tuple[float, Any]] = None,
                    found: Optional[bool] = None) -> str:
     """On an incident: gather every rank's evidence and make every rank adopt the same account.
 
     The chosen rank is the one that produced the fault:
 
     - a replica disagreement (``event.kind == "replica"``; ``own_norm``: this rank's norm of its copy of the
-      reduced gradient, ``recomputed``: see :func:`odd_ranks`): the first rank whose copy disagrees;
+      reduced gradient, ``recomputed``: the norm and checksum residues of the reduced gradient recomputed from the
+      replays, :meth:`StepSync.reduced_norm`): the first rank whose copy disagrees, by its checksum
+      (:func:`odd_checksums`, ``replica_compare: exact``), else by its norm (:func:`odd_ranks`);
     - else the first whose own replay of its own micro-batches reproduced the fault (``details.replay``);
     - else the first with local evidence (a non-finite loss, input, parameter or module output);
     - else the first whose diagnosis found something of its own (bad inputs, an op);
@@ -350,19 +496,31 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
     """
     if not sync.distributed:
         return extra
+    residues = None
+    if event.kind == "replica" and own_norm is not None and sync.primes:  # this rank's checksum, from its fields
+        vec = sync.last_local if local is None else local
+        if vec is not None:
+            first = SCHEMA.index[CHECKSUM_FIELDS[0]]
+            residues = own_residues(vec[first:first + len(CHECKSUM_FIELDS)].tolist(), sync.weight)
     local = [bool(found)] if found is not None else sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
     reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
     evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0
     payload = {"rank": sync.rank, "evidence": evidence, "local": local, "extra": extra, "own_norm": own_norm,
+               "residues": None if residues is None else list(residues),
                "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
     gathered = sync.gather(payload)
     ranks = [p["rank"] for p in gathered if p["evidence"] > 0]
     best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
     odd: Optional[tuple[list[int], str]] = None
+    norm, checksum = recomputed if recomputed is not None else (None, None)
     if event.kind == "replica" and own_norm is not None:
         norms = [math.nan if p["own_norm"] is None else float(p["own_norm"]) for p in gathered]
-        odd = odd_ranks(norms, sync.tolerance, recomputed)
+        odd = ([], "untold")
+        if sync.primes:  # exact: by the copies' checksums
+            odd = odd_checksums([p["residues"] for p in gathered], checksum)
+        if not odd[0]:
+            odd = odd_ranks(norms, sync.tolerance, norm)
         ranks = odd[0]
         if odd[0]:
             best = gathered[odd[0][0]]
@@ -373,7 +531,9 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
     event.details["ranks"] = ranks
     if odd is not None:
         event.details["replica"] = dict(event.details.get("replica") or {}, grad_norms=norms, odd_ranks=odd[0],
-                                        found_by=odd[1], recomputed_grad_norm=recomputed)
+                                        found_by=odd[1], recomputed_grad_norm=norm)
+        if sync.primes:
+            event.details["replica"]["checksum_residues"] = [p["residues"] for p in gathered]
     return best["extra"]
 
 

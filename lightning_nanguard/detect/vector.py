@@ -172,7 +172,8 @@ SCHEMA = VectorSchema([
     Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),
     Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),
     # the replica check (DDP, check.replicas): each rank's own copy of the reduced gradient, which is identical on
-    # every rank by construction; with their sum, the sum of squares gives the spread of the ranks' norms
+    # every rank by construction. check.replica_compare: tolerance compares their norms (with their sum, the sum of
+    # squares gives the spread of the ranks' norms); exact, a checksum of their bits (the grad_checksum_* fields)
     Field("own_grad_norm", "sum", help="DDP: this rank's norm of its copy of the reduced gradient where finite (else "
                                        "0), summed over ranks; 0 on one process"),
     Field("own_grad_norm_signed", "sum", help="DDP: own_grad_norm with the sign of the rank (+ even, - odd), summed: "
@@ -180,5 +181,10 @@ SCHEMA = VectorSchema([
     Field("own_grad_norm_sq", "sum", help="DDP: the square of own_grad_norm, summed over ranks"),
     Field("own_grad_bad", "sum", help="DDP: 1 where this rank's copy of the reduced gradient is non-finite; summed, "
                                       "the number of such ranks"),
+    *(Field(f"grad_checksum_{k}", "sum", help=f"DDP, replica_compare exact: this rank's checksum of its copy of the "
+                                              f"reduced gradient's bits modulo the prime p{k}, times the rank's weight "
+                                              "(weights sum to 0 over ranks); summed: 0 for all three when every copy "
+                                              "is the same (detect/sync.py: checksum_parts)")
+      for k in range(3)),
     Field("grad_scale", "none", math.nan, help="the GradScaler's scale (16-mixed), nan without one"),
 ], fallback_kind="gradient")

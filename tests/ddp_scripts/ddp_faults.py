@@ -14,10 +14,18 @@ event that names the right host names it from the right rank. The fits:
   finite amount at step 12; ``dropped``: the same data with the gradients of steps 4, 8 and 12 dropped by hand;
 - ``unchecked``: the finite shift at step 12 with ``check.replicas: false``: nothing is seen, the replicas differ
   (the guard's collectives and host reads are counted too);
-- ``tolerant``: the finite shift at step 9 with a ``check.replica_tolerance`` above it: the step is taken, and the
-  next snapshot finds the replicas' weights apart and rolls every rank back;
-- ``lagged``: the finite shift at step 9 with ``check.sync: lagged`` and a fused AdamW (skipped on the device);
+- ``corrupt``: on rank ODD, one element of its copy of the reduced gradient x1.5 + 1e-3 at steps 4 and 12, its
+  lowest mantissa bit flipped at step 8 (the exact replica check, eager); ``corrupt_lagged``: the same with
+  ``check.sync: lagged`` and a fused AdamW (the guard's collectives and host reads are counted);
+- ``tolerant``: the x1.5 + 1e-3 corruption at step 9 with ``check.replica_compare: tolerance``: its norm moves by
+  less than ``replica_tolerance``, the step is taken, and the next snapshot finds the replicas' weights apart and
+  rolls every rank back;
+- ``lagged``: the finite shift at step 9 with ``check.sync: lagged``, ``check.replica_compare: tolerance`` (the
+  norms, compared on the device) and a fused AdamW (skipped on the device);
 - ``suspect``: module outputs non-finite once at steps 3, 6 and 9 on rank ODD, ``recovery.transient_limit: 3``,
+  ``on_suspect_hardware: stop``;
+- ``unknown``: ``FaultInjector``'s gradient fault on every rank at steps 3 and 6 (the same element of every copy:
+  the copies agree, no rank's replay reproduces it, no rank is known), ``transient_limit: 2``,
   ``on_suspect_hardware: stop``.
 
 Each rank writes ``OUT_DIR/rank{r}.pt``: per fit, events, counters, LR scale, whether the guard stopped, the final
@@ -46,6 +54,7 @@ from lightning_nanguard import NaNGuard  # noqa: E402
 from lightning_nanguard.testing import Fault, FaultInjector  # noqa: E402
 
 STEPS = 16
+RARE = {"transient_limit": 10}  # one-off faults that do not make the hardware suspect
 CALLS: list[tuple[str, int]] = []  # the guard's collectives: (name, numel)
 READS: list[str] = []  # the guard's host reads of a tensor
 COUNTING = [False]
@@ -128,6 +137,26 @@ class ShiftGrad(pl.Callback):
                 pl_module.l1.weight.grad[0, 0] += 0.5
 
 
+class CorruptGrad(pl.Callback):
+    """Rank ODD: one element of its copy of the reduced gradient (after the all-reduce), the smallest in magnitude of
+    ``l1.weight``'s, changed at each of ``steps`` ({step: how}): x1.5 + 1e-3 (``scale``) or its lowest mantissa bit
+    flipped (``bit``)."""
+
+    def __init__(self, steps: dict) -> None:
+        self.steps = dict(steps)
+
+    def on_after_backward(self, trainer, pl_module):
+        how = self.steps.get(trainer.global_step)
+        if trainer.global_rank == ODD and how is not None:
+            with torch.no_grad():
+                flat = pl_module.l1.weight.grad.view(-1)
+                i = int(flat.abs().argmin())
+                if how == "scale":
+                    flat[i] = flat[i] * 1.5 + 1e-3
+                else:
+                    flat.view(torch.int32)[i] ^= 1
+
+
 class DropSteps(pl.Callback):
     """Every rank: the gradients of ``steps`` dropped by hand (the optimizer skips them)."""
 
@@ -193,11 +222,17 @@ def main(out: Path) -> None:
                                       ShiftGrad(12)], guard(recovery={"transient_limit": 10})),
         "dropped": run(out, "dropped", [DropSteps([4, 8, 12])]),
         "unchecked": run(out, "unchecked", [ShiftGrad(12)], guard(check={"replicas": False}), count=True),
-        "tolerant": run(out, "tolerant", [ShiftGrad(9)], guard(check={"replica_tolerance": 0.99})),
-        "lagged": run(out, "lagged", [ShiftGrad(9)], guard(check={"sync": "lagged"}), fused=True),
+        "corrupt": run(out, "corrupt", [CorruptGrad({4: "scale", 8: "bit", 12: "scale"})], guard(recovery=RARE)),
+        "corrupt_lagged": (lambda g: run(out, "corrupt_lagged", [CorruptGrad({4: "scale", 8: "bit", 12: "scale"})], g,
+                                         fused=True, count=True))(guard(check={"sync": "lagged"}, recovery=RARE)),
+        "tolerant": run(out, "tolerant", [CorruptGrad({9: "scale"})], guard(check={"replica_compare": "tolerance"})),
+        "lagged": run(out, "lagged", [ShiftGrad(9)], guard(check={"sync": "lagged", "replica_compare": "tolerance"}),
+                      fused=True),
         "suspect": run(out, "suspect", [OutputOnce([3, 6, 9])],
                        guard(recovery={"transient_limit": 3, "transient_window": 100,
                                        "on_suspect_hardware": "stop"})),
+        "unknown": run(out, "unknown", [FaultInjector(Fault("gradient", steps=[3, 6]))],
+                       guard(recovery={"transient_limit": 2, "on_suspect_hardware": "stop"})),
     }
     save_and_exit({"rank": RANK, "world": WORLD, "fits": fits}, out / f"rank{RANK}.pt")
 
