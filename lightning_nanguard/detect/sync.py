@@ -10,8 +10,8 @@ then reads the same flags, the mean loss, and takes the same decision.
 Under FSDP (or any strategy whose class name says it shards: ``FSDP``, ``ModelParallel``) gradients are
 sharded: the guard sums ``|g|^p`` over the local shards and the same all-reduce completes the norm, so the
 finite check and clipping still cost one collective. (An inf-norm needs a MAX: a second all-reduce.) The
-sum runs over the whole world, which is right for full sharding; hybrid sharding (replicas of shards)
-would over-count the norm by the number of replicas.
+sum runs over the whole world; a DTensor's shard held by several ranks (a ``Replicate`` placement: tensor
+parallel's replicated biases, hybrid sharding) is counted on one of them only (:func:`~..dtensors.norm_share`).
 
 Replicas (``check.replicas``, DDP): the reduced gradient is identical on every rank by construction, so each rank
 puts its own norm of its copy into the same all-reduce (:meth:`StepSync.own_parts`: its sum, a sum signed by the
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..dtensors import local, norm_share, reduced
 from .amp import grad_scaler, reads_found_inf
 from .kernels import total_norm
 from .vector import SCHEMA
@@ -156,17 +157,31 @@ def shards_gradients(strategy: Any) -> bool:
 
 def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a tensor (a DTensor's local tensor; a plain tensor as it is)."""
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+    return local(t)
 
 
-def local_norm_power(grads: Sequence[Tensor], norm_type: float) -> Tensor:
-    """``sum |g|^p`` over the local shards (``max |g|`` for the inf-norm) as a 0-dim float32 tensor."""
-    local = [local_tensor(g) for g in grads if g is not None]
-    local = [g for g in local if g.numel() > 0]
-    if not local:
+def local_norm_power(grads: Sequence[Tensor], norm_type: float, world: int = 1) -> Tensor:
+    """``sum |g|^p`` over the local shards (``max |g|`` for the inf-norm) as a 0-dim float32 tensor, each shard
+    weighted by :func:`~..dtensors.norm_share` (an element several of the ``world`` ranks hold counts once in the
+    sum over ranks; a ``Partial`` gradient is completed first)."""
+    shards: list[tuple[Tensor, float]] = []
+    for g in grads:
+        if g is None:
+            continue
+        g = reduced(g)
+        share = 1.0 if math.isinf(norm_type) else norm_share(g, world)  # a max counts a copy any number of times
+        shard = local_tensor(g)
+        if shard.numel() > 0:  # a copy counted elsewhere is still added, times 0: a NaN or Inf in it stays NaN
+            shards.append((shard, share))
+    if not shards:
         return torch.zeros(())
-    norms = torch.stack([n.float() for n in torch._foreach_norm(local, norm_type)])
-    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    norms = torch.stack([n.float() for n in torch._foreach_norm([t for t, _ in shards], norm_type)])
+    if math.isinf(norm_type):
+        return norms.max()
+    powers = norms.pow(norm_type)
+    if any(share != 1.0 for _, share in shards):
+        powers = powers * torch.tensor([share for _, share in shards], device=powers.device)
+    return powers.sum()
 
 
 class StepSync:
@@ -275,7 +290,7 @@ class StepSync:
     def grad_norm(self, grads: Sequence[Tensor]) -> Tensor:
         """The fused total norm; under sharding the local power sum that :meth:`reduce` completes."""
         if self.sharded:
-            return local_norm_power(grads, self.norm_type)
+            return local_norm_power(grads, self.norm_type, self.world_size)
         return total_norm(list(grads), self.norm_type)
 
     def reduce(self, vec: Tensor) -> Tensor:
@@ -312,6 +327,12 @@ class StepSync:
             return []
         return SCHEMA.local_flags(local)
 
+    def shard_bad(self, local: Optional[Tensor] = None) -> bool:
+        """Sharded: is this rank's own share of the gradient (its ``sum |g|^p`` before :meth:`reduce`) non-finite?
+        (syncs: incident only; False when not sharded)"""
+        local = self._local if local is None else local
+        return self.sharded and local is not None and not math.isfinite(float(local[SCHEMA.norm]))
+
     @property
     def last_local(self) -> Optional[Tensor]:
         """This rank's vector of the last :meth:`reduce`, before the reduction (None on one process)."""
@@ -335,9 +356,14 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
 
     - a replica disagreement (``event.kind == "replica"``; ``own_norm``: this rank's norm of its copy of the
       reduced gradient, ``recomputed``: see :func:`odd_ranks`): the first rank whose copy disagrees;
+    - the first whose own weights or inputs hold the non-finite values (under sharding a rank checks its own shards
+      and its own batch, and a bad shard or input spoils the other ranks' losses or gradients through the
+      collectives of the forward and backward);
     - else the first whose own replay of its own micro-batches reproduced the fault (``details.replay``);
     - else the first with local evidence (a non-finite loss, input, parameter or module output);
     - else the first whose diagnosis found something of its own (bad inputs, an op);
+    - else (sharded) the first whose own share of the gradient is non-finite (a fault after the backward, in one
+      rank's shard: the others' are finite);
     - else nobody knows: rank 0's account, and ``details.ranks`` is empty (e.g. a fault that no rank's replay
       reproduces, in a gradient the all-reduce spread to every rank).
 
@@ -350,10 +376,13 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
     """
     if not sync.distributed:
         return extra
+    shard = found is None and sync.shard_bad(local)
     local = [bool(found)] if found is not None else sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
     reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
-    evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0
+    found_own = (event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
+                 or event.kind == "input" and bool(event.details.get("inputs")))
+    evidence = 5 if found_own else 4 if reproduced else 3 if any(local) else 2 if own else 1 if shard else 0
     payload = {"rank": sync.rank, "evidence": evidence, "local": local, "extra": extra, "own_norm": own_norm,
                "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
     gathered = sync.gather(payload)
