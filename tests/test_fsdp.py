@@ -1,9 +1,10 @@
 """Real ModelParallelStrategy runs on the CPU (gloo, 2 ranks): FSDP2 (``fully_shard``) and tensor parallel
 (``parallelize_module``), whose parameters, gradients and optimizer states are DTensors.
 
-One spawn (tests/ddp_scripts/fsdp_guard.py, both layouts, ~45 s on 2 cores) runs, per layout: the fit without and
-with the guard, one with a fault of each ``FaultInjector`` kind, one with faults on rank 1 only; under FSDP2 also a
-clipped fit against ``torch.nn.utils.clip_grad_norm_``, and a checkpoint saved under the guard and resumed. Every
+One spawn (tests/ddp_scripts/fsdp_guard.py, both layouts, ~60 s on 2 cores) runs, per layout: the fit without and
+with the guard, one with a fault of each ``FaultInjector`` kind, one with faults on rank 1 only; under FSDP2 also
+lagged reads (a fused AdamW, an SGD), a clipped fit against ``torch.nn.utils.clip_grad_norm_``, and a checkpoint
+saved under the guard and resumed. Every
 rank must finish: a hang (ranks waiting on each other's collectives) fails at the subprocess timeout.
 """
 
@@ -149,13 +150,16 @@ def test_each_fault_kind_under_sharding_is_handled_alike_on_every_rank(sharded_f
 def test_faults_on_one_rank_only_are_named_from_that_rank_and_replayed_by_all_or_none(sharded_fits, layout):
     """On rank 1 only: an input (step 3), a module output (7) and a weight (11). The ranks' diagnoses differ (only
     rank 1 sees its input or its shard of the weights; a replay is a collective both make or neither), yet both
-    finish, record the same events and name rank 1 for the input and the weight."""
+    finish, record the same events and name rank 1 for the weight (and, under FSDP2, for the input)."""
     fits, _ = sharded_fits
     r0, r1 = (rank["one_rank"] for rank in fits[layout])
     assert summary(r0) == summary(r1)
     events = r0["events"]
     assert [e["step"] for e in events] == [3, 7, 12]
-    assert (events[0]["kind"], events[0]["cause"], events[0]["rank"]) == ("input", "input", 1)
+    if layout == "fsdp":  # rank 0's loss is its own batch's: only rank 1 has a flag (its loss) and the bad input
+        assert (events[0]["kind"], events[0]["cause"], events[0]["rank"]) == ("input", "input", 1)
+    else:  # the row-wise layer's all-reduce makes both losses NaN: both have their own flags, the lowest rank wins
+        assert (events[0]["kind"], events[0]["rank"], events[0]["details"]["ranks"]) == ("loss", 0, [0, 1])
     assert (events[2]["kind"], events[2]["cause"], events[2]["rank"]) == ("parameter", "optimizer", 1)
     assert events[2]["culprit"] == "net.0.weight" and "rollback" in events[2]["actions"]
     assert r0["counters"] == r1["counters"] and r0["counters"]["replays"] == 1  # the module output's, on both
@@ -166,13 +170,15 @@ def test_faults_on_one_rank_only_are_named_from_that_rank_and_replayed_by_all_or
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_clipping_dtensor_gradients_matches_torch_clip_grad_norm(sharded_fits):
-    """``clip.max_norm`` on FSDP2's sharded gradients leaves them as ``torch.nn.utils.clip_grad_norm_`` on the same
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_clipping_dtensor_gradients_matches_torch_clip_grad_norm(sharded_fits, layout):
+    """``clip.max_norm`` on sharded gradients (FSDP2: all in dim 0; tensor parallel: in dim 0 or 1, the last bias
+    replicated and counted once) leaves them as ``torch.nn.utils.clip_grad_norm_`` on the same
     DTensors does, to within the rounding of the norm (every step clipped: the norm of these gradients is far above
     the limit). Not bitwise: torch reduces each gradient's norm over the ranks, the guard the sum of their powers
     (one number in the step's one all-reduce); the coefficients differ in the last bit at most."""
     fits, _ = sharded_fits
-    for rank in fits["fsdp"]:
+    for rank in fits[layout]:
         clip = rank["clip"]
         assert clip["counters"]["clipped_steps"] == 3 and len(clip["torch_grads"]) == 3
         assert all(n > 0.05 for n in clip["torch_norms"])
@@ -205,6 +211,27 @@ def test_a_sharded_checkpoint_never_holds_a_nan_and_resumes(sharded_fits):
         resume = rank["resume"]
         assert resume["events"] == [] and resume["global_step"] == 20 and finite(resume)
         assert resume["counters"]["rollbacks"] == 1  # the guard's own state came back with the checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_lagged_reads_under_fsdp2_skip_on_the_device_with_a_fused_adamw_and_roll_back_otherwise(sharded_fits):
+    """``check.sync: lagged``: a fused AdamW honours the guard's ``found_inf`` on DTensor parameters, so the two bad
+    steps (an input on rank 1 at step 5, a gradient on both at step 10) are skipped on the device, no rollback, and
+    the fit ends bitwise as the eager one; an SGD cannot skip on the device: its bad steps are applied and rolled
+    back one step later, and its weights end finite."""
+    fits, _ = sharded_fits
+    for rank in fits["fsdp"]:
+        lagged, eager = rank["lagged_fused"], rank["eager_fused"]
+        assert [e["step"] for e in lagged["events"]] == [e["step"] for e in eager["events"]] == [5, 10]
+        assert all(e["actions"] == ["skip_step"] for e in lagged["events"])
+        assert (lagged["counters"]["skipped_steps"], lagged["counters"]["rollbacks"]) == (2, 0)
+        assert same(lagged["state"], eager["state"]) and all(
+            same(lagged["optimizer"][i], eager["optimizer"][i]) for i in eager["optimizer"])
+        sgd = rank["lagged_sgd"]
+        assert [e["step"] for e in sgd["events"]] == [5, 10] and sgd["counters"]["rollbacks"] == 2
+        assert all("rollback" in e["actions"] for e in sgd["events"]) and finite(sgd)
+    assert summary(fits["fsdp"][0]["lagged_sgd"]) == summary(fits["fsdp"][1]["lagged_sgd"])
 
 
 # ------------------------------------------------------------------------------------ pure, one process

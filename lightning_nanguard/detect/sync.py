@@ -356,9 +356,8 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
 
     - a replica disagreement (``event.kind == "replica"``; ``own_norm``: this rank's norm of its copy of the
       reduced gradient, ``recomputed``: see :func:`odd_ranks`): the first rank whose copy disagrees;
-    - the first whose own weights or inputs hold the non-finite values (under sharding a rank checks its own shards
-      and its own batch, and a bad shard or input spoils the other ranks' losses or gradients through the
-      collectives of the forward and backward);
+    - the first whose own weights hold the non-finite values (under sharding a rank checks its own shards, and a
+      bad shard spoils every rank's loss through the forward's all-gather);
     - else the first whose own replay of its own micro-batches reproduced the fault (``details.replay``);
     - else the first with local evidence (a non-finite loss, input, parameter or module output);
     - else the first whose diagnosis found something of its own (bad inputs, an op);
@@ -380,9 +379,8 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
     local = [bool(found)] if found is not None else sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
     reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
-    found_own = (event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
-                 or event.kind == "input" and bool(event.details.get("inputs")))
-    evidence = 5 if found_own else 4 if reproduced else 3 if any(local) else 2 if own else 1 if shard else 0
+    weights = event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
+    evidence = 5 if weights else 4 if reproduced else 3 if any(local) else 2 if own else 1 if shard else 0
     payload = {"rank": sync.rank, "evidence": evidence, "local": local, "extra": extra, "own_norm": own_norm,
                "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
     gathered = sync.gather(payload)

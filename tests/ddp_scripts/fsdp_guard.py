@@ -15,7 +15,10 @@ row-wise, the last bias replicated). Several short fits run one after the other 
   NaN, a rollback) and an Adam ``exp_avg_sq`` element (step 16, before the update);
 - ``one_rank``: on rank 1 only, an input (step 3), a module output (step 7) and a parameter (step 11): the ranks'
   diagnoses differ, and every rank still replays together or not at all;
-- ``clip`` (fsdp): ``clip.max_norm`` against ``torch.nn.utils.clip_grad_norm_`` on the same DTensor gradients;
+- ``lagged_fused``, ``lagged_sgd`` and ``eager_fused`` (fsdp): ``check.sync: lagged`` with a fused AdamW (skipped
+  on the device) against eager, and with an SGD (applied, then rolled back); an input on rank 1 (step 5) and a
+  gradient element on every rank (step 10);
+- ``clip``: ``clip.max_norm`` against ``torch.nn.utils.clip_grad_norm_`` on the same DTensor gradients;
 - ``ckpt`` and ``resume`` (fsdp): a parameter made NaN on rank 1 only just before a checkpoint is saved (the
   guard rolls back and saves the restored state), and a fit resumed from that checkpoint.
 
@@ -49,6 +52,7 @@ STEPS = 20
 FAULTS = [Fault("input", steps=[3]), Fault("activation", steps=[6], target="net.0"),
           Fault("gradient", steps=[9], ranks=[1]), Fault("parameter", steps=[12], target="net.0.weight"),
           Fault("optimizer_state", steps=[16], target="net.0.weight")]
+LAGGED = [Fault("input", steps=[5], ranks=[1]), Fault("gradient", steps=[10])]
 ONE_RANK = [Fault("input", steps=[3], ranks=[1]), Fault("activation", steps=[7], ranks=[1], target="net.0"),
             Fault("parameter", steps=[11], ranks=[1], target="net.0.weight")]
 CALLS: list[tuple[str, int]] = []  # the guard's collectives: (name, numel)
@@ -89,9 +93,9 @@ for _name in ("tolist", "item", "__bool__", "__float__", "__int__"):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, layout: str) -> None:
+    def __init__(self, layout: str, optimizer: str = "adamw") -> None:
         super().__init__()
-        self.layout = layout
+        self.layout, self.optimizer = layout, optimizer
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
     def configure_model(self):
@@ -109,7 +113,9 @@ class Net(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.02)
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.02, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=0.02, fused=self.optimizer == "fused")
 
 
 class Probe(pl.Callback):
@@ -169,7 +175,7 @@ def full_state(model, opt) -> dict:
 
 
 def run(out: Path, layout: str, name: str, callbacks, g=None, count=False, steps=STEPS, ckpt_path=None,
-        checkpoint=None, after=(), states=False) -> dict:
+        checkpoint=None, after=(), states=False, optimizer="adamw") -> dict:
     pl.seed_everything(0, verbose=False)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(WORLD * STEPS * 4, 8, generator=gen)
@@ -182,7 +188,7 @@ def run(out: Path, layout: str, name: str, callbacks, g=None, count=False, steps
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=checkpoint is not None, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(out / layout / name), callbacks=cbs)
-    model = Net(layout)
+    model = Net(layout, optimizer)
     CALLS.clear()
     READS.clear()
     COUNTING[0] = count
@@ -207,11 +213,14 @@ def main(out: Path, layouts: list[str]) -> None:
                 "healthy": (lambda g: run(out, layout, "healthy", [], g, count=True))(guard()),
                 "faults": run(out, layout, "faults", [FaultInjector(FAULTS)], guard(), states=True),
                 "one_rank": run(out, layout, "one_rank", [FaultInjector(ONE_RANK)], guard(), states=True)}
+        torch_clip, after = TorchClip(0.05), AfterGuard()
+        fits["clip"] = run(out, layout, "clip", [torch_clip], guard(clip={"max_norm": 0.05}), steps=3, after=[after])
+        fits["clip"].update(torch_norms=torch_clip.norms, torch_grads=torch_clip.clipped, guard_grads=after.grads)
         if layout == "fsdp":
-            torch_clip, after = TorchClip(0.05), AfterGuard()
-            fits["clip"] = run(out, layout, "clip", [torch_clip], guard(clip={"max_norm": 0.05}), steps=3,
-                               after=[after])
-            fits["clip"].update(torch_norms=torch_clip.norms, torch_grads=torch_clip.clipped, guard_grads=after.grads)
+            for optimizer in ("fused", "sgd"):  # check.sync: lagged: skipped on the device (fused), or rolled back
+                fits[f"lagged_{optimizer}"] = run(out, layout, f"lagged_{optimizer}", [FaultInjector(LAGGED)],
+                                                  guard(check={"sync": "lagged"}), optimizer=optimizer, states=True)
+            fits["eager_fused"] = run(out, layout, "eager_fused", [FaultInjector(LAGGED)], guard(), optimizer="fused")
             checkpoint = ModelCheckpoint(dirpath=str(out / layout / "ckpts"), every_n_train_steps=5,
                                          save_top_k=-1, save_last=False)
             fits["ckpt"] = run(out, layout, "ckpt", [FaultInjector(Fault("parameter", steps=[9], ranks=[1]))], guard(),
