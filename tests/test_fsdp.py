@@ -171,6 +171,22 @@ def test_faults_on_one_rank_only_are_named_from_that_rank_and_replayed_by_all_or
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_nan_made_by_one_ranks_backward_is_reproduced_by_the_lockstep_replay(sharded_fits, layout):
+    """Rank 1's backward makes the gradient NaN at step 4: the replay, every rank's forward and backward together
+    (under FSDP2 a real backward: ``autograd.grad`` sees no gradient of the sharded parameters), reproduces it, so
+    the cause is not ``transient`` (which would skip the step and do nothing else)."""
+    fits, _ = sharded_fits
+    r0, r1 = (rank["backward"] for rank in fits[layout])
+    assert summary(r0) == summary(r1)
+    (event,) = r0["events"]
+    assert (event["step"], event["kind"]) == (4, "gradient") and event["cause"] != "transient"
+    assert event["details"]["replay"]["reproduced"] and event["details"]["replay"]["nonfinite_grads"]
+    assert finite(r0) and finite(r1)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_clipping_dtensor_gradients_matches_torch_clip_grad_norm(sharded_fits, layout):
     """``clip.max_norm`` on sharded gradients (FSDP2: all in dim 0; tensor parallel: in dim 0 or 1, the last bias
     replicated and counted once) leaves them as ``torch.nn.utils.clip_grad_norm_`` on the same

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..detect.kernels import any_nonfinite_flag, total_norm
-from ..dtensors import local, sharded
+from ..dtensors import is_dtensor, local, sharded
 from ..layouts import deepcopy_memo
 from ..record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
@@ -135,7 +135,10 @@ def _grads(loss: Tensor, named: list[tuple[str, nn.Parameter]]) -> list[Optional
     if not loss.requires_grad or not named:
         return [None] * len(named)
     params = [p for _, p in named]
-    if _reentrant_checkpoint(loss):  # torch.autograd.grad refuses checkpoint(..., use_reentrant=True)
+    # torch.autograd.grad refuses checkpoint(..., use_reentrant=True); under FSDP2 it finds no gradient at all (the
+    # sharded parameters are not in the graph of the all-gathered ones that the forward used): a real backward,
+    # whose reduce-scatter every rank of a lockstep replay makes alike
+    if _reentrant_checkpoint(loss) or any(is_dtensor(p) for p in params):
         return _backward_grads(loss, params)
     return list(torch.autograd.grad(loss.sum(), params, allow_unused=True))
 

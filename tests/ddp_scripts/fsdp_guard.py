@@ -18,6 +18,7 @@ row-wise, the last bias replicated). Several short fits run one after the other 
 - ``lagged_fused``, ``lagged_sgd`` and ``eager_fused`` (fsdp): ``check.sync: lagged`` with a fused AdamW (skipped
   on the device) against eager, and with an SGD (applied, then rolled back); an input on rank 1 (step 5) and a
   gradient element on every rank (step 10);
+- ``backward``: rank 1's backward makes the gradient NaN at step 4 (its replay does too);
 - ``clip``: ``clip.max_norm`` against ``torch.nn.utils.clip_grad_norm_`` on the same DTensor gradients;
 - ``ckpt`` and ``resume`` (fsdp): a parameter made NaN on rank 1 only just before a checkpoint is saved (the
   guard rolls back and saves the restored state), and a fit resumed from that checkpoint.
@@ -118,6 +119,26 @@ class Net(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.02, fused=self.optimizer == "fused")
 
 
+class BackwardNaN(pl.Callback):
+    """Rank 1, step ``step``: the gradient flowing back out of ``net.0``'s output is NaN (its forward is finite), in
+    the step and in a replay of it: a fault of the backward that a replay reproduces."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.handle = step, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == self.step:
+            def hook(module, args, out):
+                if out.requires_grad:
+                    out.register_hook(lambda g: g * float("nan"))
+            self.handle = pl_module.net[0].register_forward_hook(hook)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
 class Probe(pl.Callback):
     """The guard's cumulative collectives, host reads and snapshots at the end of every batch."""
 
@@ -213,6 +234,7 @@ def main(out: Path, layouts: list[str]) -> None:
                 "healthy": (lambda g: run(out, layout, "healthy", [], g, count=True))(guard()),
                 "faults": run(out, layout, "faults", [FaultInjector(FAULTS)], guard(), states=True),
                 "one_rank": run(out, layout, "one_rank", [FaultInjector(ONE_RANK)], guard(), states=True)}
+        fits["backward"] = run(out, layout, "backward", [BackwardNaN(4)], guard(), steps=6)
         torch_clip, after = TorchClip(0.05), AfterGuard()
         fits["clip"] = run(out, layout, "clip", [torch_clip], guard(clip={"max_norm": 0.05}), steps=3, after=[after])
         fits["clip"].update(torch_norms=torch_clip.norms, torch_grads=torch_clip.clipped, guard_grads=after.grads)
