@@ -172,15 +172,17 @@ def test_faults_on_one_rank_only_are_named_from_that_rank_and_replayed_by_all_or
 @pytest.mark.ddp
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_nan_made_by_one_ranks_backward_is_reproduced_by_the_lockstep_replay(sharded_fits, layout):
-    """Rank 1's backward makes the gradient NaN at step 4: the replay, every rank's forward and backward together
+    """Rank 1's backward makes the gradient NaN at steps 4 and 5 (the last): the replay, every rank's forward and backward together
     (under FSDP2 a real backward: ``autograd.grad`` sees no gradient of the sharded parameters), reproduces it, so
     the cause is not ``transient`` (which would skip the step and do nothing else)."""
     fits, _ = sharded_fits
     r0, r1 = (rank["backward"] for rank in fits[layout])
     assert summary(r0) == summary(r1)
-    (event,) = r0["events"]
+    event = r0["events"][0]
     assert (event["step"], event["kind"]) == (4, "gradient") and event["cause"] != "transient"
     assert event["details"]["replay"]["reproduced"] and event["details"]["replay"]["nonfinite_grads"]
+    # the fit ends inside the streak (step 5, the last): its end-of-fit check runs on every rank alike
+    assert [e["step"] for e in r0["events"]] == [4, 5] and r0["global_step"] == 6
     assert finite(r0) and finite(r1)
 
 

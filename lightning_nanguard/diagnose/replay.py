@@ -334,7 +334,7 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
         bad_grads = []  # (the gradients of a non-finite loss, computed for the other ranks' sake, say nothing more)
     res.nonfinite_grads = bad_grads[:20]
     if not bad_grads:
-        finite = [local(g) for g in grads if g is not None]  # sharded: this rank's shards (a DTensor norm is a collective)
+        finite = [local(g) for g in grads if g is not None]  # sharded: this rank's shards (a DTensor norm: collective)
         res.norm_overflow = bool(finite) and not bool(torch.isfinite(total_norm(finite, norm_type)))
     first_fwd = rec.first_bad(rec.forward_frames)
     res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]

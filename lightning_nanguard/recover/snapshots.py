@@ -35,7 +35,7 @@ from ..tree import flatten, slot, unflatten
 from .device_copy import DeviceCopy
 from .writer import SnapshotWriter, Write, write_atomic
 
-__all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state",
+__all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state", "as_live",
            "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms"]
 
 
@@ -76,7 +76,8 @@ def as_live(state: Any, live: Any) -> Any:
 
 def load_training_state(trainer: Any, pl_module: Any, state: dict[str, Any], scaler_overflows: int = 0) -> None:
     """Put :func:`training_state` ``state`` (fresh tensors, see :meth:`SnapshotStore.load`) back into the fit.
-    Under sharding the snapshot holds each rank's local shards: they go back into the live DTensors (:func:`as_live`)."""
+    Under sharding the snapshot holds each rank's local shards: they go back into the live DTensors
+    (:func:`as_live`)."""
     if any(is_dtensor(p) for p in pl_module.parameters()):
         state = as_live(state, training_state(trainer, pl_module))
     load_module_state(pl_module, state["module"])

@@ -18,7 +18,8 @@ row-wise, the last bias replicated). Several short fits run one after the other 
 - ``lagged_fused``, ``lagged_sgd`` and ``eager_fused`` (fsdp): ``check.sync: lagged`` with a fused AdamW (skipped
   on the device) against eager, and with an SGD (applied, then rolled back); an input on rank 1 (step 5) and a
   gradient element on every rank (step 10);
-- ``backward``: rank 1's backward makes the gradient NaN at step 4 (its replay does too);
+- ``backward``: rank 1's backward makes the gradient NaN at steps 4 and 5, the last (its replay does too): the fit
+  ends inside a streak of incidents;
 - ``clip``: ``clip.max_norm`` against ``torch.nn.utils.clip_grad_norm_`` on the same DTensor gradients;
 - ``ckpt`` and ``resume`` (fsdp): a parameter made NaN on rank 1 only just before a checkpoint is saved (the
   guard rolls back and saves the restored state), and a fit resumed from that checkpoint.
@@ -234,7 +235,7 @@ def main(out: Path, layouts: list[str]) -> None:
                 "healthy": (lambda g: run(out, layout, "healthy", [], g, count=True))(guard()),
                 "faults": run(out, layout, "faults", [FaultInjector(FAULTS)], guard(), states=True),
                 "one_rank": run(out, layout, "one_rank", [FaultInjector(ONE_RANK)], guard(), states=True)}
-        fits["backward"] = run(out, layout, "backward", [BackwardNaN(4)], guard(), steps=6)
+        fits["backward"] = run(out, layout, "backward", [BackwardNaN(4), BackwardNaN(5)], guard(), steps=6)
         torch_clip, after = TorchClip(0.05), AfterGuard()
         fits["clip"] = run(out, layout, "clip", [torch_clip], guard(clip={"max_norm": 0.05}), steps=3, after=[after])
         fits["clip"].update(torch_norms=torch_clip.norms, torch_grads=torch_clip.clipped, guard_grads=after.grads)
