@@ -1,11 +1,12 @@
-"""Real ModelParallelStrategy runs on the CPU (gloo, 2 ranks): FSDP2 (``fully_shard``) and tensor parallel
+"""Real ModelParallelStrategy runs on the CPU (gloo, 2 and 4 ranks): FSDP2 (``fully_shard``) and tensor parallel
 (``parallelize_module``), whose parameters, gradients and optimizer states are DTensors.
 
-One spawn (tests/ddp_scripts/fsdp_guard.py, both layouts, ~60 s on 2 cores) runs, per layout: the fit without and
-with the guard, one with a fault of each ``FaultInjector`` kind, one with faults on rank 1 only; under FSDP2 also
-lagged reads (a fused AdamW, an SGD), a clipped fit against ``torch.nn.utils.clip_grad_norm_``, and a checkpoint
-saved under the guard and resumed. Every
-rank must finish: a hang (ranks waiting on each other's collectives) fails at the subprocess timeout.
+One spawn (tests/ddp_scripts/fsdp_guard.py, both layouts, ~40 s on 2 cores) runs, per layout: the fit without and
+with the guard, one with a fault of each ``FaultInjector`` kind, one with faults on rank 1 only, a NaN made by one
+rank's backward, a clipped fit against ``torch.nn.utils.clip_grad_norm_``; under FSDP2 also lagged reads (a fused
+AdamW, an SGD) and a checkpoint saved under the guard and resumed. A second spawn of 4 processes runs FSDP2 on top
+of tensor parallel (2 x 2 mesh). Every rank must finish: a hang (ranks waiting on each other's collectives) fails
+at the subprocess timeout.
 """
 
 from __future__ import annotations
@@ -51,6 +52,24 @@ def sharded_fits(tmp_path_factory):
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False)["fits"] for r in range(2)]
     return {layout: [ranks[0][layout], ranks[1][layout]] for layout in LAYOUTS}, out
+
+
+@pytest.fixture(scope="module")
+def two_d_fits(tmp_path_factory):
+    """Rank 0..3's fits of FSDP2 + tensor parallel on a 2 x 2 mesh: one spawn of 4 processes (~35 s on 2 cores)."""
+    out = tmp_path_factory.mktemp("fsdp2d")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), WORLD_SIZE="4", NODE_RANK="0")
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), "2d"],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(out), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    try:
+        logs = [p.communicate(timeout=420)[0] for p in procs]  # a hang fails here
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False)["fits"]["2d"] for r in range(4)]
 
 
 def same(a: dict, b: dict) -> bool:
@@ -250,6 +269,35 @@ def test_lagged_reads_under_fsdp2_skip_on_the_device_with_a_fused_adamw_and_roll
         assert [e["step"] for e in sgd["events"]] == [5, 10] and sgd["counters"]["rollbacks"] == 2
         assert all("rollback" in e["actions"] for e in sgd["events"]) and finite(sgd)
     assert summary(fits["fsdp"][0]["lagged_sgd"]) == summary(fits["fsdp"][1]["lagged_sgd"])
+
+
+@pytest.mark.slow  # one spawn of 4 processes, ~35 s on 2 cores
+@pytest.mark.ddp
+def test_fsdp2_on_top_of_tensor_parallel_on_a_2x2_mesh(two_d_fits):
+    """FSDP2 over the data-parallel dim of a 2 x 2 mesh, on top of tensor parallel: the healthy fit is bitwise the
+    unguarded one for one all-reduce per step; each fault kind is handled alike on all 4 ranks (the gradient fault
+    on rank 1 names rank 1), with bitwise rollbacks; clipping matches ``clip_grad_norm_`` (the last bias, replicated
+    over the tensor-parallel dim and sharded over the other, counted once)."""
+    for rank in two_d_fits:
+        healthy = rank["healthy"]
+        assert healthy["events"] == [] and same(healthy["state"], rank["plain"]["state"])
+        size = per_step(healthy)[0][1][0][1]
+        assert all(calls == [("all_reduce", size)] + [("all_reduce", 4)] * snapshot
+                   for _, calls, _, snapshot in per_step(healthy))
+        faults = rank["faults"]
+        assert summary(faults) == summary(two_d_fits[0]["faults"]) and finite(faults)
+        assert [(s, k, a) for s, k, _, a, *_ in summary(faults)] == [
+            (3, "input", ["skip_step"]), (6, "loss", ["skip_step", "clip"]), (9, "gradient", ["skip_step"]),
+            (13, "parameter", ["skip_step", "rollback"]), (17, "parameter", ["skip_step", "rollback"])]
+        assert (faults["events"][2]["rank"], faults["events"][2]["details"]["ranks"]) == (1, [1])
+        for event in faults["events"][3:]:
+            assert same_state(state_after(faults, event["step"] + 1),
+                              state_after(faults, event["details"]["restored_step"]))
+        clip = rank["clip"]
+        assert clip["counters"]["clipped_steps"] == 3
+        for theirs, ours in zip(clip["torch_grads"], clip["guard_grads"]):
+            assert len(theirs) == len(ours) == 4
+            assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(theirs, ours))
 
 
 # ------------------------------------------------------------------------------------ pure, one process

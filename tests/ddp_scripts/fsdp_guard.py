@@ -5,8 +5,9 @@ the way torchrun launches them:
     RANK=r LOCAL_RANK=r WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... python fsdp_guard.py OUT_DIR LAYOUT...
 
 ``LAYOUT`` is ``fsdp`` (data_parallel_size=2: parameters, gradients and optimizer states sharded in dim 0, the
-last layer's 1-row weight and 1-element bias empty on rank 1) or ``tp`` (tensor_parallel_size=2: column-wise then
-row-wise, the last bias replicated). Several short fits run one after the other in the same processes, per layout:
+last layer's 1-row weight and 1-element bias empty on rank 1), ``tp`` (tensor_parallel_size=2: column-wise then
+row-wise, the last bias replicated) or ``2d`` (WORLD_SIZE=4, data_parallel_size=2 x tensor_parallel_size=2: tensor
+parallel, then FSDP2 over the data-parallel dim; only ``plain``, ``healthy``, ``faults`` and ``clip``). Several short fits run one after the other in the same processes, per layout:
 
 - ``plain`` and ``healthy``: no fault, without and with the guard (the guard's collectives and host reads are
   counted per step);
@@ -101,10 +102,15 @@ class Net(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
 
     def configure_model(self):
-        if self.layout == "tp":
+        if self.layout in ("tp", "2d"):
             parallelize_module(self.net, self.device_mesh["tensor_parallel"],
                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        else:
+        if self.layout == "2d":  # FSDP2 over the data-parallel dim of the 2-D mesh, on top of tensor parallel
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.net[0], mesh=mesh)
+            fully_shard(self.net[2], mesh=mesh)
+            fully_shard(self, mesh=mesh)
+        elif self.layout == "fsdp":
             mesh = self.device_mesh["data_parallel"]
             fully_shard(self.net[0], mesh=mesh)
             fully_shard(self.net[2], mesh=mesh)
@@ -205,8 +211,8 @@ def run(out: Path, layout: str, name: str, callbacks, g=None, count=False, steps
     probe = Probe(g, states)
     cbs = (list(callbacks) + ([g] if g is not None else []) + list(after) + [probe]
            + ([checkpoint] if checkpoint else []))
-    strategy = ModelParallelStrategy(data_parallel_size=1 if layout == "tp" else WORLD,
-                                     tensor_parallel_size=WORLD if layout == "tp" else 1)
+    dp = {"tp": 1, "fsdp": WORLD, "2d": 2}[layout]
+    strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=WORLD // dp)
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=checkpoint is not None, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(out / layout / name), callbacks=cbs)
@@ -231,6 +237,16 @@ def run(out: Path, layout: str, name: str, callbacks, g=None, count=False, steps
 def main(out: Path, layouts: list[str]) -> None:
     results = {}
     for layout in layouts:
+        if layout == "2d":  # 4 ranks: the healthy pair, the faults, the clip
+            torch_clip, after = TorchClip(0.05), AfterGuard()
+            results[layout] = {"plain": run(out, layout, "plain", []),
+                               "healthy": run(out, layout, "healthy", [], guard(), count=True),
+                               "faults": run(out, layout, "faults", [FaultInjector(FAULTS)], guard(), states=True),
+                               "clip": run(out, layout, "clip", [torch_clip], guard(clip={"max_norm": 0.05}), steps=3,
+                                           after=[after])}
+            results[layout]["clip"].update(torch_norms=torch_clip.norms, torch_grads=torch_clip.clipped,
+                                           guard_grads=after.grads)
+            continue
         fits = {"plain": run(out, layout, "plain", []),
                 "healthy": (lambda g: run(out, layout, "healthy", [], g, count=True))(guard()),
                 "faults": run(out, layout, "faults", [FaultInjector(FAULTS)], guard(), states=True),
