@@ -108,9 +108,9 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
 
 
 def _reshard(module: nn.Module) -> None:
-    """FSDP2: a replay's forward all-gathered the weights, and its ``autograd.grad`` does not run the post-backward
-    that reshards them after a real ``backward()``: put every FSDP module back on its sharded parameters (local, no
-    collective), so that what follows (a rollback, the optimizer step) sees the DTensors."""
+    """FSDP2: a replay's forward all-gathered the weights, and only a completed ``backward()`` reshards them (not a
+    forward whose loss was None, nor one cut short by an error): put every FSDP module back on its sharded
+    parameters (local, no collective), so that what follows (a rollback, the optimizer step) sees the DTensors."""
     for m in module.modules():
         reshard = getattr(m, "reshard", None)
         if callable(reshard) and hasattr(m, "unshard"):
