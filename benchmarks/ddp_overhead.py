@@ -15,12 +15,18 @@ Rank 0 also times the two passes over the gradients in isolation (one process, a
 workload): the fused total norm (``total_norm``) and the checksum of their bits (``bits_checksum``, what
 ``replica_compare: exact`` adds), median of 200 calls each.
 
+``--strategy fsdp2``: the same under Lightning's ``ModelParallelStrategy(data_parallel_size=2)``, every module
+holding parameters and the root wrapped with ``fully_shard`` (FSDP2: parameters, gradients and optimizer states are
+DTensors sharded over the 2 ranks); plain against ``NaNGuard()`` (no replica check under sharding). Written to
+``fsdp2-overhead.md`` and ``.json``.
+
 Per step, each guard's hooks are timed (CPU time and wall time: gloo's all-reduce waits for the other rank, so the
 wall time of ``on_before_optimizer_step`` holds the collective), and the guard's collectives and host reads are
 counted. Rank 0 writes ``benchmarks/results/ddp-overhead.md`` and ``.json``.
 
     python benchmarks/ddp_overhead.py --baseline /tmp/base/lightning_nanguard
     python benchmarks/ddp_overhead.py --quick
+    python benchmarks/ddp_overhead.py --strategy fsdp2
 """
 
 from __future__ import annotations
@@ -129,7 +135,25 @@ class Counts(pl.Callback):
         self._calls, self._reads = len(CALLS), len(READS)
 
 
-def run(make_model: Callable[[], Any], data: Any, guard: Optional[Any], steps: int, root: Path) -> dict:
+def fully_sharded(model: Any) -> Any:
+    """``model`` with a ``configure_model`` that applies FSDP2's ``fully_shard`` to every module holding parameters
+    of its own, then to the root, over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    def configure_model(self: Any) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for module in list(self.modules())[1:]:
+            own = list(module.parameters(recurse=False))
+            if own and not any(hasattr(p, "placements") for p in own):  # (a tied weight is sharded once)
+                fully_shard(module, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    model.__class__ = type(f"FSDP2{type(model).__name__}", (type(model),), {"configure_model": configure_model})
+    return model
+
+
+def run(make_model: Callable[[], Any], data: Any, guard: Optional[Any], steps: int, root: Path,
+        strategy: str = "ddp") -> dict:
     timer, counts = StepTimer(), Counts()
     hooks: dict[str, tuple[list[float], list[float]]] = {}
     if guard is not None:
@@ -137,11 +161,18 @@ def run(make_model: Callable[[], Any], data: Any, guard: Optional[Any], steps: i
             hooks[name] = ([], [])
             timed(guard, name, *hooks[name])
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy="ddp", max_steps=steps, max_epochs=10_000,
+    model = make_model()
+    if strategy == "fsdp2":
+        from pytorch_lightning.strategies import ModelParallelStrategy
+
+        model, chosen = fully_sharded(model), ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+    else:
+        chosen = strategy
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD, strategy=chosen, max_steps=steps, max_epochs=10_000,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(root),
                          callbacks=[timer] + ([guard] if guard is not None else []) + [counts])
-    trainer.fit(make_model(), data)
+    trainer.fit(model, data)
     return {"steps": timer.times, "hooks": hooks, "counts": counts.per_step}
 
 
@@ -153,12 +184,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--baseline", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
     args = parser.parse_args()
     common.single_thread()
     configs: dict[str, Callable[[], Optional[Any]]] = {
-        "plain": lambda: None, "NaNGuard()": lambda: NaNGuard(logging={"loggers": False}),
-        "tolerance": lambda: NaNGuard(check={"replica_compare": "tolerance"}, logging={"loggers": False}),
-        "replicas off": lambda: NaNGuard(check={"replicas": False}, logging={"loggers": False})}
+        "plain": lambda: None, "NaNGuard()": lambda: NaNGuard(logging={"loggers": False})}
+    if args.strategy == "ddp":
+        configs["tolerance"] = lambda: NaNGuard(check={"replica_compare": "tolerance"}, logging={"loggers": False})
+        configs["replicas off"] = lambda: NaNGuard(check={"replicas": False}, logging={"loggers": False})
     if args.baseline is not None:
         before = load_baseline(args.baseline.resolve())
         PACKAGES.append(str(args.baseline.resolve()))
@@ -173,7 +206,7 @@ def main() -> None:
         for r in range(repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 results.setdefault(workload, {}).setdefault(name, []).append(
-                    run(make_model, data, configs[name](), steps, root))
+                    run(make_model, data, configs[name](), steps, root, args.strategy))
         if RANK == 0:
             print(f"  {workload}: done ({time.perf_counter() - start:.0f} s)", flush=True)
     if RANK == 0:
@@ -226,7 +259,9 @@ def report(results: dict, names: list[str], args: Any, repeats: int, steps: int,
                 row["host_reads_per_step"] = sorted({repr(r) for _, r in steady})
             rows.append(row)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"DDP, gloo on the CPU, {WORLD} processes x 1 thread: per-step CPU time of rank 0, median of {repeats} "
+    title = "FSDP2 (ModelParallelStrategy, fully_shard)" if args.strategy == "fsdp2" else "DDP"
+    lines = [f"{title}, gloo on the CPU, {WORLD} processes x 1 thread: per-step CPU time of rank 0, "
+             f"median of {repeats} "
              f"interleaved repeat(s) x {steps - w - 1} steps ({stamp}; {machine()}).", "",
              "| workload | configuration | ms/step | x plain | " + " | ".join(f"{h} (cpu / wall ms)" for h in HOOKS)
              + " | guard's collectives per step | host reads per step |",
@@ -244,7 +279,7 @@ def report(results: dict, names: list[str], args: Any, repeats: int, steps: int,
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "ddp-overhead" + ("-quick" if args.quick else "")
+    stem = ("fsdp2-overhead" if args.strategy == "fsdp2" else "ddp-overhead") + ("-quick" if args.quick else "")
     (args.out / f"{stem}.md").write_text(text + "\n", encoding="utf-8")
     (args.out / f"{stem}.json").write_text(json.dumps({"date": stamp, "machine": machine(), "world": WORLD,
                                                        "repeats": repeats, "steps": steps, "warmup": w,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .console import warn
+from .dtensors import local
 
 __all__ = ["COMPRESSED", "is_strided", "stored_values", "raw_values", "checkable", "coo_parts", "nbytes",
            "copy_to_cpu", "deepcopy_memo", "load_module_state", "unchecked", "warn_once"]
@@ -47,7 +48,8 @@ def unchecked(t: Tensor, name: Optional[str]) -> None:
 
 def raw_values(t: Tensor) -> Optional[Tensor]:
     """The stored values of ``t`` as a strided view of its storage (``t`` itself when strided; COO as stored,
-    duplicates included); None for a layout without one."""
+    duplicates included; a DTensor: those of its local shard); None for a layout without one."""
+    t = local(t)
     layout = t.layout
     if layout is torch.strided and not t.is_nested:
         return t
@@ -64,7 +66,9 @@ def stored_values(t: Tensor, name: Optional[str] = None, coalesce: bool = True) 
     warning) for a layout it cannot read.
 
     A device flag needs no coalescing (no sort, no sync): a NaN/Inf stored anywhere makes the coalesced tensor
-    non-finite too. Finders and norms coalesce, so that indices are unique and duplicates are summed."""
+    non-finite too. Finders and norms coalesce, so that indices are unique and duplicates are summed. A DTensor
+    is read through its local shard (:mod:`.dtensors`)."""
+    t = local(t)
     if t.layout is torch.sparse_coo and coalesce:
         return t.detach().coalesce()._values()
     values = raw_values(t)

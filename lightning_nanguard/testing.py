@@ -45,7 +45,9 @@ Reproducibility: whether a fault fires at a step, its kind, value, tensor and el
 ``random.Random`` seeded with ``(seed, fault index, global step)``. Nothing reads or advances the global
 torch/python/numpy RNGs, and the decision at a step does not depend on what happened before it, so a
 clean run and a faulty run (guarded or not) consume the same random numbers and see the same faults.
-Under DDP every rank draws the same decisions (restrict with ``Fault(ranks=...)``).
+Under DDP every rank draws the same decisions (restrict with ``Fault(ranks=...)``). Under sharding (FSDP2,
+tensor parallel: DTensor parameters) a gradient, parameter or optimizer-state fault poisons an element of the
+rank's local shard, drawn among the tensors whose shard on that rank is not empty.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from .dtensors import local
 from .layouts import raw_values
 from .tree import iter_tensors, map_tensors
 
@@ -333,16 +336,18 @@ class FaultInjector(pl.Callback):
 
     @staticmethod
     def _pick(p: _Planned, named: list[tuple[str, Tensor]]) -> tuple[Optional[str], Optional[Tensor]]:
-        named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+        named = [(n, t) for n, t in named if t.is_floating_point() and local(t).numel()]  # a DTensor: its own shard
         if p.fault.target is not None:
             named = [(n, t) for n, t in named if n == p.fault.target]
         return p.rng.choice(named) if named else (None, None)
 
     @staticmethod
     def _poison(t: Tensor, p: _Planned) -> tuple[int, ...]:
-        values = raw_values(t.detach())  # a sparse gradient or parameter: one of its stored values
+        # a sparse gradient or parameter: one of its stored values; a DTensor: an element of this rank's shard (an
+        # item assignment on the DTensor itself is a collective that the other ranks never enter)
+        values = raw_values(t.detach())
         if values is None:
-            values = t.detach()
+            values = local(t).detach()
         index = _element(values, p.rng)
         with torch.no_grad():
             values[index] = _NUMBERS[p.value]

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..dtensors import local
 from ..layouts import is_strided, stored_values
 from ..tree import iter_tensors
 from .kernels import any_nonfinite_flag
@@ -28,7 +29,8 @@ def outputs_nonfinite_flag(outputs: list[Tensor]) -> Optional[Tensor]:
     slow, one sum per tensor accumulated in float64: a sum is non-finite iff a value is, and cannot overflow
     for float32/float16/bfloat16 values.
     """
-    outputs = [t if is_strided(t) else stored_values(t, coalesce=False) for t in outputs]
+    # a DTensor output (tensor parallel with use_local_output=False): its local shard, never a collective
+    outputs = [local(t) if is_strided(t) else stored_values(t, coalesce=False) for t in outputs]
     outputs = [t for t in outputs if t is not None]  # sparse or nested outputs: their stored values
     if not outputs:
         return None

@@ -10,6 +10,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from ..dtensors import local
 from ..layouts import coo_parts, is_strided, stored_values
 from ..tree import iter_tensors
 
@@ -101,6 +102,7 @@ def nonfinite_rows(named: dict[str, Tensor], findings: list[dict], limit: int = 
     out = []
     for f in findings:
         t = named.get(f["name"])
+        t = None if t is None else local(t)  # a DTensor: the rows of this rank's shard
         if t is not None and t.dim() >= 2:
             if is_strided(t):
                 bad = ~torch.isfinite(t.detach()).reshape(t.shape[0], -1).all(dim=1)

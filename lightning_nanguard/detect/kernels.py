@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..dtensors import local
 from ..layouts import is_strided, stored_values
 
 __all__ = ["nonfinite_flag", "any_nonfinite_flag", "dense_nonfinite_flag", "total_norm", "CPU_CHUNK"]
@@ -38,8 +39,8 @@ def any_nonfinite_flag(tensors: Sequence[Tensor]) -> Optional[Tensor]:
       element): small tensors are concatenated into bounded chunks and reduced as ``sum(chunk * 0)``, which is
       0 when every value is finite and NaN otherwise; large tensors use ``aminmax`` (one pass, no copy).
     """
-    floats = [t.detach() if is_strided(t) else stored_values(t, coalesce=False) for t in tensors
-              if t.is_floating_point() or t.is_complex()]
+    floats = [local(t).detach() if is_strided(t) else stored_values(t, coalesce=False) for t in tensors
+              if t.is_floating_point() or t.is_complex()]  # a DTensor: its local shard
     return dense_nonfinite_flag([t for t in floats if t is not None])  # sparse, nested: their stored values
 
 

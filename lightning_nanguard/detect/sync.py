@@ -10,8 +10,8 @@ then reads the same flags, the mean loss, and takes the same decision.
 Under FSDP (or any strategy whose class name says it shards: ``FSDP``, ``ModelParallel``) gradients are
 sharded: the guard sums ``|g|^p`` over the local shards and the same all-reduce completes the norm, so the
 finite check and clipping still cost one collective. (An inf-norm needs a MAX: a second all-reduce.) The
-sum runs over the whole world, which is right for full sharding; hybrid sharding (replicas of shards)
-would over-count the norm by the number of replicas.
+sum runs over the whole world; a DTensor's shard held by several ranks (a ``Replicate`` placement: tensor
+parallel's replicated biases, hybrid sharding) is counted on one of them only (:func:`~..dtensors.norm_share`).
 
 Replicas (``check.replicas``, DDP): the reduced gradient is identical on every rank by construction, so each rank
 puts a summary of its own copy into the same all-reduce (:meth:`StepSync.own_parts`), which every rank reads alike,
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..dtensors import local, norm_share, reduced
 from .amp import grad_scaler, reads_found_inf
 from .kernels import total_norm
 from .vector import SCHEMA
@@ -264,17 +265,31 @@ def shards_gradients(strategy: Any) -> bool:
 
 def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a tensor (a DTensor's local tensor; a plain tensor as it is)."""
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+    return local(t)
 
 
-def local_norm_power(grads: Sequence[Tensor], norm_type: float) -> Tensor:
-    """``sum |g|^p`` over the local shards (``max |g|`` for the inf-norm) as a 0-dim float32 tensor."""
-    local = [local_tensor(g) for g in grads if g is not None]
-    local = [g for g in local if g.numel() > 0]
-    if not local:
+def local_norm_power(grads: Sequence[Tensor], norm_type: float, world: int = 1) -> Tensor:
+    """``sum |g|^p`` over the local shards (``max |g|`` for the inf-norm) as a 0-dim float32 tensor, each shard
+    weighted by :func:`~..dtensors.norm_share` (an element several of the ``world`` ranks hold counts once in the
+    sum over ranks; a ``Partial`` gradient is completed first)."""
+    shards: list[tuple[Tensor, float]] = []
+    for g in grads:
+        if g is None:
+            continue
+        g = reduced(g)
+        share = 1.0 if math.isinf(norm_type) else norm_share(g, world)  # a max counts a copy any number of times
+        shard = local_tensor(g)
+        if shard.numel() > 0:  # a copy counted elsewhere is still added, times 0: a NaN or Inf in it stays NaN
+            shards.append((shard, share))
+    if not shards:
         return torch.zeros(())
-    norms = torch.stack([n.float() for n in torch._foreach_norm(local, norm_type)])
-    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    norms = torch.stack([n.float() for n in torch._foreach_norm([t for t, _ in shards], norm_type)])
+    if math.isinf(norm_type):
+        return norms.max()
+    powers = norms.pow(norm_type)
+    if any(share != 1.0 for _, share in shards):
+        powers = powers * torch.tensor([share for _, share in shards], device=powers.device)
+    return powers.sum()
 
 
 class StepSync:
@@ -419,7 +434,7 @@ class StepSync:
     def grad_norm(self, grads: Sequence[Tensor]) -> Tensor:
         """The fused total norm; under sharding the local power sum that :meth:`reduce` completes."""
         if self.sharded:
-            return local_norm_power(grads, self.norm_type)
+            return local_norm_power(grads, self.norm_type, self.world_size)
         return total_norm(list(grads), self.norm_type)
 
     def reduce(self, vec: Tensor) -> Tensor:
@@ -456,6 +471,12 @@ class StepSync:
             return []
         return SCHEMA.local_flags(local)
 
+    def shard_bad(self, local: Optional[Tensor] = None) -> bool:
+        """Sharded: is this rank's own share of the gradient (its ``sum |g|^p`` before :meth:`reduce`) non-finite?
+        (syncs: incident only; False when not sharded)"""
+        local = self._local if local is None else local
+        return self.sharded and local is not None and not math.isfinite(float(local[SCHEMA.norm]))
+
     @property
     def last_local(self) -> Optional[Tensor]:
         """This rank's vector of the last :meth:`reduce`, before the reduction (None on one process)."""
@@ -481,9 +502,13 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
       reduced gradient, ``recomputed``: the norm and checksum residues of the reduced gradient recomputed from the
       replays, :meth:`StepSync.reduced_norm`): the first rank whose copy disagrees, by its checksum
       (:func:`odd_checksums`, ``replica_compare: exact``), else by its norm (:func:`odd_ranks`);
+    - the first whose own weights hold the non-finite values (under sharding a rank checks its own shards, and a
+      bad shard spoils every rank's loss through the forward's all-gather);
     - else the first whose own replay of its own micro-batches reproduced the fault (``details.replay``);
     - else the first with local evidence (a non-finite loss, input, parameter or module output);
     - else the first whose diagnosis found something of its own (bad inputs, an op);
+    - else (sharded) the first whose own share of the gradient is non-finite (a fault after the backward, in one
+      rank's shard: the others' are finite);
     - else nobody knows: rank 0's account, and ``details.ranks`` is empty (e.g. a fault that no rank's replay
       reproduces, in a gradient the all-reduce spread to every rank).
 
@@ -502,10 +527,12 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
         if vec is not None:
             first = SCHEMA.index[CHECKSUM_FIELDS[0]]
             residues = own_residues(vec[first:first + len(CHECKSUM_FIELDS)].tolist(), sync.weight)
+    shard = found is None and sync.shard_bad(local)
     local = [bool(found)] if found is not None else sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
     reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
-    evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0
+    weights = event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
+    evidence = 5 if weights else 4 if reproduced else 3 if any(local) else 2 if own else 1 if shard else 0
     payload = {"rank": sync.rank, "evidence": evidence, "local": local, "extra": extra, "own_norm": own_norm,
                "residues": None if residues is None else list(residues),
                "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}

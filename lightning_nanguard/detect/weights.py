@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ..dtensors import local
 from ..layouts import checkable, is_strided
 from .find import find_nonfinite_tensors
 from .kernels import CPU_CHUNK, dense_nonfinite_flag
@@ -73,9 +74,9 @@ class WeightCheck:
         sources = [t for _, t in named if is_strided(t)]
         # sparse and nested tensors: their stored values, taken at every check (a copy of another sparsity moves them)
         self._layouts = [(n, t) for n, t in named if not is_strided(t)]
-        tensors = [t.detach() for t in sources]
+        tensors = [local(t).detach() for t in sources]  # a DTensor: its local shard (:mod:`..dtensors`)
         self._module, self._tensors = module, sources  # the parameters themselves: ``.data =`` moves their pointer
-        self._ptrs = [t.data_ptr() for t in sources]
+        self._ptrs = [local(t).data_ptr() for t in sources]
         small = [t for t in tensors if t.device.type == "cpu" and not t.is_complex() and t.is_contiguous()
                  and t.numel() < CPU_CHUNK]
         if sum(t.numel() for t in small) > 4 * CPU_CHUNK or len(small) < 2:
@@ -90,7 +91,7 @@ class WeightCheck:
 
     def flag(self, module: nn.Module) -> Optional[Tensor]:
         """0-dim bool tensor: does any floating parameter or buffer of ``module`` hold NaN/Inf? (no sync)"""
-        if module is not self._module or [t.data_ptr() for t in self._tensors] != self._ptrs:
+        if module is not self._module or [local(t).data_ptr() for t in self._tensors] != self._ptrs:
             self._collect(module)
         parts = []
         for views, buf in self._small:  # sum(x * 0) is 0 when every x is finite, NaN otherwise

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from ..config import AnomalyConfig
 from ..counters import Counters
+from ..dtensors import sharded
 from ..events import NaNEvent
 from ..record import Window
 from .dynamics import InitialScales
@@ -16,6 +17,16 @@ from .replay import parse_anomaly_error
 from .rules import IncidentContext, diagnose, diagnose_anomaly_error
 
 __all__ = ["Diagnoser"]
+
+
+def _agreement(trainer: Any, pl_module: Any) -> Optional[Callable[[bool], bool]]:
+    """Sharded over several ranks (DTensor parameters): a replay is a collective (FSDP2 all-gathers the weights in
+    its forward, reduce-scatters in its backward; tensor parallel all-reduces), so every rank replays or none: the
+    agreement (every rank wants to: one ``reduce_boolean_decision``, on the incident path only). None otherwise."""
+    if int(getattr(trainer, "world_size", 1) or 1) <= 1 or pl_module is None or not sharded(pl_module):
+        return None
+    strategy = trainer.strategy
+    return lambda want: bool(strategy.reduce_boolean_decision(bool(want), all=True))
 
 
 class Diagnoser:
@@ -61,7 +72,7 @@ class Diagnoser:
         return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, batches=batches, rng_states=rng,
                                replay_step=window.step if window is not None else None,
                                frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
-                               **evidence)
+                               agree=_agreement(trainer, pl_module), **evidence)
 
     # ---------------------------------------------------------------------------------------- diagnosis
 

@@ -14,6 +14,11 @@ norms; they are read on the first incident).
 - :func:`layer_growth`: per-layer gradient RMS growing from the output side to the input side;
   :func:`activation_growth`: module outputs growing layer by layer in a replayed forward pass;
   :func:`short_growth`: a gradient norm growing geometrically over the last few steps.
+
+Under sharding (DTensor parameters: FSDP2, tensor parallel) every norm here is that of the rank's local shard
+and every RMS divides by the shard's own number of elements (a shard's RMS stands for the whole tensor's; an
+empty shard has norm 0 and tells nothing): no collective on the incident path, where the ranks' branches may
+differ. Each rank's diagnosis is gathered with its evidence, and the events take the account of one rank.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from ..dtensors import local
 
 __all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "WEIGHT_GROWTH", "LAYER_GROWTH",
            "ACTIVATION_GROWTH", "SHORT_GROWTH",
@@ -62,7 +69,7 @@ def expected_scale(shape: Sequence[int]) -> Optional[float]:
 def norms(tensors: Iterable[Tensor]) -> list[float]:
     """2-norms, read at once, in each tensor's own dtype (no float64 copy of a large weight); a norm that
     overflows its dtype (values near float32's max) is recomputed scaled by the tensor's abs-max."""
-    ts = [t.detach() for t in tensors]
+    ts = [local(t).detach() for t in tensors]  # a DTensor: its local shard
     if not ts:
         return []
     device = ts[0].device
@@ -88,11 +95,11 @@ class InitialScales:
         self._values: Optional[dict[str, float]] = None
 
     def record(self, module: nn.Module) -> None:
-        named = list(module.named_parameters())
+        named = [(n, local(p).detach()) for n, p in module.named_parameters()]  # a DTensor: its local shard
         self._shapes = {n: tuple(p.shape) for n, p in named}
-        # (an empty parameter, e.g. a table sized 0, has no inf-norm: torch raises; its norms are 0)
-        self._pending = [torch.stack([torch.linalg.vector_norm(p.detach()).float(),
-                                      torch.linalg.vector_norm(p.detach(), math.inf).float()]) if p.numel()
+        # (an empty parameter or shard, e.g. a table sized 0, has no inf-norm: torch raises; its norms are 0)
+        self._pending = [torch.stack([torch.linalg.vector_norm(p).float(),
+                                      torch.linalg.vector_norm(p, math.inf).float()]) if p.numel()
                          else torch.zeros(2, device=p.device) for _, p in named]
         self._values = None
 
@@ -124,9 +131,12 @@ def oversized(module: nn.Module, initial: dict[str, float], ratio: float = INIT_
     now = norms(p for _, p in named)
     worst: Optional[dict[str, Any]] = None
     for (name, p), norm in zip(named, now):
-        expected = expected_scale(p.shape)
+        expected = expected_scale(p.shape)  # of the whole tensor; the RMS is its local shard's
         assert expected is not None
-        scale, at_start = _rms(norm, p.numel()), _rms(initial[name], p.numel())
+        n = local(p).numel()
+        if not n:
+            continue
+        scale, at_start = _rms(norm, n), _rms(initial[name], n)
         if not (math.isfinite(scale) and math.isfinite(at_start)):
             continue
         found = scale / expected
@@ -194,7 +204,7 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
             known = [reference[names[id(p)]] for p in params if reference is not None and names.get(id(p)) in reference]
             current = norms(p for p in params if reference is None or names.get(id(p)) not in reference)
             w = math.sqrt(sum(v * v for v in known + current))
-            n = sum(p.numel() for p in params)
+            n = sum(local(p).numel() for p in params)  # norms of local shards: their elements
             w = max(w, math.sqrt(n) * 1e-3)  # zero-initialised parameters: compare to a small but non-zero scale
             if not w > 0:
                 continue  # NaN weights, or no elements at all
@@ -202,7 +212,8 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
                 if not math.isfinite(grad_norm) or grad_norm <= 0:  # unknown (e.g. check.gradients off)
                     continue
                 momentum = float(group.get("momentum") or 0.0)
-                step = lr * grad_norm / (1.0 - momentum if momentum < 1.0 else 1.0)
+                whole = sum(p.numel() for p in params)  # the global norm against the shards': scaled up to them
+                step = lr * grad_norm * math.sqrt(n / whole) / (1.0 - momentum if momentum < 1.0 else 1.0)
                 kind = "sgd"
             else:
                 step = lr * math.sqrt(n)
@@ -231,7 +242,7 @@ def layer_growth(module: nn.Module, ratio: float = LAYER_GROWTH) -> Optional[dic
     if len(named) < 4:
         return None
     grads = norms(p.grad for _, p in named)  # type: ignore[misc]
-    rms = [_rms(g, p.numel()) for (_, p), g in zip(named, grads)]
+    rms = [_rms(g, local(p).numel()) for (_, p), g in zip(named, grads)]
     if not all(math.isfinite(r) and r > 0 for r in rms):
         return None
     q = max(len(rms) // 4, 1)

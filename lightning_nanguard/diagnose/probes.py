@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ..dtensors import local
 from ..layouts import is_strided, stored_values
 from ..tree import iter_tensors
 from . import domain
@@ -68,7 +69,7 @@ def public_name(name: str) -> str:
 
 def floats_of(obj: Any) -> list[Tensor]:
     """The non-empty floating tensors of a nested input/output structure (sparse ones: their stored values)."""
-    values = (t if is_strided(t) else stored_values(t, path)
+    values = (local(t) if is_strided(t) else stored_values(t, path)  # a DTensor: its local shard
               for path, t in iter_tensors(obj, "") if t.is_floating_point())
     return [t for t in values if t is not None and t.numel()]
 

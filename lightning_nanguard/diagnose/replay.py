@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..detect.kernels import any_nonfinite_flag, total_norm
+from ..dtensors import is_dtensor, local, sharded
 from ..layouts import deepcopy_memo
 from ..record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
@@ -64,6 +65,13 @@ class ReplayResult:
     errors: list[str] = field(default_factory=list)
     frames_text: str = ""
     forward_rows: list[dict] = field(default_factory=list)  # module calls up to the first non-finite output
+    lockstep: bool = False  # sharded: the same passes on every rank (:data:`LOCKSTEP`)
+
+
+# why a replay of a sharded module (DTensor parameters) does less: its forward and backward are collectives
+LOCKSTEP = ("sharded (DTensor parameters): the replay's forward and backward are collectives, so every rank runs the "
+            "same passes: one forward and backward per micro-batch, every micro-batch; the op search, anomaly mode "
+            "and float64 passes, which only a rank that reproduced the fault would run, were not run")
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -98,6 +106,17 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
             m.training = mode
         metrics.undo()
         set_rng_state(rng)
+        _reshard(module)
+
+
+def _reshard(module: nn.Module) -> None:
+    """FSDP2: a replay's forward all-gathered the weights, and only a completed ``backward()`` reshards them (not a
+    forward whose loss was None, nor one cut short by an error): put every FSDP module back on its sharded
+    parameters (local, no collective), so that what follows (a rollback, the optimizer step) sees the DTensors."""
+    for m in module.modules():
+        reshard = getattr(m, "reshard", None)
+        if callable(reshard) and hasattr(m, "unshard"):
+            reshard()
 
 
 def _loss_of(output: Any) -> Optional[Tensor]:
@@ -118,7 +137,10 @@ def _grads(loss: Tensor, named: list[tuple[str, nn.Parameter]]) -> list[Optional
     if not loss.requires_grad or not named:
         return [None] * len(named)
     params = [p for _, p in named]
-    if _reentrant_checkpoint(loss):  # torch.autograd.grad refuses checkpoint(..., use_reentrant=True)
+    # torch.autograd.grad refuses checkpoint(..., use_reentrant=True); under FSDP2 it finds no gradient at all (the
+    # sharded parameters are not in the graph of the all-gathered ones that the forward used): a real backward,
+    # whose reduce-scatter every rank of a lockstep replay makes alike
+    if _reentrant_checkpoint(loss) or any(is_dtensor(p) for p in params):
         return _backward_grads(loss, params)
     return list(torch.autograd.grad(loss.sum(), params, allow_unused=True))
 
@@ -199,11 +221,13 @@ def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng
 
 def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
                    frames: int, float64_check: bool, norm_type: float) -> ReplayResult:
-    result = ReplayResult()
+    lockstep = sharded(module)  # every rank runs the same passes (:data:`LOCKSTEP`)
+    result = ReplayResult(lockstep=lockstep)
+    found: Optional[ReplayResult] = None
     plugin = getattr(trainer, "precision_plugin", None)
     for i, (batch, batch_idx) in enumerate(batches):
         rng = rng_states[i] if i < len(rng_states) else None
-        result = ReplayResult(micro_batch=i)
+        result = ReplayResult(micro_batch=i, lockstep=lockstep)
         with preserved_state(module), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             warnings.filterwarnings("ignore", message="For backward hooks to be called")  # a ModelOutput
@@ -211,6 +235,9 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
                 _replay_one(result, module, batch, batch_idx, rng, plugin, frames, norm_type, float64_check)
             except Exception as err:  # the replay must never break training
                 result.errors.append(f"replay: {type(err).__name__}: {err}")
+        if lockstep:  # the other ranks replay every micro-batch: so does this one, keeping the first that reproduced
+            found = found or (result if result.reproduced else None)
+            continue
         if result.reproduced:
             if float64_check:
                 with preserved_state(module):
@@ -219,7 +246,7 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
                     except Exception as err:
                         result.errors.append(f"float64: {type(err).__name__}: {err}")
             break
-    return result
+    return found or result
 
 
 def _reruns(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
@@ -242,18 +269,22 @@ def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_st
     behind the end-of-fit check: no hooks, no float64 pass, and, like :func:`replay_window`, it changes
     nothing (RNG, buffers, metrics, modes and ``.grad`` are left as they were). None when it could not run."""
     named = [("", p) for p in module.parameters() if p.requires_grad]
+    lockstep = sharded(module)  # every rank reruns every micro-batch, forward and backward (:data:`LOCKSTEP`)
+    found = False
     try:
         for loss in _reruns(trainer, module, batches, rng_states, step):
             if loss is None:
                 continue
-            if not bool(torch.isfinite(loss.detach()).all()):
+            found = found or not bool(torch.isfinite(loss.detach()).all())
+            if found and not lockstep:
                 return True
-            grads = [g for g in _grads(loss, named) if g is not None]
-            if grads and not bool(torch.isfinite(total_norm(grads, norm_type))):
+            grads = [local(g) for g in _grads(loss, named) if g is not None]
+            found = found or bool(grads) and not bool(torch.isfinite(total_norm(grads, norm_type)))
+            if found and not lockstep:
                 return True
     except Exception:  # the check must never break training
         return None
-    return False
+    return found
 
 
 def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
@@ -290,19 +321,22 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
         with rec:
             loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
             res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
-            grads = _grads(loss, named) if loss is not None and res.loss_finite else []
+            # (sharded: the backward is a collective the other ranks make, whatever this rank's loss)
+            grads = _grads(loss, named) if loss is not None and (res.loss_finite or res.lockstep) else []
     except RuntimeError as err:  # e.g. an in-place op on a hooked output: replay without backward hooks
         res.errors.append(f"backward hooks: {err}".splitlines()[0])
         rec = FrameRecorder(module, backward=False, root_name=f"<{type(module).__name__}>")
         with preserved_state(module), rec:
             loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
             res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
-            grads = _grads(loss, named) if loss is not None and res.loss_finite else []
+            grads = _grads(loss, named) if loss is not None and (res.loss_finite or res.lockstep) else []
     rec.read()
     bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
+    if res.lockstep and res.loss_finite is False:
+        bad_grads = []  # (the gradients of a non-finite loss, computed for the other ranks' sake, say nothing more)
     res.nonfinite_grads = bad_grads[:20]
     if not bad_grads:
-        finite = [g for g in grads if g is not None]
+        finite = [local(g) for g in grads if g is not None]  # sharded: this rank's shards (a DTensor norm: collective)
         res.norm_overflow = bool(finite) and not bool(torch.isfinite(total_norm(finite, norm_type)))
     first_fwd = rec.first_bad(rec.forward_frames)
     res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
@@ -313,6 +347,11 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
         res.frames_text = format_frames(ring, "forward (module call, inputs -> output):")
     elif res.loss_finite is False:
         res.forward = {"module": "training_step", "call": 0}
+    if res.lockstep:
+        if bad_grads:
+            first_bwd = rec.first_bad(rec.backward_frames)
+            res.backward = first_bwd.row() if first_bwd is not None else None
+        return  # the passes below run on a rank that reproduced the fault only (:data:`LOCKSTEP`)
     if res.forward is not None:
         where = (first_fwd.module, first_fwd.call) if first_fwd is not None else None
         with preserved_state(module):  # every pass starts from the same buffers

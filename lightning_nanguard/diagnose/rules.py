@@ -112,6 +112,9 @@ class IncidentContext:
     # only then does a clean replay mean a fault that does not come back
     same_weights: bool = True
     norm_type: float = 2.0  # clip.norm_type: a total gradient norm that overflows it is an incident too
+    # sharded (DTensor parameters, several ranks): the replay is a collective, so every rank replays or none; this
+    # agrees on it (True when every rank wants to; one collective, every rank calls it at the same point)
+    agree: Optional[Callable[[bool], bool]] = None
 
 
 def diagnose(ctx: IncidentContext) -> str:
@@ -124,6 +127,13 @@ def diagnose(ctx: IncidentContext) -> str:
     details = ev.details
     frames_text = ""
     cause: Optional[str] = None
+    if ctx.agree is not None and ctx.replay and ctx.batches:  # (the same on every rank: the budget and the window)
+        wanted = _would_replay(ctx)
+        ctx.replay = ctx.agree(wanted)
+        if wanted and not ctx.replay:
+            details["replay_skipped"] = ("sharded: the replay is a collective (forward and backward all-gather) and "
+                                         "another rank's own evidence (its inputs, its weights) named the cause: no "
+                                         "rank replayed")
     z = history_zscore(ctx.grad_norm, ctx.norm_history)
     if z is not None:
         details["grad_norm_zscore"] = z
@@ -184,6 +194,13 @@ def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
         ev.cause = "backward_op"
         ev.suggestion = suggest(ev, "backward_op")
     return extra
+
+
+def _would_replay(ctx: IncidentContext) -> bool:
+    """Would :func:`diagnose` replay the window on this rank? (its branches, in order: the rank's own inputs or weights
+    explain an incident without a replay)"""
+    return not ctx.at_fit_start and not ctx.input_findings and ctx.event.kind not in ("parameter", "buffer",
+                                                                                      "divergence")
 
 
 def _dynamics_cause(ctx: IncidentContext, found: Optional[str], rows: list[dict]) -> Optional[str]:
@@ -347,6 +364,8 @@ def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
         details["replay"]["errors"] = res.errors
     if res.float64 is not None:
         details["float64"] = res.float64
+    if getattr(res, "lockstep", False):
+        details["replay"]["sharded"] = replay.LOCKSTEP
     if not res.reproduced:
         if res.errors:
             details["replay"]["note"] = "the replay did not complete: nothing is known about the fault"

@@ -27,7 +27,7 @@ from .ladder import Plan, RecoveryLadder
 from .lr import common_ratio, current_lrs, reference_lrs, scale_lr
 from .metrics import MetricUndo
 from .sharded import ShardedStore
-from .snapshots import Norms, Snapshot, SnapshotStore, make_store
+from .snapshots import Norms, Snapshot, SnapshotStore, as_live, make_store
 from .undo import BufferUndo, skip_step
 
 if TYPE_CHECKING:
@@ -351,7 +351,8 @@ class Recovery:
             yield None
             return
         own = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        load_module_state(pl_module, self.store.load_module(self.store.newest))
+        # (sharded: the snapshot's local shards, put back into the live DTensors)
+        load_module_state(pl_module, as_live(self.store.load_module(self.store.newest), pl_module.state_dict()))
         try:
             yield self.store.newest.step
         finally:

@@ -31,13 +31,14 @@ import torch
 from torch import Tensor
 
 from ..detect.amp import grad_scaler
+from ..dtensors import is_dtensor, like, local
 from ..errors import SnapshotWriteWarning
 from ..layouts import copy_to_cpu, is_strided, load_module_state, nbytes
 from ..tree import flatten, slot, unflatten
 from .device_copy import DeviceCopy
 from .writer import SnapshotWriter, Write, why_not_written, write_atomic
 
-__all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state",
+__all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state", "as_live",
            "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms"]
 
 
@@ -65,8 +66,23 @@ def restorable_scaler_state(snapshot: dict[str, Any], current_scale: float, over
     return state
 
 
+def as_live(state: Any, live: Any) -> Any:
+    """``state`` (a snapshot's local shards) with each tensor whose counterpart in ``live`` (the same structure) is a
+    DTensor made one like it (:func:`~..dtensors.like`: no communication), so that loading it writes each rank's
+    shard in place; ``state`` itself where ``live`` holds no DTensor or another structure."""
+    skeleton, saved = flatten(state)
+    _, current = flatten(live)
+    if len(saved) != len(current) or not any(is_dtensor(t) for t in current):
+        return state
+    return unflatten(skeleton, [like(s, t) for s, t in zip(saved, current)])
+
+
 def load_training_state(trainer: Any, pl_module: Any, state: dict[str, Any], scaler_overflows: int = 0) -> None:
-    """Put :func:`training_state` ``state`` (fresh tensors, see :meth:`SnapshotStore.load`) back into the fit."""
+    """Put :func:`training_state` ``state`` (fresh tensors, see :meth:`SnapshotStore.load`) back into the fit.
+    Under sharding the snapshot holds each rank's local shards: they go back into the live DTensors
+    (:func:`as_live`)."""
+    if any(is_dtensor(p) for p in pl_module.parameters()):
+        state = as_live(state, training_state(trainer, pl_module))
     load_module_state(pl_module, state["module"])
     for opt, opt_state in zip(trainer.optimizers, state["optimizers"]):
         opt.load_state_dict(opt_state)
@@ -162,6 +178,7 @@ class SnapshotStore:
         device, and waited for on the device at once; see :mod:`.device_copy`); None: not known (all of them)."""
         self.poll()
         skeleton, live = flatten(state)
+        live = [local(t) for t in live]  # sharded: this rank's own shards (1/N of the state, no second sharding)
         first = written_by_forward(skeleton, buffers)
         while len(self.ring) >= self.keep:  # evict first, so that at most `keep` copies ever exist
             old = self.ring.popleft()
