@@ -229,7 +229,8 @@ class LoggingConfig(_Section):
     loggers: bool = _opt(True, "write nanguard/ scalars (and, to TensorBoard, incident text) to every logger of "
                                "the Trainer")
     reports: bool = _opt(True, "write a human-readable incident report next to events.jsonl")
-    progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar")
+    progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar (from the first incident or LR "
+                                    "cut on)")
     verbose: bool = _opt(True, "print one line per event, with its cause and actions (rank 0)")
 
 
