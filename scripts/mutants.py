@@ -439,7 +439,7 @@ MUTANTS: list[Mutant] = [
            "if self._flow.end(trainer, pl_module):",
            "logging.progress_bar: false still logs the status to the progress bar"),
     Mutant("events", "ev-no-scalars-at-incident", SINKS,
-           "self.scalars(scalars, event.step)",
+           "self.scalars(scalars, step)",
            "pass",
            "nanguard/ scalars are not written at the incident's step"),
     Mutant("events", "ev-event-index-stuck", RECORDER,
@@ -466,9 +466,11 @@ MUTANTS: list[Mutant] = [
     Mutant("events", "ev-name-tags-shared", RECORDER,
            'prefix=f"nanguard/{self.name}/" if self.name else "nanguard/"', 'prefix="nanguard/"',
            "two named guards write their scalars under the same nanguard/ tags"),
-    Mutant("events", "ev-progress-count-float", PROGRESS,
-           "status = (int(incidents), float(lr_scale))", "status = (float(incidents), float(lr_scale))",
-           "the progress bar shows the incident count as a float (ng_incidents=1.000)"),
+    # was ev-progress-count-float (an int count in the bar): since issue 29 the bar holds floats logged through
+    # pl_module.log, and only from the first incident or LR cut on
+    Mutant("events", "ev-progress-shown-when-healthy", PROGRESS,
+           "if incidents == 0 and lr_scale == 1.0:  # healthy so far: nothing to say", "if False:",
+           "a healthy fit shows ng_incidents / ng_lr_scale in the progress bar and callback_metrics (issue 29)"),
     Mutant("events", "ev-vocabulary-not-enforced", RECORDER,
            "event.validate()", "pass",
            "an event whose cause is outside the documented vocabulary is recorded and written"),
@@ -1192,8 +1194,8 @@ MUTANTS: list[Mutant] = [
            "(recovery.snapshot: off)'; here training goes on with non-finite weights"),
     # ------------------------------------------------------------------ events, sinks, report CLI
     Mutant("events", "doc-events-scalars-at-read-step", SINKS,
-           "self.scalars(scalars, event.step)",
-           "self.scalars(scalars, event.step + 1)",
+           "self.scalars(scalars, step)",
+           "self.scalars(scalars, step + 1)",
            "README / docs/events.md: loggers receive the scalars 'at each event's own step'; here one step "
            "late, at the step that reads a lagged event (the sinks get the event alone since issue 18, not the "
            "trainer whose global_step this mutant used)"),
