@@ -53,6 +53,7 @@ DIAGNOSER = PKG + "diagnose/diagnoser.py"
 SINKS = PKG + "report/sinks.py"
 RECORDER = PKG + "report/recorder.py"
 PROGRESS = PKG + "report/progress.py"
+CONSOLE = PKG + "console.py"
 METRICS = PKG + "recover/metrics.py"
 LAYOUTS = PKG + "layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
@@ -471,6 +472,21 @@ MUTANTS: list[Mutant] = [
     Mutant("events", "ev-progress-shown-when-healthy", PROGRESS,
            "if incidents == 0 and lr_scale == 1.0:  # healthy so far: nothing to say", "if False:",
            "a healthy fit shows ng_incidents / ng_lr_scale in the progress bar and callback_metrics (issue 29)"),
+    # issue 29: a good guest in the user's Trainer
+    Mutant("events", "ev-logger-step-is-global-step", RECORDER,
+           "    return step if isinstance(step, int) else int(trainer.global_step)", "    return int(trainer.global_step)",
+           "the guard's nanguard/* scalars are logged at global_step, not at Lightning's step for the batch "
+           "(one step ahead, twice as far with two manual optimizers)"),
+    Mutant("events", "ev-report-dir-in-checkpoint-folder", RECORDER,
+           "    if not holders:", "    if True:",
+           "docs/events.md: nanguard/ lands inside a ModelCheckpoint folder (dirpath=default_root_dir, logger=False)"),
+    Mutant("events", "ev-sync-line-on-default-fit", STEP,
+           'if check.sync != "auto":  # the user chose a mode', "if True:  # the user chose a mode",
+           "a default fit prints the '[nanguard] sync: ...' line (nothing is printed on a healthy fit)"),
+    Mutant("compat", "compat-say-to-classic-logger", CONSOLE,
+           'unified = any(m.startswith("lightning.pytorch.") for m in modules)', "unified = False",
+           "under lightning.pytorch the guard's lines go to pytorch_lightning's logger: the user's "
+           "logging.getLogger('lightning.pytorch') level does not govern them"),
     Mutant("events", "ev-vocabulary-not-enforced", RECORDER,
            "event.validate()", "pass",
            "an event whose cause is outside the documented vocabulary is recorded and written"),
