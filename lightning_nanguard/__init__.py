@@ -1,4 +1,10 @@
-"""lightning_nanguard: a PyTorch Lightning callback that survives and explains NaN/Inf in training."""
+"""lightning_nanguard: a PyTorch Lightning callback that survives and explains NaN/Inf in training.
+
+``NaNGuard`` (a ``pytorch_lightning.Callback``) and ``NaNEvent`` are imported on first access, so that importing
+this package, or ``lightning_nanguard.lightning`` (the same callback for the unified ``lightning`` package),
+imports no Lightning package it did not ask for, and the ``nanguard`` command (which needs neither) starts
+without torch.
+"""
 
 from typing import TYPE_CHECKING, Any
 
@@ -6,14 +12,14 @@ from .config import NaNGuardConfig
 from .errors import ConfigError, NaNGuardError
 
 if TYPE_CHECKING:
-    from .callback import NaNGuard
+    from .classic import NaNGuard
     from .events import NaNEvent
 
 __all__ = ["NaNGuard", "NaNGuardConfig", "NaNEvent", "ConfigError", "NaNGuardError"]
 __version__ = "0.1.0"
 
-# imported when first used, so that the ``nanguard`` command (which needs neither) starts without torch and Lightning
-_LAZY = {"NaNGuard": ".callback", "NaNEvent": ".events"}
+# imported when first used
+_LAZY = {"NaNGuard": ".classic", "NaNEvent": ".events"}
 
 
 def __getattr__(name: str) -> Any:
@@ -26,5 +32,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__() -> list:
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

@@ -1,16 +1,22 @@
-"""The NaNGuard callback: Lightning's hooks, each delegating to the parts of the guard."""
+"""The NaNGuard callback: Lightning's hooks, each delegating to the parts of the guard.
+
+:class:`NaNGuardBase` is the whole callback without a Lightning base class, so that this module imports neither
+Lightning package (importing ``pytorch_lightning`` rebinds globals that ``lightning.pytorch`` shares, and the
+other way round). ``lightning_nanguard.NaNGuard`` (:mod:`.classic`) adds ``pytorch_lightning.Callback``,
+``lightning_nanguard.lightning.NaNGuard`` adds ``lightning.pytorch.Callback``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
-from .console import say, warn
+from .console import warn
 from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
@@ -30,18 +36,16 @@ from .state_schema import check_state, check_version
 from .step import StepFlow
 from .usage_errors import usage_errors
 
-try:  # the callback works in both packages' Trainers; it subclasses the classic one
+if TYPE_CHECKING:
     import pytorch_lightning as pl
-except ImportError:  # pragma: no cover
-    import lightning.pytorch as pl  # type: ignore[no-redef]
 
-__all__ = ["NaNGuard", "NaNGuardError"]
+__all__ = ["NaNGuardBase", "NaNGuardError"]
 
 _Section = Union[Mapping[str, Any], None]
 _STATE_VERSION = 3
 
 
-class NaNGuard(pl.Callback):
+class NaNGuardBase:
     """Keep a training run alive through NaN/Inf, and explain where they came from.
 
     One optimizer step, as the guard sees it:
@@ -145,7 +149,7 @@ class NaNGuard(pl.Callback):
         self._resumed = False
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path]) -> "NaNGuard":
+    def from_yaml(cls, path: Union[str, Path]) -> "NaNGuardBase":
         """Build from a YAML file of sections (optionally nested under ``nanguard:``)."""
         return cls(config=NaNGuardConfig.from_yaml(path))
 
@@ -278,10 +282,8 @@ class NaNGuard(pl.Callback):
         self._diagnoser.start()  # here, inside the Trainer's own set_detect_anomaly context
         self._diagnoser.record_initial(pl_module)  # parameter scales at fit start, read only on an incident
         if self.config.check.parameters:
-            exempt = self._evidence.weights.exempt_nonfinite_buffers(pl_module)
-            if exempt:
-                say(trainer, "[nanguard] buffers non-finite before training, taken as intentional and not "
-                             f"checked: {', '.join(exempt)}")
+            # a causal mask of -inf is a healthy model: exempt silently (listed in guard.exempt_buffers)
+            self._evidence.weights.exempt_nonfinite_buffers(pl_module)
             findings = self._evidence.weights.find(pl_module)
             if findings:
                 self._responder.initialization_incident(trainer, pl_module, findings)

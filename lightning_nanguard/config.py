@@ -237,7 +237,8 @@ class LoggingConfig(_Section):
     reports: bool = _opt(True, "write a human-readable incident report next to events.jsonl")
     max_reports: int = _opt(100, "incident report files kept per fit: the first half and the newest half (every "
                                  "event stays in events.jsonl)", lo=1)
-    progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar")
+    progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar (from the first incident or LR "
+                                    "cut on)")
     verbose: bool = _opt(True, "print one line per event, with its cause and actions (rank 0)")
 
 

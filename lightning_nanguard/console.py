@@ -1,18 +1,19 @@
 """One-line messages for the user, from global rank 0 only.
 
 :func:`say` prints through the active progress bar (so the line lands on a line of its own, not on the
-bar's), else through Lightning's rank-zero logger; :func:`warn` is Lightning's ``rank_zero_warn``. The
-package installs no logging handlers of its own.
+bar's), else at INFO through the rank-zero logger of the Trainer's own package (``pytorch_lightning...`` or
+``lightning.pytorch...``, so ``logging.getLogger("lightning.pytorch").setLevel(...)`` governs it as it
+governs Lightning's own messages); :func:`warn` is ``lightning_utilities``' ``rank_zero_warn``, the one both
+Lightning packages re-export. Nothing here imports a Lightning package or changes a logger: the package installs
+no logging handlers of its own.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-try:
-    from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
-except ImportError:  # pragma: no cover
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # type: ignore[no-redef]
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 __all__ = ["say", "warn"]
 
@@ -28,6 +29,13 @@ def _bar_on_screen(bar: Any) -> bool:
     return getattr(bar, "progress", None) is not None  # RichProgressBar
 
 
+def _logger(trainer: Any) -> logging.Logger:
+    """The rank-zero logger of the package ``trainer`` comes from (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    modules = [cls.__module__ for cls in type(trainer).__mro__]  # a user's Trainer subclass: its base's package
+    unified = any(m.startswith("lightning.pytorch.") for m in modules)
+    return logging.getLogger(f"{'lightning.pytorch' if unified else 'pytorch_lightning'}.utilities.rank_zero")
+
+
 def say(trainer: Any, message: str) -> None:
     """One line for the user, from global rank 0 only."""
     if getattr(trainer, "global_rank", 0) != 0:
@@ -36,9 +44,9 @@ def say(trainer: Any, message: str) -> None:
     if bar is not None and _bar_on_screen(bar):
         bar.print(message)
     else:
-        rank_zero_info(message)
+        _logger(trainer).info(message)
 
 
 def warn(message: str) -> None:
-    """A warning from global rank 0 (Lightning's ``rank_zero_warn``)."""
+    """A warning from global rank 0 (``rank_zero_warn``, as Lightning's own)."""
     rank_zero_warn(message)

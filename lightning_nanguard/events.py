@@ -81,6 +81,9 @@ class NaNEvent:
     details: dict[str, Any] = field(default_factory=dict)
     suggestion: str = ""
     index: int = 0
+    # the step Lightning logs the event's batch at (report.recorder.logger_step): where the loggers get it; not part
+    # of the record (to_dict)
+    log_step: Optional[int] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -102,7 +105,9 @@ class NaNEvent:
             raise ValueError(f"unknown action {bad[0]!r}; allowed: {tuple(ACTIONS)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return to_jsonable(asdict(self))
+        record = asdict(self)
+        del record["log_step"]
+        return to_jsonable(record)
 
     def summary(self) -> str:
         """One line for logs and error messages."""

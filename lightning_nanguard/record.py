@@ -103,6 +103,7 @@ class StepRecord:
     local: Optional[Tensor] = None  # this rank's evidence vector before the all-reduce (DDP)
     replica: Optional[dict] = None  # DDP: the ranks' copies of the reduced gradient disagree (its evidence), once read
     flags: Optional[Any] = None  # its evidence, once read (a detect.vector.StepFlags)
+    log_step: Optional[int] = None  # the step Lightning logs its batch's metrics at (report.recorder.logger_step)
 
     @property
     def batch_idx(self) -> int:

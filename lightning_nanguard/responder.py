@@ -34,7 +34,7 @@ from .record import StepRecord, UpdateStage, Window
 from .recover.clipping import Clipper
 from .recover.ladder import Plan
 from .recover.recovery import Recovery
-from .report.recorder import Recorder
+from .report.recorder import Recorder, logger_step
 from .report.render import ReportText
 
 if TYPE_CHECKING:
@@ -101,8 +101,9 @@ class Responder:
         where = whereabouts(trainer)
         if record is None:
             return NaNEvent(step=trainer.global_step, epoch=trainer.current_epoch, batch_idx=self.evidence.batch_idx,
-                            kind=kind, **where)
-        return NaNEvent(step=record.step, epoch=record.epoch, batch_idx=record.batch_idx, kind=kind, **where)
+                            kind=kind, log_step=logger_step(trainer), **where)
+        return NaNEvent(step=record.step, epoch=record.epoch, batch_idx=record.batch_idx, kind=kind,
+                        log_step=record.log_step, **where)
 
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent,
                  record: Optional[StepRecord] = None, **evidence: Any) -> IncidentContext:

@@ -37,7 +37,7 @@ from .record import StepRecord, UpdateStage
 from .recover.checkpoint import optimizer_state_nonfinite
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
-from .report.recorder import Recorder
+from .report.recorder import Recorder, logger_step
 from .responder import Responder
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ class StepFlow:
         self._staged: Optional[StepRecord] = None  # the lagged step now running (until its batch ends)
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Fit start: how flags agree across ranks, and eager or lagged reads (said once)."""
+        """Fit start: how flags agree across ranks, and eager or lagged reads (said once where ``check.sync`` was
+        set: a healthy fit under ``auto`` prints nothing)."""
         check = self.config.check
         self.sync = self.responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type, check.replicas,
                                                                check.replica_tolerance,
@@ -78,7 +79,8 @@ class StepFlow:
         self.lagged, why = choose_sync(self.config.check.sync, trainer, pl_module)
         if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
-        say(trainer, f"[nanguard] sync: {'lagged' if self.lagged else 'eager'} ({why})")
+        if check.sync != "auto":  # the user chose a mode: say what they got, and why
+            say(trainer, f"[nanguard] sync: {'lagged' if self.lagged else 'eager'} ({why})")
 
     def abort(self) -> None:
         """An exception ends the fit: forget the lagged steps (and the device skip flag set on an optimizer)."""
@@ -113,7 +115,7 @@ class StepFlow:
         record = StepRecord(step=trainer.global_step, epoch=trainer.current_epoch, window=self.evidence.window,
                             lrs=[g["lr"] for g in optimizer.param_groups], loss_checked=self.evidence.loss_checked,
                             optimizer=optimizer, update=UpdateStage.PENDING, scaled=scaler is not None,
-                            has_norm=norm is not None, params=params)
+                            has_norm=norm is not None, params=params, log_step=logger_step(trainer))
         if self.lagged:
             self._stage(record, norm, device, scaler, grads)
             return
@@ -216,8 +218,8 @@ class StepFlow:
         self.recovery.settle_metrics(skipped=flagged)  # its metric states were undone on the device where flagged
         if outcome is Outcome.HEALTHY:
             self.recovery.healthy_step()
-        if outcome in (Outcome.HEALTHY, Outcome.ROUTINE_OVERFLOW):
-            self.recorder.scalars(trainer, lambda: self.responder.scalars(trainer))
+        if outcome in (Outcome.HEALTHY, Outcome.ROUTINE_OVERFLOW):  # at its own batch's logger step
+            self.recorder.scalars(trainer, lambda: self.responder.scalars(trainer), record.log_step)
         if not self.responder.pending:
             return False
         # the current step's gradients hold for the restored weights only if nothing was applied since them

@@ -2,7 +2,8 @@
 
 :class:`FaultInjector` is a Lightning callback that poisons one element of a chosen tensor with NaN, +Inf
 or -Inf at given optimizer steps or at a seeded random rate, and records what it did in ``injector.log``.
-It is what the chaos tests of this package use, and it works on any LightningModule::
+It is what the chaos tests of this package use, and it works on any LightningModule (with the unified
+``lightning`` package, import it from ``lightning_nanguard.lightning``: a ``lightning.pytorch.Callback``)::
 
     from lightning_nanguard import NaNGuard
     from lightning_nanguard.testing import Fault, FaultInjector
@@ -64,12 +65,7 @@ from .dtensors import local
 from .layouts import raw_values
 from .tree import iter_tensors, map_tensors
 
-try:
-    import pytorch_lightning as pl
-except ImportError:  # pragma: no cover
-    import lightning.pytorch as pl  # type: ignore[no-redef]
-
-__all__ = ["Fault", "FaultInjector", "Injection", "FAULT_KINDS", "FAULT_VALUES"]
+__all__ = ["Fault", "FaultInjector", "FaultInjectorBase", "Injection", "FAULT_KINDS", "FAULT_VALUES"]
 
 FAULT_KINDS = ("input", "loss", "activation", "gradient", "parameter", "optimizer_state")
 FAULT_VALUES = ("nan", "inf", "-inf")
@@ -166,7 +162,17 @@ def _first_float(out: Any) -> Optional[Tensor]:
     return next((t for _, t in iter_tensors(out) if t.is_floating_point() and t.numel()), None)
 
 
-class FaultInjector(pl.Callback):
+def __getattr__(name: str) -> Any:
+    """``FaultInjector``: a ``pytorch_lightning.Callback``, imported on first access (the unified package's is
+    ``lightning_nanguard.lightning.FaultInjector``), so that importing this module imports no Lightning package."""
+    if name == "FaultInjector":
+        from .classic import FaultInjector
+
+        return FaultInjector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class FaultInjectorBase:
     """Poison inputs, the loss, activations, gradients, parameters or optimizer state, reproducibly.
 
     See the module documentation for where each kind is injected and why the injector goes before
@@ -194,7 +200,7 @@ class FaultInjector(pl.Callback):
 
     @classmethod
     def at_rate(cls, rate: float, kinds: Sequence[str] = FAULT_KINDS, values: Sequence[str] = FAULT_VALUES,
-                *, seed: int = 0, **fault_kwargs: Any) -> "FaultInjector":
+                *, seed: int = 0, **fault_kwargs: Any) -> "FaultInjectorBase":
         """At each optimizer step, with probability ``rate``, one fault of a kind and value drawn at random."""
         return cls(Fault(tuple(kinds), rate=rate, value=tuple(values), **fault_kwargs), seed=seed)
 

@@ -53,6 +53,7 @@ DIAGNOSER = PKG + "diagnose/diagnoser.py"
 SINKS = PKG + "report/sinks.py"
 RECORDER = PKG + "report/recorder.py"
 PROGRESS = PKG + "report/progress.py"
+CONSOLE = PKG + "console.py"
 METRICS = PKG + "recover/metrics.py"
 LAYOUTS = PKG + "layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
@@ -440,7 +441,7 @@ MUTANTS: list[Mutant] = [
            "if self._flow.end(trainer, pl_module):",
            "logging.progress_bar: false still logs the status to the progress bar"),
     Mutant("events", "ev-no-scalars-at-incident", SINKS,
-           "self.scalars(scalars, event.step)",
+           "self.scalars(scalars, step)",
            "pass",
            "nanguard/ scalars are not written at the incident's step"),
     Mutant("events", "ev-event-index-stuck", RECORDER,
@@ -467,9 +468,26 @@ MUTANTS: list[Mutant] = [
     Mutant("events", "ev-name-tags-shared", RECORDER,
            'prefix=f"nanguard/{self.name}/" if self.name else "nanguard/"', 'prefix="nanguard/"',
            "two named guards write their scalars under the same nanguard/ tags"),
-    Mutant("events", "ev-progress-count-float", PROGRESS,
-           "status = (int(incidents), float(lr_scale))", "status = (float(incidents), float(lr_scale))",
-           "the progress bar shows the incident count as a float (ng_incidents=1.000)"),
+    # was ev-progress-count-float (an int count in the bar): since issue 29 the bar holds floats logged through
+    # pl_module.log, and only from the first incident or LR cut on
+    Mutant("events", "ev-progress-shown-when-healthy", PROGRESS,
+           "if incidents == 0 and lr_scale == 1.0:  # healthy so far: nothing to say", "if False:",
+           "a healthy fit shows ng_incidents / ng_lr_scale in the progress bar and callback_metrics (issue 29)"),
+    # issue 29: a good guest in the user's Trainer
+    Mutant("events", "ev-logger-step-is-global-step", RECORDER,
+           "    return step if isinstance(step, int) else int(trainer.global_step)", "    return int(trainer.global_step)",
+           "the guard's nanguard/* scalars are logged at global_step, not at Lightning's step for the batch "
+           "(one step ahead, twice as far with two manual optimizers)"),
+    Mutant("events", "ev-report-dir-in-checkpoint-folder", RECORDER,
+           "    if not holders:", "    if True:",
+           "docs/events.md: nanguard/ lands inside a ModelCheckpoint folder (dirpath=default_root_dir, logger=False)"),
+    Mutant("events", "ev-sync-line-on-default-fit", STEP,
+           'if check.sync != "auto":  # the user chose a mode', "if True:  # the user chose a mode",
+           "a default fit prints the '[nanguard] sync: ...' line (nothing is printed on a healthy fit)"),
+    Mutant("compat", "compat-say-to-classic-logger", CONSOLE,
+           'unified = any(m.startswith("lightning.pytorch.") for m in modules)', "unified = False",
+           "under lightning.pytorch the guard's lines go to pytorch_lightning's logger: the user's "
+           "logging.getLogger('lightning.pytorch') level does not govern them"),
     Mutant("events", "ev-vocabulary-not-enforced", RECORDER,
            "event.validate()", "pass",
            "an event whose cause is outside the documented vocabulary is recorded and written"),
@@ -1222,8 +1240,8 @@ MUTANTS: list[Mutant] = [
            "(recovery.snapshot: off)'; here training goes on with non-finite weights"),
     # ------------------------------------------------------------------ events, sinks, report CLI
     Mutant("events", "doc-events-scalars-at-read-step", SINKS,
-           "self.scalars(scalars, event.step)",
-           "self.scalars(scalars, event.step + 1)",
+           "self.scalars(scalars, step)",
+           "self.scalars(scalars, step + 1)",
            "README / docs/events.md: loggers receive the scalars 'at each event's own step'; here one step "
            "late, at the step that reads a lagged event (the sinks get the event alone since issue 18, not the "
            "trainer whose global_step this mutant used)"),

@@ -412,7 +412,9 @@ class EpochEnds(pl.Callback):
         self.epochs: list[dict[str, Any]] = []
 
     def on_train_epoch_end(self, trainer, pl_module):
-        seen = {f"callback:{k}": v.detach().clone() for k, v in trainer.callback_metrics.items()}
+        # the user's own values: the guard's ng_* status joins the progress bar (and so callback_metrics) after an event
+        seen = {f"callback:{k}": v.detach().clone() for k, v in trainer.callback_metrics.items()
+                if not k.startswith("ng_")}
         self.epochs.append({**metric_record(pl_module), **seen})
 
 

@@ -117,19 +117,27 @@ class _ProgressProbe(pl.Callback):
                           self.guard.counters["incidents"], self.guard.lr_scale))
 
 
-def test_progress_bar_shows_guard_status_while_training(fit):
+def test_progress_bar_shows_guard_status_from_the_first_incident_on(fit):
+    """Nothing in the bar while healthy; from the first incident on, both values, as floats logged with
+    ``pl_module.log(prog_bar=True, logger=False)`` (issue 29: they were ints written into Lightning's private dict
+    on every fit)."""
     # lr=6 makes nn.Linear diverge after a few steps: incidents, LR cuts and a rollback follow
     guard = NaNGuard(logging={"verbose": False})
     probe = _ProgressProbe(guard)
     t = fit(Regression(lr=6.0), regression_data(512), [guard, probe], batch_size=32, max_epochs=2, log_every_n_steps=50)
     assert len(probe.seen) == 32
-    for step, shown_incidents, shown_scale, incidents, scale in probe.seen:
+    first = next(i for i, seen in enumerate(probe.seen) if seen[3] > 0 or seen[4] != 1.0)
+    assert first > 0  # a few healthy steps first
+    for step, shown_incidents, shown_scale, incidents, scale in probe.seen[:first]:
+        assert (shown_incidents, shown_scale) == (None, None), step  # healthy so far: not in the bar
+    for step, shown_incidents, shown_scale, incidents, scale in probe.seen[first:]:
         assert (shown_incidents, shown_scale) == (incidents, pytest.approx(scale)), step
-        assert type(shown_incidents) is int  # shown as "ng_incidents=2", not "2.000"
+        assert type(shown_incidents) is float and type(shown_scale) is float  # as Lightning shows its values
     assert guard.counters["incidents"] > 0 and guard.lr_scale < 1.0
     assert probe.seen[-1][1] == guard.counters["incidents"]  # still shown in the 2nd epoch
-    # host numbers for the bar only: never sent to the loggers, never a device tensor to sync
-    assert INCIDENTS_KEY not in t.callback_metrics and INCIDENTS_KEY not in t.logged_metrics
+    # in the bar (and so in callback_metrics, as every progress-bar value), never sent to the loggers
+    assert float(t.callback_metrics[INCIDENTS_KEY]) == guard.counters["incidents"]
+    assert INCIDENTS_KEY not in t.logged_metrics
 
 
 def test_progress_bar_status_can_be_turned_off(fit):
@@ -274,7 +282,7 @@ def test_named_guard_writes_its_own_folder_and_tags_next_to_an_unnamed_one(tmp_p
             (s, float(i)) for i, s in enumerate(BAD_BATCHES, 1)], prefix
     named_text = [tag for tag in acc.Tags()["tensors"] if tag.startswith("nanguard/b/")]
     assert sorted(ev.step for tag in named_text for ev in acc.Tensors(tag)) == list(BAD_BATCHES)
-    assert t.progress_bar_metrics["ng_b_incidents"] == t.progress_bar_metrics[INCIDENTS_KEY] == len(BAD_BATCHES)
+    assert t.progress_bar_metrics["ng_b_incidents"] == t.progress_bar_metrics[INCIDENTS_KEY] == float(len(BAD_BATCHES))
 
 
 @pytest.mark.parametrize("field, value", [("cause", "cosmic_rays"), ("kind", "weird"), ("actions", ["pray"])])

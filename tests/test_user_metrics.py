@@ -39,7 +39,9 @@ class EpochProbe(pl.Callback):
         self.epochs: list[dict[str, torch.Tensor]] = []
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        seen = {f"callback:{k}": v.detach().clone() for k, v in trainer.callback_metrics.items()}
+        # the user's own values: the guard's ng_* status joins the progress bar (and so callback_metrics) after an event
+        seen = {f"callback:{k}": v.detach().clone() for k, v in trainer.callback_metrics.items()
+                if not k.startswith("ng_")}
         self.epochs.append({**pl_module.metric_states(), **seen})
 
 

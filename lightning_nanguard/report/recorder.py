@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -13,7 +14,45 @@ from ..events import KINDS, NaNEvent
 from .render import ReportText
 from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink, highest_index, highest_report
 
-__all__ = ["Recorder"]
+__all__ = ["Recorder", "logger_step", "report_dir"]
+
+
+def report_dir(trainer: Any) -> Path:
+    """Where the guard writes (``events.jsonl``, incident reports, disk snapshots): ``<log_dir>/nanguard``, where
+    ``<log_dir>`` is ``trainer.log_dir`` (with a logger: the first logger's folder; without one:
+    ``trainer.default_root_dir``, itself the current directory when not given), unless that folder lies inside
+    the folder of a checkpoint callback (a ``ModelCheckpoint(dirpath=default_root_dir)`` with ``logger=False``):
+    then ``<that folder>-nanguard`` next to it, the outermost such folder, so a checkpoint folder only ever holds
+    checkpoints. The same on every rank (Lightning broadcasts both folders from rank 0)."""
+    folder = Path(trainer.log_dir or trainer.default_root_dir) / "nanguard"
+    if "://" in str(folder):  # a remote log_dir: no local checkpoint folder to compare with
+        return folder
+    holders = [Path(os.path.abspath(d)) for d in _checkpoint_dirs(trainer)
+               if Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(d))]
+    if not holders:
+        return folder
+    outer = min(holders, key=lambda d: len(d.parts))
+    return outer.parent / f"{outer.name or 'checkpoints'}-nanguard"
+
+
+def _checkpoint_dirs(trainer: Any) -> list[str]:
+    """The ``dirpath`` of each checkpoint callback (``ModelCheckpoint`` of either package; resolved at setup)."""
+    dirs = []
+    for cb in getattr(trainer, "callbacks", None) or []:
+        path = getattr(cb, "dirpath", None)
+        if isinstance(path, (str, os.PathLike)) and "://" not in str(path):
+            dirs.append(os.fspath(path))
+    return dirs
+
+
+def logger_step(trainer: Any) -> int:
+    """The step at which Lightning logs the current batch's metrics: ``fit_loop.epoch_loop._batches_that_stepped``
+    (one per batch that steps the optimizers, however many they are; the Trainer's own ``log_metrics``, its
+    ``LearningRateMonitor`` and ``DeviceStatsMonitor`` log at it), read before the batch ends. Where a Trainer
+    has no such counter, ``trainer.global_step``."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return step if isinstance(step, int) else int(trainer.global_step)
 
 
 class Recorder:
@@ -50,7 +89,7 @@ class Recorder:
 
     def start(self, trainer: Any, sinks: Optional[Sequence[Sink]] = None) -> None:
         """Fit start: the sinks (``sinks``, or those ``logging.*`` asks for, on global rank 0 only)."""
-        self.out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "nanguard"
+        self.out_dir = report_dir(trainer)
         if self.name:
             self.out_dir = self.out_dir / self.name
         self.sinks = list(sinks) if sinks is not None else self.default_sinks(trainer)
@@ -133,12 +172,14 @@ class Recorder:
         for sink in self.sinks:
             self._write(sink, lambda: sink.event(event, text, values))  # noqa: B023  (called at once)
 
-    def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]]) -> None:
-        """The guard's scalars of a step without an event, every ``log_every_n_steps`` steps."""
-        if self._scalar_sinks and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+    def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]], step: Optional[int] = None) -> None:
+        """The guard's scalars of a step without an event, at the logger ``step`` of its batch (:func:`logger_step`,
+        by default the current batch's), on the batches where Lightning logs (``(step + 1) % log_every_n_steps``)."""
+        step = logger_step(trainer) if step is None else step
+        if self._scalar_sinks and (step + 1) % max(trainer.log_every_n_steps, 1) == 0:
             values = scalars()
             for sink in self._scalar_sinks:
-                self._write(sink, lambda: sink.scalars(values, trainer.global_step))  # noqa: B023
+                self._write(sink, lambda: sink.scalars(values, step))  # noqa: B023
 
     def flush(self) -> None:
         for sink in self.sinks:

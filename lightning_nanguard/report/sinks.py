@@ -147,10 +147,11 @@ class LoggerSink:
         self._writers = [_writer(lg) for lg in self.loggers]
 
     def event(self, event: NaNEvent, text: ReportText, scalars: dict[str, float]) -> None:
-        self.scalars(scalars, event.step)
+        step = event.step if event.log_step is None else event.log_step  # where Lightning logs the event's batch
+        self.scalars(scalars, step)
         for writer in self._writers:
             if writer is not None:
-                writer.add_text(f"{self.prefix}incident/{event.kind}", event.markdown(), global_step=event.step)
+                writer.add_text(f"{self.prefix}incident/{event.kind}", event.markdown(), global_step=step)
         self.flush()
 
     def scalars(self, values: dict[str, float], step: int) -> None:
