@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
-from .console import warn
+from .console import say, warn
 from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
