@@ -540,13 +540,13 @@ def test_lagged_ddp_agrees_on_every_rank_with_one_all_reduce_per_step(tmp_path):
         for batch_idx, step_calls, checksums in per_step[1:]:
             # an incident (judged at the next step, or at its own end when a snapshot falls due) also sums the module
             # norms of the (sharded) snapshots it has not seen: 2 tensors each
-            norms = [c for c in step_calls if c[0] == "all_reduce" and c[1] != 9 and c not in checksums]
+            norms = [c for c in step_calls if c[0] == "all_reduce" and c[1] != 12 and c not in checksums]
             judged = batch_idx in BAD_STEPS or batch_idx - 1 in BAD_STEPS
             assert all(c[1] in (2, 4) for c in norms) and (not norms or judged), (batch_idx, norms)
-            reduces = [c for c in step_calls if c == ("all_reduce", 9)]
+            reduces = [c for c in step_calls if c == ("all_reduce", 12)]
             assert len(reduces) <= 1, (batch_idx, step_calls)  # none: skipped by a late rollback
             if batch_idx not in BAD_STEPS and batch_idx - 1 not in BAD_STEPS:
-                assert step_calls == [("all_reduce", 9)] + checksums, (batch_idx, step_calls)
+                assert step_calls == [("all_reduce", 12)] + checksums, (batch_idx, step_calls)
 
 
 # ------------------------------------------------------------------------------------------ user metrics
