@@ -39,7 +39,6 @@ RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.strategies import ModelParallelStrategy  # noqa: E402
 from torch import nn  # noqa: E402
@@ -47,7 +46,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from common import GUARD_DIR, from_guard, save_and_exit  # noqa: E402
+from common import CALLS, COUNTING, READS, install_counters, save_and_exit  # noqa: E402
 from lightning_nanguard import NaNGuard  # noqa: E402
 from lightning_nanguard.testing import Fault, FaultInjector  # noqa: E402
 
@@ -58,41 +57,7 @@ FAULTS = [Fault("input", steps=[3]), Fault("activation", steps=[6], target="net.
 LAGGED = [Fault("input", steps=[5], ranks=[1]), Fault("gradient", steps=[10])]
 ONE_RANK = [Fault("input", steps=[3], ranks=[1]), Fault("activation", steps=[7], ranks=[1], target="net.0"),
             Fault("parameter", steps=[11], ranks=[1], target="net.0.weight")]
-CALLS: list[tuple[str, int]] = []  # the guard's collectives: (name, numel)
-READS: list[str] = []  # the guard's host reads of a tensor
-COUNTING = [False]
-
-
-def _count_collective(name: str) -> None:
-    original = getattr(dist.distributed_c10d, name)
-
-    def counted(*args, **kwargs):
-        if COUNTING[0] and from_guard():
-            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            CALLS.append((name, tensor.numel() if tensor is not None else -1))
-        return original(*args, **kwargs)
-
-    setattr(dist.distributed_c10d, name, counted)
-    setattr(dist, name, counted)
-
-
-def _count_read(name: str) -> None:
-    original = getattr(torch.Tensor, name)
-
-    def read(t, *args, **kwargs):
-        if COUNTING[0] and sys._getframe(1).f_code.co_filename.startswith(GUARD_DIR):
-            READS.append(name)
-        return original(t, *args, **kwargs)
-
-    setattr(torch.Tensor, name, read)
-
-
-for _name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
-              "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter", "all_to_all"):
-    if hasattr(dist.distributed_c10d, _name):
-        _count_collective(_name)
-for _name in ("tolist", "item", "__bool__", "__float__", "__int__"):
-    _count_read(_name)
+install_counters()
 
 
 class Net(pl.LightningModule):
