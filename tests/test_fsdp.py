@@ -12,10 +12,6 @@ at the subprocess timeout.
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,14 +20,10 @@ import torch
 from lightning_nanguard.dtensors import is_dtensor, local, norm_share
 from lightning_nanguard.detect.sync import local_norm_power
 
+from .ranks import launch
+
 SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp_guard.py"
 LAYOUTS = ("fsdp", "tp")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +31,7 @@ def sharded_fits(tmp_path_factory):
     """``{layout: [rank 0's fits, rank 1's fits]}`` and the output folder: one spawn of 2 processes, as torchrun
     would launch them."""
     out = tmp_path_factory.mktemp("fsdp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), WORLD_SIZE="2", NODE_RANK="0")
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), *LAYOUTS],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(out), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=420)[0] for p in procs]  # a hang (ranks waiting on each other) fails here
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False)["fits"] for r in range(2)]
+    ranks = [saved["fits"] for saved in launch(SCRIPT, out, 2, *LAYOUTS, timeout=420)]
     return {layout: [ranks[0][layout], ranks[1][layout]] for layout in LAYOUTS}, out
 
 
@@ -58,18 +39,7 @@ def sharded_fits(tmp_path_factory):
 def two_d_fits(tmp_path_factory):
     """Rank 0..3's fits of FSDP2 + tensor parallel on a 2 x 2 mesh: one spawn of 4 processes (~35 s on 2 cores)."""
     out = tmp_path_factory.mktemp("fsdp2d")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), WORLD_SIZE="4", NODE_RANK="0")
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), "2d"],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=str(out), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(4)]
-    try:
-        logs = [p.communicate(timeout=420)[0] for p in procs]  # a hang fails here
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False)["fits"]["2d"] for r in range(4)]
+    return [saved["fits"]["2d"] for saved in launch(SCRIPT, out, 4, "2d", timeout=420)]
 
 
 def same(a: dict, b: dict) -> bool:

@@ -10,11 +10,7 @@ gradients, the exact check's float32 sums.
 from __future__ import annotations
 
 import math
-import os
 import random
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,31 +20,16 @@ from lightning_nanguard.detect.sync import (EPS32, FLOAT32_EXACT, _f32, bits_che
                                             checksum_primes, checksum_weight, checksums_disagree, odd_checksums,
                                             odd_ranks, own_residues, replicas_disagree, weights_checksum)
 
+from .ranks import launch
+
 SCRIPT = Path(__file__).parent / "ddp_scripts" / "ddp_faults.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
 def world(request, tmp_path_factory):
     """``(world size, [each rank's fits])``: one spawn of ``world`` processes, launched as torchrun would."""
     size, out = request.param, tmp_path_factory.mktemp(f"ddp{request.param}")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), WORLD_SIZE=str(size), NODE_RANK="0")
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              cwd=str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(size)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]  # a hang (ranks waiting on each other) fails here
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    return size, [torch.load(out / f"rank{r}.pt", weights_only=False)["fits"] for r in range(size)]
+    return size, [saved["fits"] for saved in launch(SCRIPT, out, size)]
 
 
 def same_state(a: dict, b: dict) -> bool:
