@@ -367,7 +367,8 @@ class NaNGuardBase:
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
-        if self._flow.flush(trainer, pl_module):  # the lagged step's verdict belongs in the checkpoint (and may roll back)
+        # the lagged step's verdict belongs in the checkpoint (and may roll back)
+        if self._flow.flush(trainer, pl_module):
             rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         if not self.config.check.parameters:
             return

@@ -193,7 +193,8 @@ DECISIONS: dict[str, Check] = {
 STATISTICS: dict[str, dict[str, Check]] = {
     "clipper": {"zclip": section(RUNNING_STATS), "history": list_of(finite), "history_end": optional(step),
                 "last_norm": norm},
-    "losses": {"spikes": section({**RUNNING_STATS, "recent": list_of(step), "peak": real(lo=0.0)}), "history": list_of(finite)},
+    "losses": {"spikes": section({**RUNNING_STATS, "recent": list_of(step), "peak": real(lo=0.0)}),
+               "history": list_of(finite)},
     "divergence": {"": section({
         "first_loss": optional(finite), "window": list_of(row(step, optional(finite), norm)),
         "loss_max": maximum, "norm_max": maximum, "above": list_of(row(step, finite, norm)), "latched": flag,

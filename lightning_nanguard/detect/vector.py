@@ -168,7 +168,8 @@ SCHEMA = VectorSchema([
     Field("loss", "mean", help="sum of the step's micro-batch losses, unscaled (16-mixed); the mean over ranks"),
     # flags, in order of precedence of the event kind they imply
     Field("param_bad", "sum", kind="parameter", help="a parameter or buffer was non-finite after the previous step"),
-    Field("input_bad", "sum", kind="input", help="a floating tensor of the batch was non-finite (check.inputs: always)"),
+    Field("input_bad", "sum", kind="input",
+          help="a floating tensor of the batch was non-finite (check.inputs: always)"),
     Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),
     Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),
     # the replica check (DDP, check.replicas): each rank's own copy of the reduced gradient, which is identical on

@@ -84,7 +84,8 @@ class Recovery:
         self.statistics = statistics
         self.lr_scale = 1.0
         self.lr_scale_known = True  # False: resumed from a guard state without recovery.lr_scale (reconcile_lr_scale)
-        self._configured_lrs: list[float] = []  # the optimizers' reference LRs at fit start, before a resume loads theirs
+        # the optimizers' reference LRs at fit start, before a resume loads theirs
+        self._configured_lrs: list[float] = []
         self.stopped = False
         self.skip_batches_left = 0
         self.healthy_since_snapshot = 0

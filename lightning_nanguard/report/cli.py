@@ -2,9 +2,9 @@
 
 ``report`` reads ``events.jsonl`` files (PATH is one file, or a folder searched recursively) and prints one
 row per incident plus totals, and where they happened: per host and rank, the incidents of each cause, hosts
-with repeated faults that did not come back (a cause that counts against the hardware) first, each named with its rank, device and
-steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and skipped; a
-missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
+with repeated faults that did not come back (a cause that counts against the hardware) first, each named with its
+rank, device and steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and
+skipped; a missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
 status 2 and one line on stderr, never a traceback, whatever the bytes (binary data, invalid UTF-8, JSON nested
 100,000 deep, a line of gigabytes). The files are read as streams, one line in memory at a time, twice (check and
 add up, then print), so memory does not grow with their size; and the command imports neither torch nor

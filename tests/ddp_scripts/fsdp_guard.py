@@ -7,7 +7,8 @@ the way torchrun launches them:
 ``LAYOUT`` is ``fsdp`` (data_parallel_size=2: parameters, gradients and optimizer states sharded in dim 0, the
 last layer's 1-row weight and 1-element bias empty on rank 1), ``tp`` (tensor_parallel_size=2: column-wise then
 row-wise, the last bias replicated) or ``2d`` (WORLD_SIZE=4, data_parallel_size=2 x tensor_parallel_size=2: tensor
-parallel, then FSDP2 over the data-parallel dim; only ``plain``, ``healthy``, ``faults`` and ``clip``). Several short fits run one after the other in the same processes, per layout:
+parallel, then FSDP2 over the data-parallel dim; only ``plain``, ``healthy``, ``faults`` and ``clip``). Several short
+fits run one after the other in the same processes, per layout:
 
 - ``plain`` and ``healthy``: no fault, without and with the guard (the guard's collectives and host reads are
   counted per step);
