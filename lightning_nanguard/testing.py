@@ -267,7 +267,7 @@ class FaultInjectorBase:
         for p in self._due(("gradient",)):
             named = [(n, q) for n, q in pl_module.named_parameters() if q.grad is not None]
             name, param = self._pick(p, named)
-            if param is None:
+            if param is None or param.grad is None:  # (named holds only parameters with a gradient)
                 self._mark(p, None, None, "no parameter with a gradient" + _named(p))
                 continue
             self._mark(p, name, self._poison(param.grad, p))

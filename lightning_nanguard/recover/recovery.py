@@ -325,8 +325,8 @@ class Recovery:
         snap = self.store.newest
         written = self.buffers.written() if keep_step and self.buffers is not None else {}
         self.store.restore(snap, trainer, pl_module, scaler_overflows)
-        if written:
-            self.buffers.put_back(written)  # type: ignore[union-attr]
+        if written and self.buffers is not None:
+            self.buffers.put_back(written)
         for name, obj in self.statistics.items():
             if name in snap.meta:
                 obj.load_state_dict(snap.meta[name])

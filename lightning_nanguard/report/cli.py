@@ -248,7 +248,9 @@ class Totals:
     def _place(self, e: dict[str, Any]) -> None:
         """Per host and rank: its incidents, their causes, its faults that did not come back (their steps). An
         event of several ranks that names none (``details.ranks: []``) counts on host and rank ``?``."""
-        details = e.get("details") if isinstance(e.get("details"), dict) else {}
+        details = e.get("details")
+        if not isinstance(details, dict):
+            details = {}
         known = details.get("ranks") != []
         host = str(e.get("host") or "-") if known else UNKNOWN_RANK
         rank = str(e.get("rank", 0)) if known else UNKNOWN_RANK
@@ -417,6 +419,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out, err = sys.stdout, sys.stderr
     for stream in (out, err):  # a name or an event string that the terminal cannot encode: escaped, not a traceback
         try:
+            # TextIO declares no reconfigure (TextIOWrapper has it; another stream's AttributeError is caught)
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
         except (AttributeError, ValueError, OSError):
             pass
