@@ -141,7 +141,7 @@ class StepFlags(tuple):
     def for_schema(cls, schema: VectorSchema) -> type:
         # the fields are the schema's, known at run time only: a type checker sees the class through StepFlags' stubs
         base = namedtuple("StepFlagsFields", [f.name for f in schema.fields])  # type: ignore[misc]
-        flag_kinds = tuple((schema.index[f.name], f.kind) for f in schema.fields[schema.flags])
+        flag_kinds = tuple((schema.index[f.name], f.kind) for f in schema.fields[schema.flags] if f.kind is not None)
         lo, hi = schema.flags.start, schema.flags.stop
         norm = schema.norm
         own_bad = schema.index.get("own_grad_bad")
@@ -164,8 +164,7 @@ class StepFlags(tuple):
 
             def incident_kind(self) -> str:
                 """The event kind, by precedence of the evidence."""
-                # Field.kind is a str for every flag field (flag_kinds are the flag slice's fields)
-                return next((kind for i, kind in flag_kinds if self[i]), fallback)  # type: ignore[return-value]
+                return next((kind for i, kind in flag_kinds if self[i]), fallback)
 
         Flags.__name__ = Flags.__qualname__ = "StepFlags"
         return Flags

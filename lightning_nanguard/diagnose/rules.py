@@ -258,7 +258,8 @@ def _history(ctx: IncidentContext) -> tuple[list[float], list[int]]:
 
 def _norm_at(ctx: IncidentContext, step: int) -> float:
     """The gradient norm of ``step`` (the divergence's streak, else the healthy history); NaN when not known."""
-    for values, steps in (_streak(ctx), _history(ctx)):
+    sources: tuple[tuple[list[float], Sequence[Optional[int]]], ...] = (_streak(ctx), _history(ctx))
+    for values, steps in sources:
         if step in steps:
             return values[steps.index(step)]
     return math.nan

@@ -418,9 +418,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
     for stream in (out, err):  # a name or an event string that the terminal cannot encode: escaped, not a traceback
+        reconfigure = getattr(stream, "reconfigure", None)  # TextIOWrapper's; not every TextIO has one
         try:
-            # TextIO declares no reconfigure (TextIOWrapper has it; another stream's AttributeError is caught)
-            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+            if reconfigure is not None:
+                reconfigure(errors="backslashreplace")
         except (AttributeError, ValueError, OSError):
             pass
     try:

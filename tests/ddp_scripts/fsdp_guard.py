@@ -249,7 +249,7 @@ def main(out: Path, layouts: list[str]) -> None:
                                            guard_grads=after.grads)
             continue
         fits = {"plain": run(out, layout, "plain", []),
-                "healthy": (lambda g: run(out, layout, "healthy", [], g, count=True))(guard()),
+                "healthy": run(out, layout, "healthy", [], guard(), count=True),
                 "faults": run(out, layout, "faults", [FaultInjector(FAULTS)], guard(), states=True),
                 "one_rank": run(out, layout, "one_rank", [FaultInjector(ONE_RANK)], guard(), states=True)}
         fits["backward"] = run(out, layout, "backward", [BackwardNaN(4), BackwardNaN(5)], guard(), steps=6)
