@@ -229,7 +229,7 @@ def passes(quick: bool, calls: int = 200) -> list[dict]:
         loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         row: dict[str, Any] = {"workload": workload, "tensors": len(grads), "elements": sum(g.numel() for g in grads)}
-        for name, fn in (("norm", lambda: total_norm(grads)), ("checksum", lambda: bits_checksum(grads))):
+        for name, fn in (("norm", lambda g=grads: total_norm(g)), ("checksum", lambda g=grads: bits_checksum(g))):
             times = []
             for _ in range(calls):
                 t = time.perf_counter()
@@ -281,9 +281,9 @@ def report(results: dict, names: list[str], args: Any, repeats: int, steps: int,
     args.out.mkdir(parents=True, exist_ok=True)
     stem = ("fsdp2-overhead" if args.strategy == "fsdp2" else "ddp-overhead") + ("-quick" if args.quick else "")
     (args.out / f"{stem}.md").write_text(text + "\n", encoding="utf-8")
-    (args.out / f"{stem}.json").write_text(json.dumps({"date": stamp, "machine": machine(), "world": WORLD,
-                                                       "repeats": repeats, "steps": steps, "warmup": w,
-                                                       "rows": rows, "passes": alone}, indent=2) + "\n", encoding="utf-8")
+    summary = {"date": stamp, "machine": machine(), "world": WORLD, "repeats": repeats, "steps": steps, "warmup": w,
+               "rows": rows, "passes": alone}
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ def chart(rows: list[dict], configs: list[str], names: list[str], path: Path) ->
         xs = [j + i * width for j in range(len(configs))]
         ys = [by[(name, c)]["ratio"] or 0.0 for c in configs]
         bars = ax.bar(xs, ys, width, label=name)
-        for x, y, c in zip(xs, ys, configs):
+        for x, y in zip(xs, ys):
             ax.text(x, y + 0.02, f"{y:.2f}" if y else "n/a", ha="center", va="bottom", fontsize=7)
         del bars
     ax.axhline(1.0, color="black", linewidth=0.8)

@@ -125,6 +125,9 @@ class NaNGuardBase:
         ConfigError: on an unknown key, a wrong type or an out-of-range value, naming the key.
     """
 
+    if TYPE_CHECKING:  # from the Lightning Callback that classic.py and lightning.py add as a base class
+        def _generate_state_key(self, **kwargs: Any) -> str: ...
+
     def __init__(
         self,
         *,
@@ -142,7 +145,9 @@ class NaNGuardBase:
                 raise ConfigError(f"name: got {name!r}; allowed: null or an identifier (letters, digits, underscores)")
             base = config if isinstance(config, NaNGuardConfig) else NaNGuardConfig.from_mapping(config or {})
             given = {"check": check, "clip": clip, "anomaly": anomaly, "recovery": recovery, "logging": logging}
-            sections = {name: given[name] if given[name] is not None else getattr(base, name) for name in SECTIONS}
+            # a section given as a mapping becomes its dataclass in NaNGuardConfig.__post_init__
+            sections: dict[str, Any] = {name: given[name] if given[name] is not None else getattr(base, name)
+                                        for name in SECTIONS}
             self.config = NaNGuardConfig(**sections)
         self.name = name
         self._build()
@@ -367,7 +372,8 @@ class NaNGuardBase:
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
-        if self._flow.flush(trainer, pl_module):  # the lagged step's verdict belongs in the checkpoint (and may roll back)
+        # the lagged step's verdict belongs in the checkpoint (and may roll back)
+        if self._flow.flush(trainer, pl_module):
             rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         if not self.config.check.parameters:
             return

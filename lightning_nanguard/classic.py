@@ -13,7 +13,7 @@ from __future__ import annotations
 try:
     import pytorch_lightning as _pl
 except ImportError:  # pragma: no cover - only the unified package is installed
-    import lightning.pytorch as _pl  # type: ignore[no-redef]
+    import lightning.pytorch as _pl  # type: ignore[no-redef]  # the same name, the other package's module
 
 from .callback import NaNGuardBase
 from .testing import FaultInjectorBase

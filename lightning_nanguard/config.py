@@ -70,7 +70,7 @@ class _Section:
 
     def _check(self) -> None:
         hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
             path = f"{self._section}.{f.name}"
             value = _coerce(path, getattr(self, f.name), hints[f.name])
             _check_range(path, value, f.metadata, nullable=type(None) in typing.get_args(hints[f.name]))
@@ -81,7 +81,7 @@ class _Section:
         """Cross-field checks; overridden where a section has them."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        return dataclasses.asdict(self)
 
 
 # ----------------------------------------------------------------------------------------------- sections

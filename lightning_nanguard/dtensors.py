@@ -18,14 +18,17 @@ Duck-typed (``placements`` and ``to_local``), so a run without DTensors never im
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import Tensor
+
+if TYPE_CHECKING:  # for the type checker only: at run time the check is duck-typed
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["is_dtensor", "local", "reduced", "norm_share", "like", "sharded"]
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> TypeGuard[DTensor]:
     """Is ``t`` a ``DTensor``?"""
     return hasattr(t, "placements") and hasattr(t, "to_local") and hasattr(t, "device_mesh")
 

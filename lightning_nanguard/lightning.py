@@ -27,7 +27,9 @@ from .testing import FaultInjectorBase as _FaultInjector
 __all__ = ["NaNGuard", "NaNGuardConfig", "NaNEvent", "ConfigError", "NaNGuardError", "FaultInjector"]
 
 
-class NaNGuard(_NaNGuard, _lp.Callback):
+# NaNGuardBase's hooks are annotated with pytorch_lightning's Trainer and LightningModule (classic.py's base), which
+# are other classes than lightning.pytorch's: no annotation names both (hooks are called by name, so both work)
+class NaNGuard(_NaNGuard, _lp.Callback):  # type: ignore[misc]
     __doc__ = _NaNGuard.__doc__
 
 

@@ -13,7 +13,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from torch import Tensor
 
 from .causes import cause as cause_entry, suggest, where_it_ran
 from .config import NaNGuardConfig
@@ -134,7 +133,8 @@ class Responder:
         return values
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
-        self.recorder.record(event, ReportText(ctx.norm_history, ctx.loss_history, extra), lambda: self.scalars(trainer))
+        text = ReportText(ctx.norm_history, ctx.loss_history, extra)
+        self.recorder.record(event, text, lambda: self.scalars(trainer))
 
     def _skip(self, record: StepRecord, *, mirrored: bool, undo_buffers: bool) -> bool:
         """Keep the step's update from landing, where that is still possible; True when it does not land.
@@ -575,10 +575,11 @@ class Responder:
             "rerun_at_end": {"final_weights": final, "snapshot_weights": snapshot, "snapshot_step": step}}
 
     def replicas_drifted(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """DDP, at a snapshot: the replicas' weights are no longer bitwise the same (:meth:`.StepSync.snapshot_agreement`).
-        Every rank rolls back to the newest snapshot, on which they agreed (each is taken only where they do),
-        counted like any rollback (one that keeps failing gives up). The event names the odd rank where a majority
-        tells (3 or more ranks); every rank gathers the checksums (one ``all_gather_object``, only here)."""
+        """DDP, at a snapshot: the replicas' weights are no longer bitwise the same
+        (:meth:`.StepSync.snapshot_agreement`). Every rank rolls back to the newest snapshot, on which they agreed
+        (each is taken only where they do), counted like any rollback (one that keeps failing gives up). The event
+        names the odd rank where a majority tells (3 or more ranks); every rank gathers the checksums
+        (one ``all_gather_object``, only here)."""
         event = self._event(trainer, "replica")
         total = weights_checksum(pl_module)
         gathered = self.sync.gather({"checksum": None if total is None else int(total), **whereabouts(trainer)})

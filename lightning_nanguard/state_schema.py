@@ -156,7 +156,7 @@ def _rank_faults(value: Any, path: str) -> dict[str, list[int]]:
         raise Malformed(path, value, "a mapping of rank -> list of steps")
     out = {}
     for rank, steps in value.items():
-        if isinstance(rank, bool) or not (isinstance(rank, numbers.Integral) and rank >= 0
+        if isinstance(rank, bool) or not (isinstance(rank, numbers.Integral) and int(rank) >= 0
                                           or isinstance(rank, str) and rank.isdecimal()):
             raise Malformed(f"{path}[{rank!r}]", rank, "a rank: an integer >= 0")
         out[str(int(rank))] = list_of(count)(steps, f"{path}[{rank!r}]")
@@ -193,7 +193,8 @@ DECISIONS: dict[str, Check] = {
 STATISTICS: dict[str, dict[str, Check]] = {
     "clipper": {"zclip": section(RUNNING_STATS), "history": list_of(finite), "history_end": optional(step),
                 "last_norm": norm},
-    "losses": {"spikes": section({**RUNNING_STATS, "recent": list_of(step), "peak": real(lo=0.0)}), "history": list_of(finite)},
+    "losses": {"spikes": section({**RUNNING_STATS, "recent": list_of(step), "peak": real(lo=0.0)}),
+               "history": list_of(finite)},
     "divergence": {"": section({
         "first_loss": optional(finite), "window": list_of(row(step, optional(finite), norm)),
         "loss_max": maximum, "norm_max": maximum, "above": list_of(row(step, finite, norm)), "latched": flag,
@@ -224,10 +225,10 @@ def check_version(state: Any, newest: int, source: str = "checkpoint['callbacks'
         raise NaNGuardError(f"{_where(source)}: got {_shown(state)}; expected a mapping of sections. "
                             + _REMEDY.format(source=source, first=""))
     version = state.get("version", 1)
-    if isinstance(version, bool) or not isinstance(version, numbers.Integral) or version < 1:
+    if isinstance(version, bool) or not isinstance(version, numbers.Integral) or int(version) < 1:
         raise NaNGuardError(f"{_where(source)}: version: got {_shown(version)}; expected an integer >= 1. "
                             + _REMEDY.format(source=source, first=""))
-    if version > newest:
+    if int(version) > newest:
         raise NaNGuardError(f"{_where(source)}: version: got {version}; this lightning_nanguard reads versions 1 to "
                             f"{newest} (the checkpoint was written by a newer release). "
                             + _REMEDY.format(source=source, first="upgrade lightning_nanguard, "))

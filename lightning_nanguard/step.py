@@ -306,7 +306,8 @@ class StepFlow:
         if not agree:
             self.responder.replicas_drifted(trainer, pl_module)
             return
-        if state_bad:  # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
+        # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
+        if state_bad:
             self.responder.parameter_incident(trainer, pl_module, where="snapshot", own_evidence=own_state_bad)
             return
         self.recovery.take_snapshot(trainer, pl_module)

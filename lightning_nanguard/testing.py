@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -64,6 +64,9 @@ from torch import Tensor
 from .dtensors import local
 from .layouts import raw_values
 from .tree import iter_tensors, map_tensors
+
+if TYPE_CHECKING:  # provided lazily by __getattr__ below: importing this module imports no Lightning package
+    from .classic import FaultInjector
 
 __all__ = ["Fault", "FaultInjector", "FaultInjectorBase", "Injection", "FAULT_KINDS", "FAULT_VALUES"]
 
@@ -264,7 +267,7 @@ class FaultInjectorBase:
         for p in self._due(("gradient",)):
             named = [(n, q) for n, q in pl_module.named_parameters() if q.grad is not None]
             name, param = self._pick(p, named)
-            if param is None:
+            if param is None or param.grad is None:  # (named holds only parameters with a gradient)
                 self._mark(p, None, None, "no parameter with a gradient" + _named(p))
                 continue
             self._mark(p, name, self._poison(param.grad, p))
@@ -391,7 +394,9 @@ class FaultInjectorBase:
                 record.index = list(_element(out, p.rng))
             poisoned = out.clone()
             poisoned[tuple(record.index)] = _NUMBERS[p.value]
-            return poisoned if isinstance(output, Tensor) else map_tensors(output, lambda t: poisoned if t is out else t)
+            if isinstance(output, Tensor):
+                return poisoned
+            return map_tensors(output, lambda t: poisoned if t is out else t)
 
         self._handles.append(modules[name].register_forward_hook(hook))
         self._mark(p, name, ())  # the element is filled in by the hook at the first forward

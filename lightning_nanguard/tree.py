@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch import Tensor
 
@@ -120,13 +120,14 @@ def slot(leaf: Any) -> Optional[int]:
     return leaf.i if isinstance(leaf, _Slot) else None
 
 
-def unflatten(skeleton: Any, tensors: list[Tensor], clone: bool = False) -> Any:
-    """The structure of :func:`flatten` with ``tensors`` (cloned if ``clone``) back in their places."""
+def unflatten(skeleton: Any, tensors: Sequence[Optional[Tensor]], clone: bool = False) -> Any:
+    """The structure of :func:`flatten` with ``tensors`` (cloned if ``clone``) back in their places (``tensors``
+    may hold None where ``skeleton`` has no slot: a part of a flattened state that was not loaded)."""
 
     def put(leaf: Any) -> Any:
         if isinstance(leaf, _Slot):
             t = tensors[leaf.i]
-            return t.clone() if clone else t
+            return t.clone() if clone and t is not None else t
         return copy.deepcopy(leaf)
 
     return map_leaves(skeleton, put)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any, Iterator, Optional
 
 from .errors import ConfigError
@@ -36,7 +37,7 @@ def _command_line_parser() -> Optional[Any]:
         return parser
     base = getattr(sys.modules.get("jsonargparse"), "ArgumentParser", None)
     outer = None
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     while frame is not None and base is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, base) and not getattr(owner, "_inner_parser", False):

@@ -80,7 +80,8 @@ MUTANTS: list[Mutant] = [
     Mutant("detection", "det-loss-last-microbatch", EVIDENCE,
            "self._loss_sum = value if self._loss_sum is None else self._loss_sum + value",
            "self._loss_sum = value",
-           "with gradient accumulation only the last micro-batch's loss counts (a NaN loss in an earlier one is missed)"),
+           "with gradient accumulation only the last micro-batch's loss counts "
+           "(a NaN loss in an earlier one is missed)"),
     Mutant("detection", "det-gradients-key-ignored", STEP,
            "grads_bad = cfg.check.gradients and flags.grads_bad", "grads_bad = flags.grads_bad",
            "check.gradients: false is ignored (a non-finite gradient norm is still an incident)"),
@@ -300,7 +301,8 @@ MUTANTS: list[Mutant] = [
            "torch.nn.utils.clip_grads_with_norm_([p.grad for p in params if p.grad is not None], limit, norm)",
            "clipping is given bare grad tensors and silently does nothing"),
     Mutant("clipping", "clip-agc-ignored", CLIPPING,
-           "if self.cfg.agc_clip_factor is not None:\n            adaptive_grad_clip_(params, self.cfg.agc_clip_factor)\n"
+           "if self.cfg.agc_clip_factor is not None:\n"
+           "            adaptive_grad_clip_(params, self.cfg.agc_clip_factor)\n"
            "        if norm is not None:",
            "if False:\n            adaptive_grad_clip_(params, self.cfg.agc_clip_factor)\n"
            "        if norm is not None:",
@@ -475,7 +477,8 @@ MUTANTS: list[Mutant] = [
            "a healthy fit shows ng_incidents / ng_lr_scale in the progress bar and callback_metrics (issue 29)"),
     # issue 29: a good guest in the user's Trainer
     Mutant("events", "ev-logger-step-is-global-step", RECORDER,
-           "    return step if isinstance(step, int) else int(trainer.global_step)", "    return int(trainer.global_step)",
+           "    return step if isinstance(step, int) else int(trainer.global_step)",
+           "    return int(trainer.global_step)",
            "the guard's nanguard/* scalars are logged at global_step, not at Lightning's step for the batch "
            "(one step ahead, twice as far with two manual optimizers)"),
     Mutant("events", "ev-report-dir-in-checkpoint-folder", RECORDER,
@@ -560,9 +563,10 @@ MUTANTS: list[Mutant] = [
            "a version-1 checkpoint resumes with every counter, the LR scale and the ladder reset"),
     # issue 24: the saved state is checked on resume
     Mutant("checkpoint", "doc-ckpt-state-nan-lr-scale-loaded", STATE_SCHEMA,
-           '"lr_scale": real(lo=0.0, lo_open=True, hi=1.0),', '"lr_scale": real(nan=True, lo=0.0, lo_open=True, hi=1.0),',
-           "docs/recovery.md: a NaN recovery.lr_scale in a checkpoint raises NaNGuardError naming it; here it loads and "
-           "the first rollback makes the LR NaN"),
+           '"lr_scale": real(lo=0.0, lo_open=True, hi=1.0),',
+           '"lr_scale": real(nan=True, lo=0.0, lo_open=True, hi=1.0),',
+           "docs/recovery.md: a NaN recovery.lr_scale in a checkpoint raises NaNGuardError naming it; here it loads "
+           "and the first rollback makes the LR NaN"),
     Mutant("checkpoint", "doc-ckpt-state-statistics-kept", STATE_SCHEMA,
            "                reset.append(str(bad))\n                if key == \"\":",
            "                continue\n                if key == \"\":",
@@ -672,8 +676,8 @@ MUTANTS: list[Mutant] = [
            "lagged: a device-skipped step's list states and update counts stay in the user's metrics"),
 
     # ---------------------------------------------------------------------------------------------- compat
-    # (issue 12: the lightning package, LightningCLI usage errors, sparse layouts, torch.compile; the user's anomaly mode)
-    # and weight checks on incidents (detection)
+    # (issue 12: the lightning package, LightningCLI usage errors, sparse layouts, torch.compile; the user's
+    # anomaly mode) and weight checks on incidents (detection)
     Mutant("compat", "compat-lightning-not-subclassed", LIGHTNING,
            "class NaNGuard(_NaNGuard, _lp.Callback):", "class NaNGuard(_NaNGuard):",
            "lightning_nanguard.lightning.NaNGuard is not a lightning.pytorch.Callback: its LightningCLI refuses it"),
@@ -950,10 +954,12 @@ MUTANTS: list[Mutant] = [
            "docs/diagnosis.md (kind): 'buffer when every non-finite tensor found is a buffer'; here one "
            "non-finite buffer among non-finite parameters makes the event a buffer event"),
     Mutant("diagnosis", "doc-diag-loss-before-activation", VECTOR,
-           '    Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),\n'
+           '    Field("activation_bad", "sum", kind="activation", '
+           'help="a module output was non-finite (check.activations)"),\n'
            '    Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),\n',
            '    Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),\n'
-           '    Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),\n',
+           '    Field("activation_bad", "sum", kind="activation", '
+           'help="a module output was non-finite (check.activations)"),\n',
            "docs/diagnosis.md (kind precedence: parameter, input, activation, loss, gradient): with "
            "check.activations always a NaN activation that also spoils the loss is kind 'activation'; here "
            "'loss'"),
@@ -1217,7 +1223,8 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: after a skipped step every torchmetrics.Metric is 'as if the step's batches never "
            "happened'; here its update count keeps the skipped update"),
     Mutant("metrics", "doc-metrics-list-states-kept", METRICS,
-           "                for attr, items in saved.lists.items():\n                    setattr(metric, attr, list(items))",
+           "                for attr, items in saved.lists.items():\n"
+           "                    setattr(metric, attr, list(items))",
            "                pass",
            "docs/recovery.md: after a skipped step every torchmetrics.Metric is 'as if the step's batches never "
            "happened'; here a list state (CatMetric, AUROC inputs) keeps the skipped batch"),
@@ -1270,7 +1277,8 @@ MUTANTS: list[Mutant] = [
            '    if False:\n        raise InputError(f"{root}: no {EVENTS_FILE}',
            "docs/events.md: 'a folder without any events.jsonl ... ends with exit status 2'"),
     Mutant("events", "doc-cli-deep-json-traceback", CLI,
-           "    except RecursionError:\n        raise ValueError(f\"JSON nested more than {MAX_DEPTH} deep\") from None\n",
+           "    except RecursionError:\n"
+           "        raise ValueError(f\"JSON nested more than {MAX_DEPTH} deep\") from None\n",
            "",
            "docs/events.md: whatever the bytes, exit 0 or 2, never a traceback; here a line of JSON nested 100,000 "
            "deep ends `nanguard report` with a RecursionError"),

@@ -182,7 +182,7 @@ def record(root: Any, names: Optional[list[str]] = None) -> dict[str, dict[str, 
         print(f"{name}: {len(trace.losses)} steps", file=sys.stderr)
         if name == "pretrain" and (names is None or FINE_TUNE in names):
             trace = Trace()
-            fit(lambda: fine_tune_model(model), fine_tune_data(), 4, True, FINE_TUNE_STEPS, Path(root) / FINE_TUNE,
+            fit(lambda m=model: fine_tune_model(m), fine_tune_data(), 4, True, FINE_TUNE_STEPS, Path(root) / FINE_TUNE,
                 [trace])
             out[FINE_TUNE] = {"losses": trace.losses, "norms": trace.norms}
     return out

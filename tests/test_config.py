@@ -392,7 +392,8 @@ def test_default_yaml_lists_every_key_with_its_code_default_and_a_comment():
     raw = yaml.safe_load(text)
     keys = iter_keys()
     listed = [f"{s}.{k}" for s, body in raw.items() for k in body]
-    assert listed == [k for k, _, _ in keys], "configs/default.yaml must list every key, in order (python scripts/gen_config_docs.py)"
+    assert listed == [k for k, _, _ in keys], \
+        "configs/default.yaml must list every key, in order (python scripts/gen_config_docs.py)"
     for key, default, _ in keys:
         section, name = key.split(".")
         assert raw[section][name] == default, f"{key}: default.yaml has {raw[section][name]!r}, code {default!r}"
@@ -411,7 +412,8 @@ def test_configuration_docs_list_every_key_with_its_code_default():
     assert [row.split("`")[1] for row in rows] == [key for key, _, _ in iter_keys()], \
         "docs/configuration.md must list every key, in order (python scripts/gen_config_docs.py)"
     for row, (key, default, _) in zip(rows, iter_keys()):
-        assert row.split(" | ")[1] == f"`{_yaml_default(default)}`", f"docs default of {key} differs from the code: {row}"
+        assert row.split(" | ")[1] == f"`{_yaml_default(default)}`", \
+            f"docs default of {key} differs from the code: {row}"
     check = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -241,7 +241,8 @@ def test_loss_and_gradient_checks_decide_what_catches_a_nan_loss(fit_checks: Any
     if check.get("loss") is False:  # no loss values: no loss statistics, no spike detection
         assert guard.state_dict()["losses"]["spikes"]["count"] == 0 and not guard.state_dict()["losses"]["history"]
     else:
-        assert guard.state_dict()["losses"]["spikes"]["count"] == 7 and len(guard.state_dict()["losses"]["history"]) == 7
+        losses = guard.state_dict()["losses"]
+        assert losses["spikes"]["count"] == 7 and len(losses["history"]) == 7
 
 
 @pytest.mark.parametrize("check, first", [
@@ -261,7 +262,8 @@ def test_gradient_check_catches_a_nan_gradient_before_it_reaches_the_weights(fit
     if check.get("gradients") is False:  # the norm is computed only once adaptive clipping (armed by the
         first_step = guard.events[0].step  # first incident) needs it, on the healthy steps after it
         healthy_after = [s for s in range(first_step + 1, 8) if s not in {e.step for e in guard.events}]
-        assert len(guard.state_dict()["clipper"]["history"]) == guard.state_dict()["clipper"]["zclip"]["count"] == len(healthy_after)
+        clipper = guard.state_dict()["clipper"]
+        assert len(clipper["history"]) == clipper["zclip"]["count"] == len(healthy_after)
     else:
         assert len(guard.state_dict()["clipper"]["history"]) == 7
 

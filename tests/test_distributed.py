@@ -88,8 +88,8 @@ def test_one_small_all_reduce_per_step_in_steady_state(ddp_run):
         assert 0 < sum(s for _, _, s in steady) < len(steady)
         for batch_idx, step_calls, snapshot in steady:
             guard = [(name, numel) for name, from_guard, numel in step_calls if from_guard]
-            # one all-reduce: the loss, 4 flags, the 4 replica and 3 checksum fields; at a snapshot, one of 4 numbers: the
-            # weights checksum (replica agreement) and whether any rank holds a non-finite weight or state
+            # one all-reduce: the loss, 4 flags, the 4 replica and 3 checksum fields; at a snapshot, one of 4 numbers:
+            # the weights checksum (replica agreement) and whether any rank holds a non-finite weight or state
             assert guard == [("all_reduce", 12)] + [("all_reduce", 4)] * snapshot, (batch_idx, step_calls)
         norms = 0
         for batch_idx, step_calls, _ in per_step:

@@ -161,9 +161,9 @@ def test_faults_on_one_rank_only_are_named_from_that_rank_and_replayed_by_all_or
 @pytest.mark.ddp
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_nan_made_by_one_ranks_backward_is_reproduced_by_the_lockstep_replay(sharded_fits, layout):
-    """Rank 1's backward makes the gradient NaN at steps 4 and 5 (the last): the replay, every rank's forward and backward together
-    (under FSDP2 a real backward: ``autograd.grad`` sees no gradient of the sharded parameters), reproduces it, so
-    the cause is not ``transient`` (which would skip the step and do nothing else)."""
+    """Rank 1's backward makes the gradient NaN at steps 4 and 5 (the last): the replay, every rank's forward and
+    backward together (under FSDP2 a real backward: ``autograd.grad`` sees no gradient of the sharded parameters),
+    reproduces it, so the cause is not ``transient`` (which would skip the step and do nothing else)."""
     fits, _ = sharded_fits
     r0, r1 = (rank["backward"] for rank in fits[layout])
     assert summary(r0) == summary(r1)

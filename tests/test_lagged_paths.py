@@ -512,7 +512,7 @@ def test_three_spikes_cut_the_lr_whatever_the_action_in_both_modes(both):
             return loss + 1000.0 if batch_idx in (30, 34, 38) else loss
 
     runs = both(lambda: ThreeSpikes(-1, "offset"), SPIKES, steps=40, data=models.regression_data(n=1024))
-    for sync, r in runs.items():
+    for r in runs.values():
         assert [(e.step, e.actions) for e in r.guard.events] == [(30, ["warn"]), (34, ["warn"]), (38, ["reduce_lr"])]
         assert r.guard.lr_scale == 0.5 and r.guard.counters["lr_cuts"] == 1
     assert_same_runs(runs, weights=False)

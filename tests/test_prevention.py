@@ -358,8 +358,8 @@ def test_adaptive_always_clips_after_warmup_at_the_threshold_and_cuts_lr_when_it
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             used = guard.state_dict()["clipper"]["zclip"]
-            steps.append((trainer.global_step, guard.state_dict()["clipper"]["last_norm"], float(torch.nn.utils.get_total_norm(grads)),
-                          used))
+            last_norm = guard.state_dict()["clipper"]["last_norm"]
+            steps.append((trainer.global_step, last_norm, float(torch.nn.utils.get_total_norm(grads)), used))
 
     # the divergence watch (issue 13) would act at step 3, long before clipping warms up: this pins clipping alone
     guard = NaNGuard(clip={"adaptive": "always", "warmup_steps": 10},
@@ -470,7 +470,8 @@ def test_spike_z_is_the_detection_threshold(fit_scripted: Any) -> None:
     assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["warn"])]
     assert low.events[0].details["loss_zscore"] == pytest.approx(expected, rel=1e-6)
     high = fit_scripted(ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP}, subdir="high")
-    assert high.events == [] and high.counters["spikes"] == 0 and high.state_dict()["losses"]["spikes"]["count"] == WARMUP + 1
+    assert high.events == [] and high.counters["spikes"] == 0
+    assert high.state_dict()["losses"]["spikes"]["count"] == WARMUP + 1
 
 
 def test_spike_warmup_is_the_number_of_losses_before_detection(fit_scripted: Any) -> None:
@@ -478,14 +479,16 @@ def test_spike_warmup_is_the_number_of_losses_before_detection(fit_scripted: Any
     ready = fit_scripted(ScriptedLoss(values), {"spike_warmup": WARMUP}, subdir="ready")
     assert [(e.kind, e.step) for e in ready.events] == [("spike", WARMUP)]
     warming = fit_scripted(ScriptedLoss(values), {"spike_warmup": WARMUP + 1}, subdir="warming")
-    assert warming.events == [] and warming.state_dict()["losses"]["spikes"]["count"] == WARMUP + 1  # the spike fed the warm-up
+    # the spike fed the warm-up
+    assert warming.events == [] and warming.state_dict()["losses"]["spikes"]["count"] == WARMUP + 1
 
 
 def test_spike_action_off_turns_detection_off(fit_scripted: Any) -> None:
     values = _scripted(WARMUP, spike_z=50.0)
     guard = fit_scripted(ScriptedLoss(values), {"spike_action": "off", "spike_warmup": WARMUP})
     assert guard.events == [] and guard.state_dict()["losses"]["spikes"]["count"] == 0
-    assert guard.state_dict()["losses"]["history"][-1] == pytest.approx(values[-1])  # the loss was read, just not judged
+    # the loss was read, just not judged
+    assert guard.state_dict()["losses"]["history"][-1] == pytest.approx(values[-1])
 
 
 class _StateProbe(pl.Callback):

@@ -347,7 +347,8 @@ def test_rollback_loads_the_newest_snapshot_then_the_one_before(fit_steps):
     assert opt_state and all({"exp_avg", "exp_avg_sq", "step"} <= s.keys() for s in opt_state.values())
     assert snaps.states[expected[0]]["schedulers"][0]["last_epoch"] == expected[0]
     assert "net.1.running_mean" in snaps.states[expected[0]]["module"]
-    assert guard.state_dict()["recovery"]["ladder"]["failed_rollbacks"] == 0  # a snapshot after the second rollback confirmed it
+    # a snapshot after the second rollback confirmed it
+    assert guard.state_dict()["recovery"]["ladder"]["failed_rollbacks"] == 0
 
 
 def test_rollback_goes_further_back_when_it_does_not_help(fit):
@@ -856,8 +857,8 @@ def test_snapshot_off_takes_none_and_refuses_a_nonfinite_checkpoint(tmp_path, fi
         guard = NaNGuard(recovery={"snapshot": mode}, logging=QUIET)
         ckpt = ModelCheckpoint(dirpath=tmp_path / mode, every_n_train_steps=1, save_top_k=-1, filename="{step}")
         callbacks = [FaultInjector(Fault("parameter", steps=[bad])), guard, ckpt]
-        run = lambda: fit_steps(models.Regression(), callbacks, steps=6, subdir=f"{mode}-run",  # noqa: E731
-                                enable_checkpointing=True)
+        run = lambda cbs=callbacks, m=mode: fit_steps(models.Regression(), cbs, steps=6,  # noqa: E731
+                                                     subdir=f"{m}-run", enable_checkpointing=True)
         if mode == "off":
             with pytest.raises(NaNGuardError):
                 run()

@@ -128,7 +128,7 @@ def test_progress_bar_shows_guard_status_from_the_first_incident_on(fit):
     assert len(probe.seen) == 32
     first = next(i for i, seen in enumerate(probe.seen) if seen[3] > 0 or seen[4] != 1.0)
     assert first > 0  # a few healthy steps first
-    for step, shown_incidents, shown_scale, incidents, scale in probe.seen[:first]:
+    for step, shown_incidents, shown_scale, _incidents, _scale in probe.seen[:first]:
         assert (shown_incidents, shown_scale) == (None, None), step  # healthy so far: not in the bar
     for step, shown_incidents, shown_scale, incidents, scale in probe.seen[first:]:
         assert (shown_incidents, shown_scale) == (incidents, pytest.approx(scale)), step

@@ -93,8 +93,8 @@ def test_sharded_collectives_are_the_same_on_every_rank_and_only_on_incidents(sh
         snapshots = runs[0]["counters"]["snapshots"]
         assert norms and sum(norms) // 7 <= snapshots, (mode, runs[0]["calls"])
         # every other all_reduce: the step's evidence (12 numbers), the checkpoint and train-end weight checks (1),
-        # before each snapshot the replicas' agreement (4 numbers: their weights' checksum, finite weights and states), for
-        # disk snapshots, which snapshots every rank wrote (one flag per snapshot of the ring) on the incident path
+        # before each snapshot the replicas' agreement (4 numbers: their weights' checksum, finite weights and states),
+        # for disk snapshots, which snapshots every rank wrote (one flag per snapshot of the ring) on the incident path
         others = [n for name, n in runs[0]["calls"] if name == "all_reduce" and n not in norms and n not in (1, 12)]
         incidents = runs[0]["counters"]["incidents"]
         if mode == "memory":

@@ -186,7 +186,7 @@ def test_lagged_names_a_nan_weight_like_eager(pair):
     for sync in ("eager", "lagged"):
         runs[sync] = pair.fit_one(sync, lambda: Net(), {"recovery": {"snapshot_every": 5}},
                                   extra=[FaultInjector([Fault("parameter", steps=[7])])])
-    (a, ga), (b, gb) = runs["eager"], runs["lagged"]
+    (_, ga), (b, gb) = runs["eager"], runs["lagged"]
     assert [record(e) for e in ga.events] == [record(e) for e in gb.events]
     (e,) = gb.events
     assert (e.step, e.kind, e.culprit) == (8, "parameter", e.details["nonfinite_parameters"][0]["name"])
@@ -197,7 +197,7 @@ def test_lagged_names_a_nan_weight_like_eager(pair):
 def test_lagged_with_a_non_fused_optimizer_rolls_the_applied_step_back(pair):
     """AdamW without fused=True cannot skip on the device: the bad step is applied (NaN weights), then rolled back."""
     runs = pair(lambda: Net(bad=(12,), fused=False), {"recovery": {"snapshot_every": 5}})
-    (a, ga), (b, gb) = runs["eager"], runs["lagged"]
+    (_, ga), (b, gb) = runs["eager"], runs["lagged"]
     assert ga.events[0].actions == ["skip_step", "clip"] and ga.counters["rollbacks"] == 0
     (e,) = gb.events
     assert (e.step, e.kind) == (12, "loss") and "rollback" in e.actions and "skip_step" not in e.actions
@@ -487,7 +487,7 @@ def test_a_divergence_read_one_step_late_rolls_the_applied_step_back(pair):
     undo it (no skip_step action), and that next step is skipped too."""
     runs = pair(lambda: FusedSpiky(at=30, mode="input"), {"check": {"spike_action": "warn", "spike_warmup": 20}},
                 steps=40)
-    (a, ga), (b, gb) = runs["eager"], runs["lagged"]
+    (_, ga), (b, gb) = runs["eager"], runs["lagged"]
     div = [(record(e), record(f)) for e, f in zip(ga.events, gb.events) if e.kind == "divergence"]
     assert len(ga.events) == len(gb.events) and div
     eager, lagged = div[0]

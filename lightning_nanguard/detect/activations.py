@@ -30,8 +30,8 @@ def outputs_nonfinite_flag(outputs: list[Tensor]) -> Optional[Tensor]:
     for float32/float16/bfloat16 values.
     """
     # a DTensor output (tensor parallel with use_local_output=False): its local shard, never a collective
-    outputs = [local(t) if is_strided(t) else stored_values(t, coalesce=False) for t in outputs]
-    outputs = [t for t in outputs if t is not None]  # sparse or nested outputs: their stored values
+    values = [local(t) if is_strided(t) else stored_values(t, coalesce=False) for t in outputs]
+    outputs = [t for t in values if t is not None]  # sparse or nested outputs: their stored values
     if not outputs:
         return None
     with torch.no_grad():

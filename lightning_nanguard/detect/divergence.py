@@ -90,8 +90,8 @@ class DivergenceWatch:
         """A divergence may be under way: the loss far above its first value, or grown ``g``-fold at each of
         the last ``k - 1`` steps. (The guard defers snapshots meanwhile; a single ``g``-fold step is common
         noise and defers nothing.)"""
-        losses = [v for _, v, _ in self.window]
-        return bool(self.above) or (self.enabled and None not in losses
+        losses = [v for _, v, _ in self.window if v is not None]
+        return bool(self.above) or (self.enabled and len(losses) == len(self.window)
                                     and growth_streak(losses, self.growth) >= self.steps - 1)
 
     def observe(self, step: int, loss: Optional[float], grad_norm: float) -> Optional[dict[str, Any]]:
@@ -119,9 +119,9 @@ class DivergenceWatch:
             self.streak_latched = False  # no growth at this step: no rule can complete, and a latch re-arms
             return None
         steps = [s for s, _, _ in self.window]
-        losses = [v for _, v, _ in self.window]
+        losses = [v for _, v, _ in self.window if v is not None]
         norms = [v for _, _, v in self.window]
-        if None in losses or not self.positive:
+        if len(losses) < len(self.window) or not self.positive:  # a step without a loss value in the window
             return None
         rule = None
         fast = self.growth ** 2

@@ -49,7 +49,7 @@ class StepEvidence:
         self.window = Window()
         self.activations = ActivationCheck(check.activations)
         self.weights = WeightCheck()
-        self.grads_were_finite = True
+        self.grads_were_finite: Optional[bool] = True
         self._loss_sum: Optional[Tensor] = None
         self._input_bad: Optional[Tensor] = None
         self._state_bad: Optional[Tensor] = None  # parameters/buffers after the previous optimizer step

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -211,7 +211,8 @@ def checksum_primes(world: int, count: int = 3) -> tuple[int, ...]:
     what the check misses: a checksum difference that is a multiple of every prime, which no difference of two
     :func:`bits_checksum` values (``0 < |d| < 2^32``) is below 8,191 ranks."""
     total = sum(abs(checksum_weight(r, world)) for r in range(world))
-    n, found = max(3, (FLOAT32_EXACT - 1) // total), []
+    n = max(3, (FLOAT32_EXACT - 1) // total)
+    found: list[int] = []
     while len(found) < count and n >= 3:
         if _is_prime(n):
             found.append(n)
@@ -225,7 +226,7 @@ def checksum_parts(checksum: Tensor, weight: int, primes: Tensor) -> Tensor:
     return (torch.remainder(checksum, primes) * weight).float()
 
 
-def checksums_disagree(summed: Sequence[Any]) -> Any:
+def checksums_disagree(summed: Union[Tensor, Sequence[Any]]) -> Any:
     """Do the ranks' checksums differ? From the checksum fields summed over ranks: identical checksums cancel
     (the weights sum to 0), so every field is 0; one rank whose checksum differs by ``d`` leaves ``weight x (d mod
     p)`` in each, 0 for all of them only when ``d`` is a multiple of every prime. Exact: an integer compared with
@@ -528,12 +529,12 @@ def share_incident(sync: StepSync, event: Any, extra: str, local: Optional[Tenso
             first = SCHEMA.index[CHECKSUM_FIELDS[0]]
             residues = own_residues(vec[first:first + len(CHECKSUM_FIELDS)].tolist(), sync.weight)
     shard = found is None and sync.shard_bad(local)
-    local = [bool(found)] if found is not None else sync.local_flags(local)
+    own_flags = [bool(found)] if found is not None else sync.local_flags(local)
     own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
     reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
     weights = event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
-    evidence = 5 if weights else 4 if reproduced else 3 if any(local) else 2 if own else 1 if shard else 0
-    payload = {"rank": sync.rank, "evidence": evidence, "local": local, "extra": extra, "own_norm": own_norm,
+    evidence = 5 if weights else 4 if reproduced else 3 if any(own_flags) else 2 if own else 1 if shard else 0
+    payload = {"rank": sync.rank, "evidence": evidence, "local": own_flags, "extra": extra, "own_norm": own_norm,
                "residues": None if residues is None else list(residues),
                "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
     gathered = sync.gather(payload)

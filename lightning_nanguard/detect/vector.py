@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -101,6 +101,7 @@ class VectorSchema:
         if not parts.keys() <= self.index.keys():
             raise KeyError(f"not fields of the evidence vector: {sorted(set(parts) - set(self.index))}")
         get = parts.get
+        # (a call's result is not narrowed by its `is not None` test: get(name) is a Tensor where it is taken)
         return torch.stack([get(name) if get(name) is not None else constants[name]  # type: ignore[misc]
                             for name in self._names])
 
@@ -125,16 +126,28 @@ class StepFlags(tuple):
     __slots__ = ()
     _schema: VectorSchema
 
+    if TYPE_CHECKING:  # what for_schema's class adds, for a type checker: every field (a float) and the properties
+        def __getattr__(self, name: str) -> float: ...
+
+        @property
+        def local_bad(self) -> bool: ...
+
+        @property
+        def grads_bad(self) -> bool: ...
+
+        def incident_kind(self) -> str: ...
+
     @classmethod
     def for_schema(cls, schema: VectorSchema) -> type:
+        # the fields are the schema's, known at run time only: a type checker sees the class through StepFlags' stubs
         base = namedtuple("StepFlagsFields", [f.name for f in schema.fields])  # type: ignore[misc]
-        flag_kinds = tuple((schema.index[f.name], f.kind) for f in schema.fields[schema.flags])
+        flag_kinds = tuple((schema.index[f.name], f.kind) for f in schema.fields[schema.flags] if f.kind is not None)
         lo, hi = schema.flags.start, schema.flags.stop
         norm = schema.norm
         own_bad = schema.index.get("own_grad_bad")
         fallback = schema.fallback_kind
 
-        class Flags(base, cls):  # type: ignore[valid-type, misc]
+        class Flags(base, cls):  # type: ignore[valid-type, misc]  # a base made at run time (above)
             __slots__ = ()
             _schema = schema
 
@@ -151,7 +164,7 @@ class StepFlags(tuple):
 
             def incident_kind(self) -> str:
                 """The event kind, by precedence of the evidence."""
-                return next((kind for i, kind in flag_kinds if self[i]), fallback)  # type: ignore[return-value]
+                return next((kind for i, kind in flag_kinds if self[i]), fallback)
 
         Flags.__name__ = Flags.__qualname__ = "StepFlags"
         return Flags
@@ -168,7 +181,8 @@ SCHEMA = VectorSchema([
     Field("loss", "mean", help="sum of the step's micro-batch losses, unscaled (16-mixed); the mean over ranks"),
     # flags, in order of precedence of the event kind they imply
     Field("param_bad", "sum", kind="parameter", help="a parameter or buffer was non-finite after the previous step"),
-    Field("input_bad", "sum", kind="input", help="a floating tensor of the batch was non-finite (check.inputs: always)"),
+    Field("input_bad", "sum", kind="input",
+          help="a floating tensor of the batch was non-finite (check.inputs: always)"),
     Field("activation_bad", "sum", kind="activation", help="a module output was non-finite (check.activations)"),
     Field("loss_bad", "sum", kind="loss", help="a micro-batch loss was non-finite (check.loss)"),
     # the replica check (DDP, check.replicas): each rank's own copy of the reduced gradient, which is identical on

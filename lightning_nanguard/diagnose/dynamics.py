@@ -241,7 +241,7 @@ def layer_growth(module: nn.Module, ratio: float = LAYER_GROWTH) -> Optional[dic
     named = [(n, p) for n, p in module.named_parameters() if p.dim() >= 2 and p.grad is not None]
     if len(named) < 4:
         return None
-    grads = norms(p.grad for _, p in named)  # type: ignore[misc]
+    grads = norms(p.grad for _, p in named)  # type: ignore[misc]  # not None: named keeps those with a gradient
     rms = [_rms(g, local(p).numel()) for (_, p), g in zip(named, grads)]
     if not all(math.isfinite(r) and r > 0 for r in rms):
         return None

@@ -74,10 +74,8 @@ def floats_of(obj: Any) -> list[Tensor]:
     return [t for t in values if t is not None and t.numel()]
 
 
-def _stats(tensors: list[Tensor]) -> Optional[Tensor]:
-    """Device tensor [abs-max, abs-min, non-finite count] over finite values of ``tensors`` (no sync)."""
-    if not tensors:
-        return None
+def _stats(tensors: list[Tensor]) -> Tensor:
+    """Device tensor [abs-max, abs-min, non-finite count] over finite values of ``tensors`` (not empty; no sync)."""
     rows = []
     for t in tensors:
         a = t.detach().abs().double()
@@ -158,11 +156,10 @@ class FrameRecorder:
     def _add(self, frames: list[Frame], name: str, call: int, ins: list[Tensor], outs: list[Tensor]) -> None:
         if not outs:
             return
-        si, so = _stats(ins), _stats(outs)
-        if si is None:
-            si = torch.tensor([0.0, math.inf, 0.0], dtype=torch.float64, device=so.device)  # type: ignore[union-attr]
+        so = _stats(outs)
+        si = _stats(ins) if ins else torch.tensor([0.0, math.inf, 0.0], dtype=torch.float64, device=so.device)
         frames.append(Frame(len(frames), name, call, str(outs[0].dtype).replace("torch.", ""),
-                            torch.cat([si.to(so.device), so])))  # type: ignore[union-attr]
+                            torch.cat([si.to(so.device), so])))
 
     def read(self) -> None:
         """The one host read of a replay pass."""

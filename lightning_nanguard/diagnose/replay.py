@@ -27,7 +27,7 @@ import re
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -86,7 +86,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
     metrics.arm()
     modes = {m: m.training for m in module.modules()}
     buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
-    shadowed = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
+    shadowed: dict[str, Any] = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
     object.__setattr__(module, "log", _noop)
     object.__setattr__(module, "log_dict", _noop)
     try:
@@ -133,7 +133,7 @@ def _run(module: Any, batch: Any, batch_idx: int, rng: Any, ctx: Any) -> Optiona
         return _loss_of(module.training_step(batch, batch_idx))
 
 
-def _grads(loss: Tensor, named: list[tuple[str, nn.Parameter]]) -> list[Optional[Tensor]]:
+def _grads(loss: Tensor, named: Sequence[tuple[str, Tensor]]) -> list[Optional[Tensor]]:
     if not loss.requires_grad or not named:
         return [None] * len(named)
     params = [p for _, p in named]
@@ -159,7 +159,7 @@ def _reentrant_checkpoint(loss: Tensor) -> bool:
     return False
 
 
-def _backward_grads(loss: Tensor, params: list[Tensor]) -> list[Optional[Tensor]]:
+def _backward_grads(loss: Tensor, params: Sequence[Tensor]) -> list[Optional[Tensor]]:
     """The gradients of ``params`` through ``loss.backward()``, every ``.grad`` put back as it was."""
     saved = [p.grad for p in params]
     for p in params:
@@ -303,7 +303,8 @@ def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], r
             grads = _grads(loss * scale, [("", p) for _, p in trainable])
             for (j, _), g in zip(trainable, grads):
                 if g is not None:
-                    total[j] = g if total[j] is None else total[j] + g
+                    before = total[j]
+                    total[j] = g if before is None else before + g
     except Exception:  # the recompute must never break training
         return None
     return total
@@ -437,7 +438,8 @@ def _eager_copy(module: nn.Module) -> nn.Module:
 def _float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: ReplayResult) -> dict:
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
     twin = _eager_copy(module).double()
-    twin.log, twin.log_dict = _noop, _noop  # type: ignore[method-assign]
+    # a LightningModule's methods, shadowed on the copy; nn.Module types every attribute it sets as Tensor | Module
+    twin.log, twin.log_dict = _noop, _noop  # type: ignore[assignment]
     if "_trainer" in vars(module):  # a LightningModule drops its trainer when copied: global_rank, global_step,
         twin.__dict__["_trainer"] = module.__dict__["_trainer"]  # current_epoch must read as in the replay
     named = [(n, p) for n, p in twin.named_parameters() if p.requires_grad]

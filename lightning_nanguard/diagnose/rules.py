@@ -258,7 +258,8 @@ def _history(ctx: IncidentContext) -> tuple[list[float], list[int]]:
 
 def _norm_at(ctx: IncidentContext, step: int) -> float:
     """The gradient norm of ``step`` (the divergence's streak, else the healthy history); NaN when not known."""
-    for values, steps in (_streak(ctx), _history(ctx)):
+    sources: tuple[tuple[list[float], Sequence[Optional[int]]], ...] = (_streak(ctx), _history(ctx))
+    for values, steps in sources:
         if step in steps:
             return values[steps.index(step)]
     return math.nan
@@ -284,15 +285,15 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
         if math.isfinite(at) and at > 0:
             step, grad_norm = reference[0], at
     optimizers = getattr(ctx.trainer, "optimizers", None) or []
-    found = dynamics.relative_update(optimizers, ctx.pl_module, grad_norm,
-                                     reference[1] if reference else None, reference[0] if reference else None,
-                                     growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)),
-                                     lrs=ctx.step_lrs)
-    if found is None:
+    update = dynamics.relative_update(optimizers, ctx.pl_module, grad_norm,
+                                      reference[1] if reference else None, reference[0] if reference else None,
+                                      growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)),
+                                      lrs=ctx.step_lrs)
+    if update is None:
         return None
-    found["onset_step"] = step
-    ctx.event.details["relative_update"] = found
-    return "learning_rate" if found["relative_update"] >= dynamics.RELATIVE_UPDATE_LR else None
+    update["onset_step"] = step
+    ctx.event.details["relative_update"] = update
+    return "learning_rate" if update["relative_update"] >= dynamics.RELATIVE_UPDATE_LR else None
 
 
 def _grown(ctx: IncidentContext, reference: dict[str, float]) -> bool:

@@ -97,7 +97,7 @@ def unitwise_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor
     for i, t in enumerate(tensors):
         if t.ndim > 1:
             out[i] = torch.linalg.vector_norm(t, norm_type, dim=tuple(range(1, t.ndim)), keepdim=True)
-    return out  # type: ignore[return-value]
+    return out  # type: ignore[return-value]  # every slot filled: ndim <= 1 above, > 1 here
 
 
 @torch.no_grad()
@@ -221,7 +221,7 @@ class Clipper:
         limit = self.threshold()
         spike_limit = self.threshold(spike_to) if spike is not None and spike_to is not None else None
         if norm is not None:
-            for lim, when in ((limit, None if spike_limit is None else ~spike), (spike_limit, spike)):
+            for lim, when in ((limit, None if spike is None or spike_limit is None else ~spike), (spike_limit, spike)):
                 if lim is not None:
                     _clip_above(params, norm, lim, when)
         if self.cfg.agc_clip_factor is not None:

@@ -170,9 +170,9 @@ class RecoveryLadder:
             self._recent.clear()
             if policy.lr_cut == "sized" or by_runaway:
                 plan.lr_factor = self.cfg.divergence_lr_factor
-            if policy.lr_cut == "sized" and safe_factor is not None and safe_factor < plan.lr_factor:
-                plan.lr_factor = max(safe_factor, LARGEST_CUT)
-                self.sized_cut = True
+                if policy.lr_cut == "sized" and safe_factor is not None and safe_factor < plan.lr_factor:
+                    plan.lr_factor = max(safe_factor, LARGEST_CUT)
+                    self.sized_cut = True
             plan.reasons.append(policy.lr_reason if by_cause else
                                 "a divergence, whatever its cause, runs at too high an LR" if by_runaway else
                                 "skipping did not help" if by_rollback else "repeated incidents")

@@ -69,7 +69,7 @@ class MetricUndo:
         """Back up every metric of the module and, given Lightning's result collection (``trainer._results``),
         every logged value in it. Tensors only, on their device: one batched copy, no sync."""
         self._results = results
-        metrics = self.metrics
+        metrics: list[Any] = self.metrics  # and, given results, the logged values: only Metric objects are kept
         if results:
             self._keys = set(results)
             logged = list(results.values())
@@ -100,9 +100,9 @@ class MetricUndo:
                 value = state.get(attr)
                 if value is None:
                     value = getattr(metric, attr)
-                buf = tensors.get(attr)
-                if buf is not None and saved.sources.get(attr) is value:  # the same tensor as at the last arm()
-                    src.append(value)
+                buf, source = tensors.get(attr), saved.sources.get(attr)
+                if buf is not None and source is not None and source is value:  # the same tensor as at the last arm()
+                    src.append(source)
                     dst.append(buf)
                 elif isinstance(value, Tensor):
                     if (buf is None or buf.shape != value.shape or buf.dtype != value.dtype

@@ -84,7 +84,8 @@ class Recovery:
         self.statistics = statistics
         self.lr_scale = 1.0
         self.lr_scale_known = True  # False: resumed from a guard state without recovery.lr_scale (reconcile_lr_scale)
-        self._configured_lrs: list[float] = []  # the optimizers' reference LRs at fit start, before a resume loads theirs
+        # the optimizers' reference LRs at fit start, before a resume loads theirs
+        self._configured_lrs: list[float] = []
         self.stopped = False
         self.skip_batches_left = 0
         self.healthy_since_snapshot = 0
@@ -324,8 +325,8 @@ class Recovery:
         snap = self.store.newest
         written = self.buffers.written() if keep_step and self.buffers is not None else {}
         self.store.restore(snap, trainer, pl_module, scaler_overflows)
-        if written:
-            self.buffers.put_back(written)  # type: ignore[union-attr]
+        if written and self.buffers is not None:
+            self.buffers.put_back(written)
         for name, obj in self.statistics.items():
             if name in snap.meta:
                 obj.load_state_dict(snap.meta[name])

@@ -262,7 +262,7 @@ class ShardedStore(SnapshotStore):
         for snap in need:
             snap.norms = {}
         for (k, name, _), value in zip(entries, found):
-            need[k].norms[name] = value  # type: ignore[index]
+            need[k].norms[name] = value  # type: ignore[index]  # a dict: set just above
 
     def module_norms(self, snap: Snapshot, norms: Norms) -> Optional[dict[str, float]]:
         """The norms :meth:`prepare_norms` gathered (None if it was not called for ``snap``: never a collective

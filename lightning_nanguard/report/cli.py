@@ -2,9 +2,9 @@
 
 ``report`` reads ``events.jsonl`` files (PATH is one file, or a folder searched recursively) and prints one
 row per incident plus totals, and where they happened: per host and rank, the incidents of each cause, hosts
-with repeated faults that did not come back (a cause that counts against the hardware) first, each named with its rank, device and
-steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and skipped; a
-missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
+with repeated faults that did not come back (a cause that counts against the hardware) first, each named with its
+rank, device and steps. A truncated or garbled *last* line (a run killed while writing) is reported on stderr and
+skipped; a missing path, a file without a single valid event or a malformed line in the middle of a file ends with exit
 status 2 and one line on stderr, never a traceback, whatever the bytes (binary data, invalid UTF-8, JSON nested
 100,000 deep, a line of gigabytes). The files are read as streams, one line in memory at a time, twice (check and
 add up, then print), so memory does not grow with their size; and the command imports neither torch nor
@@ -248,7 +248,9 @@ class Totals:
     def _place(self, e: dict[str, Any]) -> None:
         """Per host and rank: its incidents, their causes, its faults that did not come back (their steps). An
         event of several ranks that names none (``details.ranks: []``) counts on host and rank ``?``."""
-        details = e.get("details") if isinstance(e.get("details"), dict) else {}
+        details = e.get("details")
+        if not isinstance(details, dict):
+            details = {}
         known = details.get("ranks") != []
         host = str(e.get("host") or "-") if known else UNKNOWN_RANK
         rank = str(e.get("rank", 0)) if known else UNKNOWN_RANK
@@ -416,8 +418,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
     for stream in (out, err):  # a name or an event string that the terminal cannot encode: escaped, not a traceback
+        reconfigure = getattr(stream, "reconfigure", None)  # TextIOWrapper's; not every TextIO has one
         try:
-            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+            if reconfigure is not None:
+                reconfigure(errors="backslashreplace")
         except (AttributeError, ValueError, OSError):
             pass
     try:

@@ -112,7 +112,8 @@ class Recorder:
 
     def default_sinks(self, trainer: Any) -> list[Sink]:
         assert self.out_dir is not None
-        cfg, sinks = self.cfg, []  # type: ignore[var-annotated]
+        cfg = self.cfg
+        sinks: list[Sink] = []
         if trainer.global_rank != 0:
             return sinks
         if cfg.events_file:

@@ -7,7 +7,8 @@ the way torchrun launches them:
 ``LAYOUT`` is ``fsdp`` (data_parallel_size=2: parameters, gradients and optimizer states sharded in dim 0, the
 last layer's 1-row weight and 1-element bias empty on rank 1), ``tp`` (tensor_parallel_size=2: column-wise then
 row-wise, the last bias replicated) or ``2d`` (WORLD_SIZE=4, data_parallel_size=2 x tensor_parallel_size=2: tensor
-parallel, then FSDP2 over the data-parallel dim; only ``plain``, ``healthy``, ``faults`` and ``clip``). Several short fits run one after the other in the same processes, per layout:
+parallel, then FSDP2 over the data-parallel dim; only ``plain``, ``healthy``, ``faults`` and ``clip``). Several short
+fits run one after the other in the same processes, per layout:
 
 - ``plain`` and ``healthy``: no fault, without and with the guard (the guard's collectives and host reads are
   counted per step);
@@ -213,7 +214,7 @@ def main(out: Path, layouts: list[str]) -> None:
                                            guard_grads=after.grads)
             continue
         fits = {"plain": run(out, layout, "plain", []),
-                "healthy": (lambda g: run(out, layout, "healthy", [], g, count=True))(guard()),
+                "healthy": run(out, layout, "healthy", [], guard(), count=True),
                 "faults": run(out, layout, "faults", [FaultInjector(FAULTS)], guard(), states=True),
                 "one_rank": run(out, layout, "one_rank", [FaultInjector(ONE_RANK)], guard(), states=True)}
         fits["backward"] = run(out, layout, "backward", [BackwardNaN(4), BackwardNaN(5)], guard(), steps=6)
