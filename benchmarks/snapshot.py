@@ -170,7 +170,8 @@ def ddp_run(ranks: int, mode: str, steps: int, every: int, package: Optional[Pat
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def ddp_rows(quick: bool, before: Optional[Path], repeats: int) -> list[dict]:
+def ddp_rows(quick: bool, before: Optional[Path], repeats: int,
+             world_sizes: tuple[int, ...] = (1, 2, 4)) -> list[dict]:
     """Every configuration ``repeats`` times (interleaved), each against its own run without the guard; the
     median over the repeats of each number (per rank for memory)."""
     steps, every = (40, 8) if quick else (88, 8)
@@ -180,7 +181,7 @@ def ddp_rows(quick: bool, before: Optional[Path], repeats: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="nanguard-snapshot-bench-") as tmp:
         root = Path(tmp)
-        for ranks in (1, 2, 4):
+        for ranks in world_sizes:
             seen: dict[tuple, list[tuple[list[dict], list[float]]]] = {c[::2]: [] for c in configs}
             for _ in range(repeats):
                 hwm0 = [r["status_after_fit"]["VmHWM"] for r in ddp_run(ranks, "none", steps, every, None, root)]
@@ -410,6 +411,7 @@ def main() -> None:
                         help="a folder holding another lightning_nanguard/ (e.g. git archive of main): 'before' rows")
     parser.add_argument("--batch", type=int, default=64, help="samples per training step (stores)")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each DDP configuration (default 2)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="world sizes of the DDP part")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -441,7 +443,7 @@ def main() -> None:
             print(f"  stores {label}: done ({time.perf_counter() - start:.0f} s)", flush=True)
     if "ddp" in parts:
         out["ddp"] = ddp_rows(args.quick, args.before.resolve() if args.before else None,
-                              args.repeats or (1 if args.quick else 2))
+                              args.repeats or (1 if args.quick else 2), tuple(args.ranks))
     if "projection" in parts and out.get("stores"):
         out["projection"] = projection(out["stores"], out.get("ddp", []))
     table = report(out, every, keep, args.batch)

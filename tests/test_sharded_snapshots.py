@@ -49,6 +49,8 @@ def test_a_sharded_rollback_restores_every_rank_bitwise_like_the_unsharded_store
             (after,) = r["after_rollback"]
             # the restored weights, Adam moments and step counts are the unsharded snapshot's, bitwise
             assert after["restored_step"] == restored and after["same_as_unsharded"], (mode, r["rank"])
+            # in place: the live weights and Adam's moments and step counts are the same tensors as before it
+            assert after["in_place"] and after["places"] >= 18, (mode, r["rank"], after["places"])
         for key in ("weights", "optimizer"):  # and the same on every rank
             first = runs[0]["after_rollback"][0][key]
             assert all(len(r["after_rollback"][0][key]) == len(first) and all(
