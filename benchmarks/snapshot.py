@@ -142,6 +142,9 @@ def worker(config: dict) -> None:
         result["held_mib"] = newest.nbytes / 2**20
         result["state_mib"] = getattr(newest, "total_nbytes", newest.nbytes) / 2**20
         result["store"] = type(store).__name__
+        if config.get("bucket_mib") and hasattr(store, "bucket_bytes"):
+            store.bucket_bytes = int(config["bucket_mib"] * 2**20)
+        result["status_before_rollback"] = _status()
         times = []
         for _ in range(3):
             start = time.perf_counter()

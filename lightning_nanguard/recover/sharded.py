@@ -37,8 +37,7 @@ from .snapshots import Norms, Snapshot, SnapshotStore, load_training_state, trai
 __all__ = ["ShardPlan", "ShardedStore", "EVERY_RANK", "BUCKET_BYTES"]
 
 EVERY_RANK = -1  # the owner of a tensor that every rank keeps
-BUCKET_BYTES = 32 * 2**20  # the largest broadcast of a rebuild or restore: the only transient memory of an in-place restore
-_ALIGN = 64  # tensors start at this byte offset in a bucket (any dtype can view its bytes there)
+BUCKET_BYTES = 16 * 2**20  # the largest broadcast of a rebuild or restore (a larger tensor is split across buckets)
 
 
 @dataclass(frozen=True)
@@ -191,7 +190,7 @@ class ShardedStore(SnapshotStore):
         for path, leaf in iter_leaves(snap.skeleton):
             i = slot(leaf)
             t = places.get(path) if i is not None else None
-            if t is not None and is_strided(t) and layout.plan.owners[i] != EVERY_RANK \
+            if t is not None and is_strided(t) and t.is_contiguous() and layout.plan.owners[i] != EVERY_RANK \
                     and tuple(t.shape) == layout.shapes[i] and t.dtype == layout.dtypes[i]:
                 targets[i] = t
         return unflatten(snap.skeleton, self._rebuild(snap, range(len(layout.shapes)), targets))
@@ -232,39 +231,43 @@ class ShardedStore(SnapshotStore):
             for i in wanted:
                 if owners[i] in (EVERY_RANK, self.rank):
                     put(i, own[i])
-                elif layout.nbytes(i) == 0:
-                    out[i] = targets[i] if targets[i] is not None else \
-                        torch.empty(layout.shapes[i], dtype=layout.dtypes[i])
+                else:  # filled from the broadcasts below, bytes as they come
+                    target = targets[i]
+                    out[i] = target if target is not None else torch.empty(layout.shapes[i], dtype=layout.dtypes[i])
             for owner in range(self.world_size):
                 moving = [i for i in sorted(set(wanted)) if owners[i] == owner and layout.nbytes(i) > 0]
-                for bucket, offsets, total in self._buckets(layout, moving):
+                for pieces, total in self._buckets(layout, moving):
                     buf = torch.empty(total, dtype=torch.uint8, device=device)
                     if owner == self.rank:
-                        for i, off in zip(bucket, offsets):
-                            buf[off:off + layout.nbytes(i)].copy_(_bytes_of(own[i]))
+                        for i, start, end, off in pieces:
+                            buf[off:off + end - start].copy_(_bytes_of(own[i])[start:end])
                     dist.broadcast(buf, src=owner)
                     if owner != self.rank:
-                        for i, off in zip(bucket, offsets):
-                            put(i, buf[off:off + layout.nbytes(i)].view(layout.dtypes[i]).reshape(layout.shapes[i]))
+                        for i, start, end, off in pieces:
+                            _bytes_of(out[i])[start:end].copy_(buf[off:off + end - start])  # type: ignore[arg-type]
                     del buf  # one bucket at a time
         return out
 
-    def _buckets(self, layout: _Layout, indices: list[int]) -> list[tuple[list[int], list[int], int]]:
-        """``indices`` packed in order into buckets: ``(indices, byte offsets, total bytes)``."""
-        buckets: list[tuple[list[int], list[int], int]] = []
-        cur: list[int] = []
-        offs: list[int] = []
+    def _buckets(self, layout: _Layout, indices: list[int]) -> list[tuple[list[tuple[int, int, int, int]], int]]:
+        """The bytes of the tensors ``indices``, in order, packed into buckets of at most ``bucket_bytes`` (a tensor
+        larger than the room left is split across buckets): ``(pieces, total bytes)``, each piece ``(index, its
+        first byte, its end, its offset in the bucket)``."""
+        buckets: list[tuple[list[tuple[int, int, int, int]], int]] = []
+        cur: list[tuple[int, int, int, int]] = []
         total = 0
+        limit = max(1, self.bucket_bytes)
         for i in indices:
-            size = layout.nbytes(i)
-            if cur and total + size > self.bucket_bytes:
-                buckets.append((cur, offs, total))
-                cur, offs, total = [], [], 0
-            cur.append(i)
-            offs.append(total)
-            total = -(-(total + size) // _ALIGN) * _ALIGN
+            size, start = layout.nbytes(i), 0
+            while start < size:
+                if total >= limit:
+                    buckets.append((cur, total))
+                    cur, total = [], 0
+                take = min(size - start, limit - total)
+                cur.append((i, start, start + take, total))
+                total += take
+                start += take
         if cur:
-            buckets.append((cur, offs, total))
+            buckets.append((cur, total))
         return buckets
 
     def _device(self) -> torch.device:
