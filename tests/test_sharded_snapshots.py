@@ -137,8 +137,8 @@ def test_sharded_disk_snapshots_write_each_share_and_agree_on_a_failed_one(shard
 @pytest.mark.ddp
 def test_a_sharded_snapshot_loads_into_the_live_tensors_bucket_by_bucket(tmp_path):
     """``ShardedStore.load_into``: each tensor arrives in the live tensor at its place (the same object, bitwise the
-    snapshot's value and dtype) for every bucket size, down to 64 bytes (each tensor split across buckets); a tensor with
-    no live place (an optimizer's lazy state) comes fresh; the whole load is the same."""
+    snapshot's value and dtype) for every bucket size, down to 64 bytes (each tensor split across buckets); a tensor
+    with no live place (an optimizer's lazy state) comes fresh; the whole load is the same."""
     script = Path(__file__).parent / "ddp_scripts" / "sharded_restore.py"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])

@@ -9,9 +9,13 @@ what the next forward would give them anyway. Tensors that are not strided (a sp
 rank.
 
 :class:`ShardedStore` keeps this rank's share in an inner store (:class:`~.snapshots.MemoryStore`, or
-:class:`~.snapshots.DiskStore`: each rank writes only its share, to its own file) and rebuilds the whole state on
-every rank when a snapshot is read: for each owner, one ``broadcast`` per bucket of its tensors' bytes
-(:data:`BUCKET_BYTES` at most) on the default process group (on the CPU with gloo, through the device with NCCL).
+:class:`~.snapshots.DiskStore`: each rank writes only its share, to its own file). Reading a snapshot moves every
+owner's tensors to every rank: for each owner, one ``broadcast`` per bucket of its tensors' bytes (:data:`BUCKET_BYTES`
+at most: a larger tensor is split across buckets) on the default process group (on the CPU with gloo, through the
+device with NCCL). A rollback (:meth:`ShardedStore.restore`) copies each bucket as it arrives straight into the live
+tensors (weights, buffers, optimizer state), and each rank's own share from its store without a copy in between, so
+the guard's extra host memory stays its share of the snapshots plus one bucket, during a rollback and after it; only
+a tensor with no live place of its shape (an optimizer state that does not exist yet) comes as a fresh tensor.
 Taking a snapshot issues no collective. Reading one is a collective, on the incident path only: every rank must
 read the same snapshots in the same order, as the guard's incident path does (it runs on every rank, in lockstep).
 

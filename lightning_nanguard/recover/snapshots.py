@@ -11,9 +11,9 @@ and the GradScaler); :func:`load_training_state` puts it back. A :class:`Snapsho
   background thread (:mod:`.writer`) from a host copy taken on the step like the memory store's; when the disk
   cannot hold a snapshot, the newest such one stays in host memory (still a rollback target);
 - :class:`~.sharded.ShardedStore`: under a replicated strategy (DDP), each rank keeps only its share of every
-  snapshot, in a memory or disk store, and a read rebuilds the whole state from every rank's share.
+  snapshot, in a memory or disk store, and a rollback puts every rank's share back into the live tensors in place.
 
-A new store implements ``_keep``, ``load`` and ``_forget``.
+A new store implements ``_keep``, ``load`` and ``_forget`` (and ``view``, to be read without a copy).
 """
 
 from __future__ import annotations
