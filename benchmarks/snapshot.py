@@ -21,7 +21,8 @@ code before issue 20):
 - the step that takes a snapshot against a normal step (wall time between consecutive ``on_train_batch_start``,
   rank 0, medians), and the three steps after it (a disk write in flight);
 - a rollback (``guard.snapshots.restore`` of the newest snapshot after the fit, on every rank: under DDP a
-  collective), wall time, median of 3, and ``VmHWM`` after it (a rollback rebuilds the whole state).
+  collective), wall time, median of 3, and ``VmHWM`` after it (since issue 27 a sharded rollback restores in place,
+  bucket by bucket: ``--bucket-mib`` sets the bucket; ``--ranks 2 4`` picks the world sizes).
 
 ``projection``: host RAM per rank and the stall per snapshot for 125M / 1.3B / 7B-parameter models with Adam
 (12 bytes per parameter: fp32 weights and two moments) under DDP x 8 and FSDP x 8, before and after issue 20,
@@ -142,6 +143,9 @@ def worker(config: dict) -> None:
         result["held_mib"] = newest.nbytes / 2**20
         result["state_mib"] = getattr(newest, "total_nbytes", newest.nbytes) / 2**20
         result["store"] = type(store).__name__
+        if config.get("bucket_mib") and hasattr(store, "bucket_bytes"):
+            store.bucket_bytes = int(config["bucket_mib"] * 2**20)
+        result["status_before_rollback"] = _status()
         times = []
         for _ in range(3):
             start = time.perf_counter()
@@ -157,10 +161,11 @@ def worker(config: dict) -> None:
         os._exit(0)  # see tests/ddp_scripts/ddp_guard.py: gloo's threads can abort the interpreter's teardown
 
 
-def ddp_run(ranks: int, mode: str, steps: int, every: int, package: Optional[Path], root: Path) -> list[dict]:
+def ddp_run(ranks: int, mode: str, steps: int, every: int, package: Optional[Path], root: Path,
+            bucket_mib: Optional[float] = None) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix=f"snap-{ranks}-{mode}-", dir=root))
     config = {"ranks": ranks, "mode": mode, "steps": steps, "every": every, "out": str(out),
-              "package": str(package) if package else None}
+              "package": str(package) if package else None, "bucket_mib": bucket_mib}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(config)], env=env,
@@ -170,7 +175,8 @@ def ddp_run(ranks: int, mode: str, steps: int, every: int, package: Optional[Pat
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def ddp_rows(quick: bool, before: Optional[Path], repeats: int) -> list[dict]:
+def ddp_rows(quick: bool, before: Optional[Path], repeats: int,
+             world_sizes: tuple[int, ...] = (1, 2, 4), bucket_mib: Optional[float] = None) -> list[dict]:
     """Every configuration ``repeats`` times (interleaved), each against its own run without the guard; the
     median over the repeats of each number (per rank for memory)."""
     steps, every = (40, 8) if quick else (88, 8)
@@ -180,12 +186,12 @@ def ddp_rows(quick: bool, before: Optional[Path], repeats: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="nanguard-snapshot-bench-") as tmp:
         root = Path(tmp)
-        for ranks in (1, 2, 4):
+        for ranks in world_sizes:
             seen: dict[tuple, list[tuple[list[dict], list[float]]]] = {c[::2]: [] for c in configs}
             for _ in range(repeats):
                 hwm0 = [r["status_after_fit"]["VmHWM"] for r in ddp_run(ranks, "none", steps, every, None, root)]
                 for code, package, mode in configs:
-                    seen[(code, mode)].append((ddp_run(ranks, mode, steps, every, package, root), hwm0))
+                    seen[(code, mode)].append((ddp_run(ranks, mode, steps, every, package, root, bucket_mib), hwm0))
             for (code, mode), reps in seen.items():
                 r0s = [runs[0] for runs, _ in reps]
                 row = {"ranks": ranks, "mode": mode, "code": code, "store": r0s[0]["store"], "repeats": repeats,
@@ -410,6 +416,9 @@ def main() -> None:
                         help="a folder holding another lightning_nanguard/ (e.g. git archive of main): 'before' rows")
     parser.add_argument("--batch", type=int, default=64, help="samples per training step (stores)")
     parser.add_argument("--repeats", type=int, default=None, help="runs of each DDP configuration (default 2)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="world sizes of the DDP part")
+    parser.add_argument("--bucket-mib", type=float, default=None,
+                        help="the sharded store's bucket for the rollbacks after the fit (default: BUCKET_BYTES)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -441,7 +450,7 @@ def main() -> None:
             print(f"  stores {label}: done ({time.perf_counter() - start:.0f} s)", flush=True)
     if "ddp" in parts:
         out["ddp"] = ddp_rows(args.quick, args.before.resolve() if args.before else None,
-                              args.repeats or (1 if args.quick else 2))
+                              args.repeats or (1 if args.quick else 2), tuple(args.ranks), args.bucket_mib)
     if "projection" in parts and out.get("stores"):
         out["projection"] = projection(out["stores"], out.get("ddp", []))
     table = report(out, every, keep, args.batch)

@@ -49,6 +49,8 @@ def test_a_sharded_rollback_restores_every_rank_bitwise_like_the_unsharded_store
             (after,) = r["after_rollback"]
             # the restored weights, Adam moments and step counts are the unsharded snapshot's, bitwise
             assert after["restored_step"] == restored and after["same_as_unsharded"], (mode, r["rank"])
+            # in place: the live weights and Adam's moments and step counts are the same tensors as before it
+            assert after["in_place"] and after["places"] >= 18, (mode, r["rank"], after["places"])
         for key in ("weights", "optimizer"):  # and the same on every rank
             first = runs[0]["after_rollback"][0][key]
             assert all(len(r["after_rollback"][0][key]) == len(first) and all(
@@ -130,3 +132,28 @@ def test_sharded_disk_snapshots_write_each_share_and_agree_on_a_failed_one(shard
             assert (folder / "snapshot-step6.pt").is_dir()  # the obstacle, left alone
         else:
             assert r["failures"] == [] and r["warned"] == [], r["rank"]
+
+
+@pytest.mark.slow  # three gloo processes, ~5-15 s on two cores
+@pytest.mark.ddp
+def test_a_sharded_snapshot_loads_into_the_live_tensors_bucket_by_bucket(tmp_path):
+    """``ShardedStore.load_into``: each tensor arrives in the live tensor at its place (the same object, bitwise the
+    snapshot's value and dtype) for every bucket size, down to 64 bytes (each tensor split across buckets); a tensor
+    with no live place (an optimizer's lazy state) comes fresh; the whole load is the same."""
+    script = Path(__file__).parent / "ddp_scripts" / "sharded_restore.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "3"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(3):
+        got = torch.load(tmp_path / f"restore-rank{rank}.pt", weights_only=False)
+        saved = got["saved"]
+        assert len(got["found"]) == 3
+        for bucket, found in got["found"].items():
+            assert found["in_place"] and found["partial_kept"], (rank, bucket)
+            for what in ("into", "partial", "whole"):
+                assert set(found[what]) == set(saved), (rank, bucket, what)
+                for key, value in saved.items():
+                    loaded = found[what][key]
+                    assert loaded.dtype == value.dtype and torch.equal(loaded, value), (rank, bucket, what, key)

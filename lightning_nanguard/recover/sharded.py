@@ -9,9 +9,13 @@ what the next forward would give them anyway. Tensors that are not strided (a sp
 rank.
 
 :class:`ShardedStore` keeps this rank's share in an inner store (:class:`~.snapshots.MemoryStore`, or
-:class:`~.snapshots.DiskStore`: each rank writes only its share, to its own file) and rebuilds the whole state on
-every rank when a snapshot is read: for each owner, one ``broadcast`` per bucket of its tensors' bytes
-(:data:`BUCKET_BYTES` at most) on the default process group (on the CPU with gloo, through the device with NCCL).
+:class:`~.snapshots.DiskStore`: each rank writes only its share, to its own file). Reading a snapshot moves every
+owner's tensors to every rank: for each owner, one ``broadcast`` per bucket of its tensors' bytes (:data:`BUCKET_BYTES`
+at most: a larger tensor is split across buckets) on the default process group (on the CPU with gloo, through the
+device with NCCL). A rollback (:meth:`ShardedStore.restore`) copies each bucket as it arrives straight into the live
+tensors (weights, buffers, optimizer state), and each rank's own share from its store without a copy in between, so
+the guard's extra host memory stays its share of the snapshots plus one bucket, during a rollback and after it; only
+a tensor with no live place of its shape (an optimizer state that does not exist yet) comes as a fresh tensor.
 Taking a snapshot issues no collective. Reading one is a collective, on the incident path only: every rank must
 read the same snapshots in the same order, as the guard's incident path does (it runs on every rank, in lockstep).
 
@@ -29,15 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..dtensors import local
 from ..layouts import is_strided, nbytes
 from ..tree import flatten, iter_leaves, slot, unflatten
-from .snapshots import Norms, Snapshot, SnapshotStore
+from .snapshots import Norms, Snapshot, SnapshotStore, load_training_state, training_state
 
 __all__ = ["ShardPlan", "ShardedStore", "EVERY_RANK", "BUCKET_BYTES"]
 
 EVERY_RANK = -1  # the owner of a tensor that every rank keeps
-BUCKET_BYTES = 256 * 2**20  # the largest broadcast of a rebuild: its transient memory on top of the state's
-_ALIGN = 64  # tensors start at this byte offset in a bucket (any dtype can view its bytes there)
+BUCKET_BYTES = 16 * 2**20  # the largest broadcast of a rebuild or restore (a larger tensor is split across buckets)
 
 
 @dataclass(frozen=True)
@@ -170,58 +174,106 @@ class ShardedStore(SnapshotStore):
         wanted = [i for _, leaf in iter_leaves(module) if (i := slot(leaf)) is not None]
         return unflatten(module, self._rebuild(snap, wanted))
 
+    def restore(self, snap: Snapshot, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> None:
+        """Load ``snap`` back into the fit in place (a collective): every tensor of the snapshot goes, bucket by
+        bucket as its owner broadcasts it, straight into the live tensor at its place (:meth:`load_into`), so no
+        rank ever holds a whole state beside its own; then the usual loads (:func:`~.snapshots.load_training_state`)
+        put the structure back, reading the live tensors themselves (no copy: an optimizer's state keeps them)."""
+        state = self.load_into(snap, training_state(trainer, pl_module))
+        load_training_state(trainer, pl_module, state, scaler_overflows)
+
+    def load_into(self, snap: Snapshot, live: Any) -> Any:
+        """The whole state of ``snap`` on every rank (a collective), written into ``live`` (the state it is loaded
+        into, e.g. :func:`~.snapshots.training_state`'s live tensors): each tensor of the snapshot whose place in
+        ``live`` holds a tensor of its shape and dtype is copied there and returned as it; the others (an
+        optimizer's state that does not exist yet, a sparse buffer) come as fresh tensors. Extra memory: one bucket,
+        and the owned tensors of the snapshot's share as its store reads them (none from memory)."""
+        layout: _Layout = snap.plan
+        places = {path: local(t) for path, t in iter_leaves(live) if isinstance(t, Tensor)}
+        targets: list[Optional[Tensor]] = [None] * len(layout.shapes)
+        for path, leaf in iter_leaves(snap.skeleton):
+            i = slot(leaf)
+            if i is None:
+                continue
+            t = places.get(path)
+            if t is not None and is_strided(t) and t.is_contiguous() and layout.plan.owners[i] != EVERY_RANK \
+                    and tuple(t.shape) == layout.shapes[i] and t.dtype == layout.dtypes[i]:
+                targets[i] = t
+        return unflatten(snap.skeleton, self._rebuild(snap, range(len(layout.shapes)), targets))
+
     def _own(self, snap: Snapshot) -> dict[int, Tensor]:
-        """This rank's share of ``snap`` (fresh tensors), by flat index."""
+        """This rank's share of ``snap`` by flat index, as its store reads it (:meth:`~.snapshots.SnapshotStore.view`:
+        possibly the store's own buffers, to be copied from at once)."""
         if snap.failed:
             raise RuntimeError(f"the snapshot of step {snap.step} was not kept ({snap.failed})")
         assert snap.share is not None
         layout: _Layout = snap.plan
-        return dict(zip(layout.mine, self.inner.load(snap.share)))
+        return dict(zip(layout.mine, self.inner.view(snap.share)))
 
-    def _rebuild(self, snap: Snapshot, wanted: Sequence[int]) -> list[Optional[Tensor]]:
+    def _rebuild(self, snap: Snapshot, wanted: Sequence[int],
+                 targets: Optional[Sequence[Optional[Tensor]]] = None) -> list[Optional[Tensor]]:
         """The tensors ``wanted`` of ``snap`` (flat indices; None elsewhere), on every rank: each owner broadcasts
-        its own, packed as bytes into buckets of at most ``bucket_bytes``."""
+        its own, packed as bytes into buckets of at most ``bucket_bytes``. A tensor with a ``targets`` entry is
+        copied into it (from each bucket as it arrives) and returned as it; the others are fresh CPU tensors."""
         layout: _Layout = snap.plan
         owners = layout.plan.owners
         own = self._own(snap)
         out: list[Optional[Tensor]] = [None] * len(layout.shapes)
+        if targets is None:
+            targets = [None] * len(layout.shapes)
         device = self._device()
-        for i in wanted:
-            if owners[i] in (EVERY_RANK, self.rank):
-                out[i] = own[i]
-            elif layout.nbytes(i) == 0:
-                out[i] = torch.empty(layout.shapes[i], dtype=layout.dtypes[i])
-        for owner in range(self.world_size):
-            moving = [i for i in sorted(set(wanted)) if owners[i] == owner and layout.nbytes(i) > 0]
-            for bucket, offsets, total in self._buckets(layout, moving):
-                buf = torch.empty(total, dtype=torch.uint8, device=device)
-                if owner == self.rank:
-                    for i, off in zip(bucket, offsets):
-                        buf[off:off + layout.nbytes(i)].copy_(_bytes_of(own[i]))
-                dist.broadcast(buf, src=owner)
-                if owner == self.rank:
-                    continue
-                host = buf.cpu()
-                for i, off in zip(bucket, offsets):
-                    out[i] = host[off:off + layout.nbytes(i)].view(layout.dtypes[i]).reshape(layout.shapes[i]).clone()
+
+        def put(i: int, src: Tensor) -> None:
+            target = targets[i]
+            if target is not None:
+                target.copy_(src)
+                out[i] = target
+            elif is_strided(src):
+                out[i] = torch.empty(layout.shapes[i], dtype=layout.dtypes[i]).copy_(src)
+            else:
+                out[i] = src.clone()  # a sparse tensor every rank keeps
+
+        with torch.no_grad():
+            for i in wanted:
+                if owners[i] in (EVERY_RANK, self.rank):
+                    put(i, own[i])
+                else:  # filled from the broadcasts below, bytes as they come
+                    target = targets[i]
+                    out[i] = target if target is not None else torch.empty(layout.shapes[i], dtype=layout.dtypes[i])
+            for owner in range(self.world_size):
+                moving = [i for i in sorted(set(wanted)) if owners[i] == owner and layout.nbytes(i) > 0]
+                for pieces, total in self._buckets(layout, moving):
+                    buf = torch.empty(total, dtype=torch.uint8, device=device)
+                    if owner == self.rank:
+                        for i, start, end, off in pieces:
+                            buf[off:off + end - start].copy_(_bytes_of(own[i])[start:end])
+                    dist.broadcast(buf, src=owner)
+                    if owner != self.rank:
+                        for i, start, end, off in pieces:
+                            _bytes_of(out[i])[start:end].copy_(buf[off:off + end - start])  # type: ignore[arg-type]
+                    del buf  # one bucket at a time
         return out
 
-    def _buckets(self, layout: _Layout, indices: list[int]) -> list[tuple[list[int], list[int], int]]:
-        """``indices`` packed in order into buckets: ``(indices, byte offsets, total bytes)``."""
-        buckets: list[tuple[list[int], list[int], int]] = []
-        cur: list[int] = []
-        offs: list[int] = []
+    def _buckets(self, layout: _Layout, indices: list[int]) -> list[tuple[list[tuple[int, int, int, int]], int]]:
+        """The bytes of the tensors ``indices``, in order, packed into buckets of at most ``bucket_bytes`` (a tensor
+        larger than the room left is split across buckets): ``(pieces, total bytes)``, each piece ``(index, its
+        first byte, its end, its offset in the bucket)``."""
+        buckets: list[tuple[list[tuple[int, int, int, int]], int]] = []
+        cur: list[tuple[int, int, int, int]] = []
         total = 0
+        limit = max(1, self.bucket_bytes)
         for i in indices:
-            size = layout.nbytes(i)
-            if cur and total + size > self.bucket_bytes:
-                buckets.append((cur, offs, total))
-                cur, offs, total = [], [], 0
-            cur.append(i)
-            offs.append(total)
-            total = -(-(total + size) // _ALIGN) * _ALIGN
+            size, start = layout.nbytes(i), 0
+            while start < size:
+                if total >= limit:
+                    buckets.append((cur, total))
+                    cur, total = [], 0
+                take = min(size - start, limit - total)
+                cur.append((i, start, start + take, total))
+                total += take
+                start += take
         if cur:
-            buckets.append((cur, offs, total))
+            buckets.append((cur, total))
         return buckets
 
     def _device(self) -> torch.device:

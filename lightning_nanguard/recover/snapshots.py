@@ -11,9 +11,9 @@ and the GradScaler); :func:`load_training_state` puts it back. A :class:`Snapsho
   background thread (:mod:`.writer`) from a host copy taken on the step like the memory store's; when the disk
   cannot hold a snapshot, the newest such one stays in host memory (still a rollback target);
 - :class:`~.sharded.ShardedStore`: under a replicated strategy (DDP), each rank keeps only its share of every
-  snapshot, in a memory or disk store, and a read rebuilds the whole state from every rank's share.
+  snapshot, in a memory or disk store, and a rollback puts every rank's share back into the live tensors in place.
 
-A new store implements ``_keep``, ``load`` and ``_forget``.
+A new store implements ``_keep``, ``load`` and ``_forget`` (and ``view``, to be read without a copy).
 """
 
 from __future__ import annotations
@@ -322,6 +322,11 @@ class SnapshotStore:
         """The snapshot's state as fresh tensors (never aliasing the snapshot)."""
         raise NotImplementedError
 
+    def view(self, snap: Snapshot) -> list[Tensor]:
+        """The snapshot's tensors in :func:`~..tree.flatten` order, to be read at once and not kept: they may be the
+        store's own buffers (no copy), which the next :meth:`take` overwrites."""
+        return flatten(self.load(snap))[1]
+
     def _forget(self, snap: Snapshot) -> None:
         """``snap`` leaves the ring (its buffers may be reused by the next :meth:`_keep`)."""
 
@@ -346,6 +351,11 @@ class MemoryStore(SnapshotStore):
         if self._copier is not None:
             self._copier.wait()
         return unflatten(snap.skeleton, snap.tensors, clone=True)
+
+    def view(self, snap: Snapshot) -> list[Tensor]:
+        if self._copier is not None:
+            self._copier.wait()
+        return list(snap.tensors)
 
 
 _SNAPSHOT_FILE = re.compile(r"snapshot-step\d+\.pt(\.tmp)?")
@@ -458,6 +468,22 @@ class DiskStore(SnapshotStore):
             return unflatten(snap.skeleton, snap.tensors, clone=True)
         assert snap.path is not None
         return torch.load(snap.path, map_location="cpu", weights_only=False)
+
+    def view(self, snap: Snapshot) -> list[Tensor]:
+        """The file's tensors mapped from the disk (``mmap``: read as they are used, not copied into memory first);
+        the host copy of one the disk refused."""
+        self._check(snap, wait=True)
+        if snap.failed:
+            raise RuntimeError(f"the snapshot of step {snap.step} was not written ({snap.failed})")
+        if snap.in_memory:
+            if self._copier is not None:
+                self._copier.wait()
+            return list(snap.tensors)
+        assert snap.path is not None
+        try:
+            return flatten(torch.load(snap.path, map_location="cpu", weights_only=False, mmap=True))[1]
+        except RuntimeError:  # not a zip file (an older format): read whole
+            return SnapshotStore.view(self, snap)
 
     def _forget(self, snap: Snapshot) -> None:
         # its write is done by now in practice (the oldest snapshot; the staging buffers wait for it anyway)

@@ -70,6 +70,11 @@ def same(a, b) -> bool:
     return len(ta) == len(tb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb))
 
 
+def places(state) -> list[int]:
+    """The storage of every tensor of the module and the optimizers (a tensor replaced by a copy moves)."""
+    return [t.untyped_storage().data_ptr() for t in tensors([state["module"], state["optimizers"]])]
+
+
 def module_norms(module_state) -> dict[str, float]:
     named = [(n, t) for n, t in module_state.items() if t.is_floating_point()]
     return dict(zip([n for n, _ in named], norms(t for _, t in named)))
@@ -83,6 +88,7 @@ class Probe(pl.Callback):
         self.mirror = MemoryStore(keep=100)
         self.seen = self.rollbacks = 0
         self.after_rollback: list[dict] = []
+        self.places: list[int] = []  # where the live weights and optimizer state are, at the start of each batch
 
     def _look(self, trainer, pl_module) -> None:
         guard = self.guard
@@ -96,11 +102,16 @@ class Probe(pl.Callback):
             ref = self.mirror.load(next(s for s in self.mirror.ring if s.step == restored))
             self.after_rollback.append({
                 "step": trainer.global_step, "restored_step": restored, "same_as_unsharded": same(ref, live),
+                # restored in place: the same tensors as before the rollback hold the snapshot's values
+                "in_place": self.places == places(live), "places": len(self.places),
                 "weights": [t.clone() for t in tensors(live["module"])],
                 "optimizer": [t.clone() for t in tensors(live["optimizers"])]})
 
     def on_train_start(self, trainer, pl_module):
         self._look(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.places = places(training_state(trainer, pl_module))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._look(trainer, pl_module)
