@@ -6,8 +6,9 @@ A tiny MLP trains ``--steps`` steps with a NaN loss on every ``--every``-th batc
 each an incident, replayed and recorded). Disk snapshots every 50 steps. Reports: the files and bytes under
 ``<log_dir>/nanguard`` (events.jsonl, incident reports, snapshots), the events recorded, and the process RSS
 (``/proc/self/status`` VmRSS) after the first 10% of the steps and at the end. ``--full-disk``: events.jsonl and
-every snapshot file go to ``/dev/full`` (one warning each; the lines stay in memory, bounded). Results go to
-``benchmarks/results/sink-soak.json``.
+every snapshot file go to ``/dev/full`` (one warning each; the lines stay in memory, bounded). ``--every 0``: a
+healthy fit (``python benchmarks/sink_soak.py --steps 20000 --every 0``). Results go to
+``benchmarks/results/sink-soak*.json``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class MLP(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
-        return loss * float("nan") if self.global_step % self.every == self.every - 1 else loss
+        faulty = self.every > 0 and self.global_step % self.every == self.every - 1
+        return loss * float("nan") if faulty else loss
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -65,7 +67,7 @@ class Probe(pl.Callback):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5000)
-    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--every", type=int, default=20, help="a NaN loss every N steps; 0: a healthy fit")
     ap.add_argument("--max-reports", type=int, default=100)
     ap.add_argument("--full-disk", action="store_true")
     args = ap.parse_args()
@@ -106,8 +108,8 @@ def main() -> None:
         "events": len(guard.events), "counters": guard.counters,
         "files_written": len(files), "report_files": len(reports),
         "report_bytes": sum(p.stat().st_size for p in reports),
-        "events_jsonl_lines": 0 if jsonl.is_symlink() else len(jsonl.read_text().splitlines()),
-        "events_jsonl_bytes": 0 if jsonl.is_symlink() else jsonl.stat().st_size,
+        "events_jsonl_lines": 0 if jsonl.is_symlink() or not jsonl.exists() else len(jsonl.read_text().splitlines()),
+        "events_jsonl_bytes": 0 if jsonl.is_symlink() or not jsonl.exists() else jsonl.stat().st_size,
         "snapshot_files": len([p for p in files if p.name.startswith("snapshot-")]),
         "rss_mib_at_10pct": probe.rss_early, "rss_mib_end": rss_mib(),
         "warnings": sorted({type(w.message).__name__ for w in caught if "nanguard" in str(w.message)}),
@@ -117,7 +119,8 @@ def main() -> None:
     }
     result["rss_growth_mib"] = round(result["rss_mib_end"] - result["rss_mib_at_10pct"], 1)
     print(json.dumps(result, indent=2))
-    name = "sink-soak-full-disk.json" if args.full_disk else "sink-soak.json"
+    name = ("sink-soak-full-disk.json" if args.full_disk else "sink-soak.json" if args.every
+            else f"sink-soak-healthy-{args.steps}.json")
     (RESULTS / name).write_text(json.dumps(result, indent=2) + "\n")
 
 
