@@ -36,3 +36,15 @@ def launch(script: Path, out: Path, size: int, *args: str, timeout: float = 300)
     import torch
 
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
+def per_step(fit: dict) -> list[tuple[int, list, list, bool]]:
+    """``(step, the guard's collectives, its host reads, took a snapshot)`` of every step but the first (which also
+    holds fit setup), from a fit's ``steps`` rows and the ``calls``/``reads`` that ``ddp_scripts/common.py``'s
+    counters recorded."""
+    rows, calls, reads, snaps = [], 0, 0, 0
+    for rec in fit["steps"]:
+        rows.append((rec["step"], fit["calls"][calls:rec["calls"]], fit["reads"][reads:rec["reads"]],
+                     rec["snapshots"] > snaps))
+        calls, reads, snaps = rec["calls"], rec["reads"], rec["snapshots"]
+    return rows[1:]

@@ -20,7 +20,7 @@ import torch
 from lightning_nanguard.dtensors import is_dtensor, local, norm_share
 from lightning_nanguard.detect.sync import local_norm_power
 
-from .ranks import launch
+from .ranks import launch, per_step
 
 SCRIPT = Path(__file__).parent / "ddp_scripts" / "fsdp_guard.py"
 LAYOUTS = ("fsdp", "tp")
@@ -60,16 +60,6 @@ def summary(fit: dict) -> list[tuple]:
 def finite(fit: dict) -> bool:
     return all(torch.isfinite(v).all() for v in fit["state"].values()) and all(
         torch.isfinite(v).all() for s in fit["optimizer"].values() for v in s.values())
-
-
-def per_step(fit: dict) -> list[tuple[int, list, list, bool]]:
-    """``(step, the guard's collectives, its host reads, took a snapshot)`` of every step but the first."""
-    rows, calls, reads, snaps = [], 0, 0, 0
-    for rec in fit["steps"]:
-        rows.append((rec["step"], fit["calls"][calls:rec["calls"]], fit["reads"][reads:rec["reads"]],
-                     rec["snapshots"] > snaps))
-        calls, reads, snaps = rec["calls"], rec["reads"], rec["snapshots"]
-    return rows[1:]
 
 
 def state_after(fit: dict, global_step: int) -> dict:

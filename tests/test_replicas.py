@@ -20,7 +20,7 @@ from lightning_nanguard.detect.sync import (EPS32, FLOAT32_EXACT, _f32, bits_che
                                             checksum_primes, checksum_weight, checksums_disagree, odd_checksums,
                                             odd_ranks, own_residues, replicas_disagree, weights_checksum)
 
-from .ranks import launch
+from .ranks import launch, per_step
 
 SCRIPT = Path(__file__).parent / "ddp_scripts" / "ddp_faults.py"
 
@@ -54,17 +54,6 @@ def account(event: dict) -> tuple:
 
 
 EVIDENCE = 12  # numbers in the step's all-reduce: the loss, 4 flags, 4 replica fields, 3 checksum fields
-
-
-def per_step(fit: dict) -> list[tuple[int, list, list, bool]]:
-    """``(step, the guard's collectives, its host reads, took a snapshot)`` of every step but the first (which also
-    holds fit setup)."""
-    rows, calls, reads, snaps = [], 0, 0, 0
-    for rec in fit["steps"]:
-        rows.append((rec["step"], fit["calls"][calls:rec["calls"]], fit["reads"][reads:rec["reads"]],
-                     rec["snapshots"] > snaps))
-        calls, reads, snaps = rec["calls"], rec["reads"], rec["snapshots"]
-    return rows[1:]
 
 
 # ----------------------------------------------------------------------------------------- real DDP runs

@@ -458,13 +458,18 @@ class DiskStore(SnapshotStore):
                 staging.tensors, staging.snap = [], None
         self._report(snap, snap.path, error, in_memory=True)
 
-    def load(self, snap: Snapshot) -> Any:
+    def _readable(self, snap: Snapshot) -> bool:
+        """Wait for ``snap``'s write; whether it is held in host memory (a write the disk refused) rather than in
+        its file. Raises if it was not kept at all."""
         self._check(snap, wait=True)
         if snap.failed:
             raise RuntimeError(f"the snapshot of step {snap.step} was not written ({snap.failed})")
-        if snap.in_memory:
-            if self._copier is not None:
-                self._copier.wait()
+        if snap.in_memory and self._copier is not None:
+            self._copier.wait()
+        return snap.in_memory
+
+    def load(self, snap: Snapshot) -> Any:
+        if self._readable(snap):
             return unflatten(snap.skeleton, snap.tensors, clone=True)
         assert snap.path is not None
         return torch.load(snap.path, map_location="cpu", weights_only=False)
@@ -472,12 +477,7 @@ class DiskStore(SnapshotStore):
     def view(self, snap: Snapshot) -> list[Tensor]:
         """The file's tensors mapped from the disk (``mmap``: read as they are used, not copied into memory first);
         the host copy of one the disk refused."""
-        self._check(snap, wait=True)
-        if snap.failed:
-            raise RuntimeError(f"the snapshot of step {snap.step} was not written ({snap.failed})")
-        if snap.in_memory:
-            if self._copier is not None:
-                self._copier.wait()
+        if self._readable(snap):
             return list(snap.tensors)
         assert snap.path is not None
         try:
