@@ -207,8 +207,8 @@ MUTANTS: list[Mutant] = [
            "if name in snap.meta:", "if False:",
            "a rollback keeps the norm/loss statistics polluted by the divergence"),
     Mutant("snapshots", "snap-restore-aliases", SNAPSHOTS,
-           "return unflatten(snap.skeleton, snap.tensors, clone=True)",
-           "return unflatten(snap.skeleton, snap.tensors, clone=False)",
+           "            self._copier.wait()\n        return unflatten(snap.skeleton, snap.tensors, clone=True)",
+           "            self._copier.wait()\n        return unflatten(snap.skeleton, snap.tensors, clone=False)",
            "restoring aliases the snapshot's tensors: training after a rollback overwrites the snapshot"),
     Mutant("snapshots", "snap-further-back-not-dropped", RECOVERY,
            "if plan.go_further_back:\n                self.store.drop_newest()",
@@ -417,11 +417,12 @@ MUTANTS: list[Mutant] = [
 
     # -------------------------------------------------------------------------------------------- events
     Mutant("events", "ev-no-fsync", SINKS,
-           "os.fsync(fh.fileno())", "pass",
+           "os.fsync(fd)", "pass",
            "events.jsonl lines are not fsynced (lost on power failure)"),
-    Mutant("events", "ev-no-flush", SINKS,
-           "fh.flush()", "pass",
-           "events.jsonl is fsynced before the line is flushed (the fsync writes nothing new)"),
+    Mutant("events", "ev-torn-line-kept", SINKS,
+           "os.ftruncate(fd, start)  # never leave half a line", "pass  # never leave half a line",
+           "an append the disk refused halfway leaves half a line in events.jsonl (the next line runs into it); "
+           "re-ported from ev-no-flush: the sink writes with os.write, no buffer is left to flush"),
     Mutant("events", "ev-events-file-key-ignored", RECORDER,
            "if cfg.events_file:",
            "if True:",
@@ -635,7 +636,8 @@ MUTANTS: list[Mutant] = [
            "a fit ending on NaN steps that are the batch's fault (NaN on the snapshot's weights too) throws "
            "away the healthy steps since the snapshot"),
     Mutant("snapshots", "snap-end-rerun-norm-ignored", REPLAY,
-           "if grads and not bool(torch.isfinite(total_norm(grads, norm_type))):", "if False:",
+           "found = found or bool(grads) and not bool(torch.isfinite(total_norm(grads, norm_type)))",
+           "found = found or False",
            "finite gradients whose total norm overflows do not count as reproduced at the end: a fit ending on "
            "such incidents keeps the broken weights"),
     Mutant("snapshots", "snap-end-param-rollback-restored", RESPONDER,
@@ -820,8 +822,8 @@ MUTANTS: list[Mutant] = [
            'best = max(gathered, key=lambda p: (p["evidence"], p["rank"]))',
            "docs/distributed.md: the event names 'the lowest rank whose own flags were set'; here the highest"),
     Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", SYNC,
-           "evidence = 3 if reproduced else 2 if any(local) else 1 if own else 0",
-           "evidence = 3 if reproduced else 1 if any(local) else 2 if own else 0",
+           "4 if reproduced else 3 if any(own_flags) else 2 if own else 1 if shard else 0",
+           "4 if reproduced else 2 if any(own_flags) else 3 if own else 1 if shard else 0",
            "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
            "of its own; here the precedence is swapped"),
     Mutant("ranks", "doc-ranks-details-ranks-all", SYNC,
@@ -1258,14 +1260,15 @@ MUTANTS: list[Mutant] = [
            "docs/events.md: 'Every other logger (CSVLogger, W&B, MLflow, ...) gets the scalars through "
            "logger.log_metrics(values, step=...)'"),
     Mutant("events", "doc-events-jsonl-no-fsync", SINKS,
-           "            fh.flush()\n            os.fsync(fh.fileno())", "            fh.flush()",
+           "                    view = view[os.write(fd, view):]\n                os.fsync(fd)",
+           "                    view = view[os.write(fd, view):]",
            "README / docs/events.md / configuration.md: events.jsonl lines are 'flushed and fsynced as each "
            "event is recorded'"),
     Mutant("events", "doc-events-reports-key-ignored", RECORDER,
            'if cfg.reports:\n'
-           "            sinks.append(ReportSink(self.out_dir))",
+           "            sinks.append(ReportSink(self.out_dir, cfg.max_reports))",
            'if True:\n'
-           "            sinks.append(ReportSink(self.out_dir))",
+           "            sinks.append(ReportSink(self.out_dir, cfg.max_reports))",
            "docs/configuration.md: logging.reports: false writes no incident-NNNN-stepS.txt (a key read but ignored)"),
     Mutant("events", "doc-cli-middle-line-skipped", CLI,
            "                if pending is not None:\n                    raise _bad_line(path, *pending, events)",

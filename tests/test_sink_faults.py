@@ -344,3 +344,34 @@ def test_a_resume_after_sigkill_keeps_event_numbers_and_leaves_no_stale_snapshot
     assert len(reports) == len(lines) == len(set(reports))  # one file per event: none overwritten
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == \
         sorted(f"snapshot-step{s.step}.pt" for s in guard.snapshots.ring)  # no leak from the killed run
+
+
+def test_an_append_the_disk_cuts_halfway_leaves_no_half_line(tmp_path):
+    """A real partial write: the file-size limit (RLIMIT_FSIZE) lets the OS write part of the second event's line,
+    then refuses the rest (EFBIG). The sink cuts the file back to its last whole line and keeps the refused line,
+    so that when the disk takes writes again the file is every event, whole and in order."""
+    import json
+    import resource
+    import signal
+
+    from lightning_nanguard import NaNEvent
+    from lightning_nanguard.report.render import ReportText
+    from lightning_nanguard.report.sinks import JsonlSink
+
+    path = tmp_path / "events.jsonl"
+    sink = JsonlSink(path)
+    events = [NaNEvent(step=s, epoch=0, batch_idx=s, kind="loss", index=i) for i, s in enumerate((3, 7, 9), 1)]
+    sink.event(events[0], ReportText(), {})
+    size = path.stat().st_size
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, limits[1]))  # room for 10 bytes of the next line
+        with pytest.raises(OSError):
+            sink.event(events[1], ReportText(), {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert path.stat().st_size == size and len(sink.backlog) == 1  # cut back to the first line; the second kept
+    sink.event(events[2], ReportText(), {})
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [3, 7, 9]
