@@ -17,6 +17,8 @@ from torch.utils.data import TensorDataset
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.diagnose import domain
 
+from .test_field_traps import HandBCE
+
 
 QUIET = {"verbose": False, "events_file": False, "reports": False}
 
@@ -140,20 +142,10 @@ def test_overflow_is_judged_at_the_op_not_at_the_modules_output(fit: Any) -> Non
     assert "the sum exceeds float16's range: compute it in float32 or scale before the product" in ev.suggestion
 
 
-class BCE(Trap):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 1)
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        p = torch.sigmoid(self.lin(x) * 20)
-        return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
-
-
 def test_under_bf16_mixed_the_suggestion_names_the_dtype_that_ran_and_the_stable_loss(fit: Any) -> None:
     g = torch.Generator().manual_seed(0)
     guard = NaNGuard(logging=QUIET)
-    fit(BCE(), TensorDataset(torch.randn(64, 4, generator=g), (torch.rand(64, 1, generator=g) > 0.5).float()),
+    fit(HandBCE(), TensorDataset(torch.randn(64, 4, generator=g), (torch.rand(64, 1, generator=g) > 0.5).float()),
         [guard], batch_size=64, steps=1, precision="bf16-mixed")
     ev = guard.events[0]
     assert (ev.cause, ev.op) == ("precision", "LogBackward0")
