@@ -16,21 +16,15 @@ from torch import Tensor
 
 from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
                      RecoveryConfig)
+from . import incident as incidents
 from .console import say, warn
-from .counters import Counters
-from .detect.amp import OverflowWatch, grad_scaler
-from .detect.divergence import DivergenceWatch
-from .detect.evidence import StepEvidence
-from .detect.spikes import LossWatch
-from .diagnose.diagnoser import Diagnoser
+from .detect.amp import grad_scaler
 from .errors import ConfigError, NaNGuardError
 from .events import NaNEvent
 from .recover.checkpoint import nonfinite_entries, rebuild
-from .recover.clipping import Clipper
-from .recover.recovery import Recovery
+from .parts import Parts
 from .recover.snapshots import SnapshotStore
 from .report.progress import ProgressStatus
-from .report.recorder import Recorder
 from .responder import Responder
 from .state_schema import check_state, check_version
 from .step import StepFlow
@@ -160,24 +154,12 @@ class NaNGuardBase:
 
     def _build(self) -> None:
         """The parts of the guard, fresh for a new fit."""
-        cfg = self.config
-        self._counters = counters = Counters()
-        self._evidence = StepEvidence(cfg.check, keep_rng=cfg.anomaly.mode != "off")
-        self._clipper = Clipper(cfg.clip, counters)
-        self._losses = LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)
-        self._overflow = OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale)
-        self._divergence = DivergenceWatch(cfg.check.divergence, cfg.check.divergence_growth,
-                                           cfg.check.divergence_steps, cfg.check.divergence_factor)
-        self._recovery = Recovery(cfg.recovery, cfg.clip, counters,
-                                  statistics={"zclip": self._clipper.zclip, "loss_stats": self._losses.detector,
-                                              "divergence": self._divergence})
-        self._diagnoser = Diagnoser(cfg.anomaly, counters)
-        self._recorder = Recorder(cfg.logging, counters, self.name)
+        self._parts = parts = Parts.build(self.config, self.name)
+        self._counters, self._evidence, self._recovery = parts.counters, parts.evidence, parts.recovery
+        self._clipper, self._recorder, self._diagnoser = parts.clipper, parts.recorder, parts.diagnoser
         self._status = ProgressStatus(self.name)
-        self._responder = Responder(cfg, counters, self._evidence, self._clipper, self._losses, self._overflow,
-                                    self._recovery, self._diagnoser, self._recorder)
-        self._flow = StepFlow(cfg, counters, self._evidence, self._clipper, self._losses, self._overflow,
-                              self._divergence, self._recovery, self._recorder, self._responder)
+        self._responder = Responder(parts)
+        self._flow = StepFlow(parts, self._responder)
 
     # ------------------------------------------------------------------------------------------- views
 
@@ -232,8 +214,8 @@ class NaNGuardBase:
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "counters": self._counters.state_dict(),
                 "recorder": self._recorder.state_dict(), "recovery": self._recovery.state_dict(),
-                "clipper": self._clipper.state_dict(), "losses": self._losses.state_dict(),
-                "overflow": self._overflow.state_dict(), "divergence": self._divergence.state_dict()}
+                "clipper": self._clipper.state_dict(), "losses": self._parts.losses.state_dict(),
+                "overflow": self._parts.overflow.state_dict(), "divergence": self._parts.divergence.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a saved state: checked first (:mod:`~lightning_nanguard.state_schema`), so that a malformed
@@ -260,9 +242,9 @@ class NaNGuardBase:
         self._recorder.load_state_dict(state.get("recorder", {}))
         self._recovery.load_state_dict(state.get("recovery", {}))
         self._clipper.load_state_dict(state.get("clipper", {}))
-        self._losses.load_state_dict(state.get("losses", {}))
-        self._overflow.load_state_dict(state.get("overflow", {}))
-        self._divergence.load_state_dict(state.get("divergence", {}))
+        self._parts.losses.load_state_dict(state.get("losses", {}))
+        self._parts.overflow.load_state_dict(state.get("overflow", {}))
+        self._parts.divergence.load_state_dict(state.get("divergence", {}))
         self._resumed = True
 
     # ---------------------------------------------------------------------------------- fit lifecycle
@@ -291,7 +273,8 @@ class NaNGuardBase:
             self._evidence.weights.exempt_nonfinite_buffers(pl_module)
             findings = self._evidence.weights.find(pl_module)
             if findings:
-                self._responder.initialization_incident(trainer, pl_module, findings)
+                self._responder.respond(trainer, pl_module, incidents.fit_start(
+                    self._responder.at(trainer), findings, self.config.recovery.on_give_up))
                 return
         self._flow.snapshot(trainer, pl_module)
 
@@ -304,11 +287,11 @@ class NaNGuardBase:
         if checked and trainer.world_size > 1:  # every rank decides alike (a sharded rollback reads every rank)
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if bad and self._recovery.stopped:
-            self._responder.nonfinite_after_stop(trainer, pl_module)
+            self._responder.after_stop(trainer, pl_module)
         elif bad:
-            self._responder.parameter_incident(trainer, pl_module, where="train_end")
+            self._bad_weights(trainer, pl_module, "train_end")
         elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
-            self._responder.unfinished_recovery(trainer, pl_module, diverging=self._divergence.growing())
+            self._responder.unfinished_recovery(trainer, pl_module, diverging=self._parts.divergence.growing())
         self._recovery.finish()  # snapshot writes in flight are done (a failed one reported)
         summary = self._recovery.store.failure_summary() if self._recovery.store is not None else None
         if summary:
@@ -333,7 +316,7 @@ class NaNGuardBase:
         if bad is not None and trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if bad:
-            self._responder.parameter_incident(trainer, pl_module, where="validation_start")
+            self._bad_weights(trainer, pl_module, "validation_start")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._flow.abort()
@@ -342,8 +325,17 @@ class NaNGuardBase:
         except Exception as exc:  # noqa: BLE001  (never hide the exception that ends the fit behind our own)
             warn(f"[nanguard] the snapshot writes could not be finished after the error: {exc!r}")
         self._stop_hooks()
-        self._responder.anomaly_error(trainer, pl_module, exception)  # recorded; the error propagates
+        found = self._diagnoser.anomaly_error(exception)
+        if found is not None:  # torch's anomaly mode raised at the op in backward: recorded; the error propagates
+            base = "loss" if self._evidence.loss_bad() else "gradient"
+            self._responder.respond(trainer, pl_module, incidents.anomaly_error(
+                self._responder.at(trainer), base, self._evidence.window, found, self.config.check.inputs != "off"))
         self._recorder.flush()
+
+    def _bad_weights(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str) -> None:
+        """Non-finite weights found outside a step (every rank calls it together): :func:`.incident.bad_weights`."""
+        self._responder.respond(trainer, pl_module, incidents.bad_weights(
+            self._responder.at(trainer), where, grads_were_finite=self._evidence.grads_were_finite))
 
     def _stop_hooks(self) -> None:
         self._evidence.activations.stop()
@@ -382,13 +374,13 @@ class NaNGuardBase:
         # several processes: every rank takes the same decision (one all-reduce per checkpoint): under sharding each
         # holds a different part, and the incident that follows is a collective on every rank (its account is
         # shared; a rollback of a DDP rank's share of the snapshots reads every rank)
-        sync = self._flow.sync
+        sync = self._parts.ranks
         if sync.distributed and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
             bad = [{"name": "(a shard on another rank)" if sync.sharded else "(a weight on another rank)"}]
         if not bad:
             return
         # the checkpoint would carry non-finite state: restore known-good state and save that instead
-        self._responder.parameter_incident(trainer, pl_module, where="checkpoint")
+        self._bad_weights(trainer, pl_module, "checkpoint")
         rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         still_bad = nonfinite_entries(checkpoint, exempt=exempt)
         if still_bad:  # nothing known-good to substitute (recovery.snapshot: off): refuse to write it

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .vector import SCHEMA, StepFlags
 
-__all__ = ["Outcome", "classify", "skip_flag"]
+__all__ = ["Outcome", "classify", "device_skipped", "skip_flag"]
 
 
 class Outcome(enum.Enum):
@@ -20,7 +20,7 @@ class Outcome(enum.Enum):
     ROUTINE_OVERFLOW = "routine_overflow"  # a GradScaler overflow the scaler handles by itself
     INCIDENT = "incident"  # non-finite evidence: skip the step, diagnose, climb the ladder
     SKIPPED = "skipped"  # not judged: the guard has stopped, or batches are skipped after a rollback
-    PENDING = "pending"  # check.sync lagged: judged when its flags reach the host, one step later
+    STAGED = "staged"  # check.sync lagged: judged when its flags reach the host, one step later
 
 
 def skip_flag(vec: Tensor, gradients: bool, replicas: Optional[Tensor] = None) -> Tensor:
@@ -36,6 +36,14 @@ def skip_flag(vec: Tensor, gradients: bool, replicas: Optional[Tensor] = None) -
     if replicas is not None:
         bad = bad | replicas
     return bad.float()
+
+
+def device_skipped(flags: StepFlags, gradients: bool, scaled: bool, replicas_disagree: bool, spike: bool) -> bool:
+    """The host's reading of :func:`skip_flag` once a lagged step's ``flags`` are read: was its device skip flag
+    set? The same test: a flag field, with ``gradients`` (and no GradScaler, whose overflows are its own) a
+    non-finite gradient norm, ranks whose copies disagree, or a loss ``spike`` it skipped
+    (``check.spike_action: skip_step``)."""
+    return bool(flags.local_bad or gradients and not scaled and flags.grads_bad or replicas_disagree or spike)
 
 
 def classify(flags: StepFlags, grads_bad: bool, scaled: bool, overflow_persists: bool,

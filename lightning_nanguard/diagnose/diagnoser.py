@@ -11,10 +11,10 @@ from ..config import AnomalyConfig
 from ..counters import Counters
 from ..dtensors import sharded
 from ..events import NaNEvent
-from ..record import Window
 from .dynamics import InitialScales
 from .replay import parse_anomaly_error
-from .rules import IncidentContext, diagnose, diagnose_anomaly_error
+from .context import Evidence, History, IncidentContext
+from .rules import diagnose, diagnose_anomaly_error
 
 __all__ = ["Diagnoser"]
 
@@ -64,15 +64,25 @@ class Diagnoser:
             torch.autograd.set_detect_anomaly(*self._anomaly_before)
             self._anomaly_before = None
 
-    def context(self, trainer: Any, pl_module: Any, event: NaNEvent, window: Optional[Window] = None,
-                **evidence: Any) -> IncidentContext:
-        """An :class:`IncidentContext` for ``event``: the step's ``window`` (its micro-batches and their RNG
-        states) and the diagnosis settings."""
-        batches, rng = (list(window.batches), list(window.rng)) if window is not None else ([], [])
-        return IncidentContext(trainer=trainer, pl_module=pl_module, event=event, batches=batches, rng_states=rng,
-                               replay_step=window.step if window is not None else None,
-                               frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
-                               agree=_agreement(trainer, pl_module), **evidence)
+    def context(self, trainer: Any, pl_module: Any, event: NaNEvent, evidence: Evidence,
+                history: Optional[History] = None) -> IncidentContext:
+        """The :class:`IncidentContext` of ``event``: what its builder gathered (``evidence``: the step's window,
+        its micro-batches and their RNG states, ...), the guard's ``history`` (none: empty) and the diagnosis
+        settings."""
+        window, ev, past = evidence.window, evidence, history or History()
+        return IncidentContext(
+            trainer=trainer, pl_module=pl_module, event=event,
+            batches=list(window.batches) if window is not None else [],
+            rng_states=list(window.rng) if window is not None else [],
+            replay_step=window.step if window is not None else None,
+            grad_norm=ev.grad_norm, grads_were_finite=ev.grads_were_finite, only_gradients=ev.only_gradients,
+            same_weights=ev.same_weights, param_findings=list(ev.param_findings), at_fit_start=ev.at_fit_start,
+            divergence=ev.divergence, step_lrs=ev.step_lrs, scaler_overflows=ev.scaler_overflows,
+            grad_scale=ev.grad_scale,
+            norm_history=past.norm_history, norm_history_end=past.norm_history_end, lr_cut_step=past.lr_cut_step,
+            loss_history=past.loss_history, reference=past.reference, norm_type=past.norm_type,
+            frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
+            agree=_agreement(trainer, pl_module))
 
     # ---------------------------------------------------------------------------------------- diagnosis
 

@@ -56,8 +56,7 @@ The rules, in order (each puts its evidence in ``details`` under the key named i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -65,57 +64,14 @@ from ..causes import suggest
 from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
 from ..detect.spikes import history_zscore, norm_growth
-from ..events import NaNEvent
 from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
 from . import domain, dynamics, replay
+from .context import IncidentContext
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT"]
 
 TRANSIENT = "transient"  # the cause of a fault whose replay (same batch, weights, RNG state) is clean
-
-@dataclass
-class IncidentContext:
-    """Everything the diagnosis may look at; built by the callback on an incident only."""
-
-    trainer: Any
-    pl_module: Any
-    event: NaNEvent
-    batches: list[tuple[Any, int]] = field(default_factory=list)
-    rng_states: list[Any] = field(default_factory=list)
-    replay_step: Optional[int] = None  # the step the batches belong to (a lagged step is replayed at its number)
-    grad_norm: float = float("nan")
-    norm_history: list[float] = field(default_factory=list)
-    norm_history_end: Optional[int] = None  # the step of the newest norm in norm_history (None: the step before)
-    lr_cut_step: Optional[int] = None  # the step of the guard's latest LR cut
-    loss_history: list[float] = field(default_factory=list)
-    param_findings: list[dict] = field(default_factory=list)
-    input_findings: list[dict] = field(default_factory=list)
-    grads_were_finite: Optional[bool] = None
-    at_fit_start: bool = False
-    replay: bool = False
-    frames: int = 21
-    float64_check: bool = True
-    replayed: bool = False  # set by diagnose() when it replayed the window
-    previous: Optional[NaNEvent] = None  # the last replayed incident, reused once anomaly.max_replays is spent
-    scaler_overflows: Optional[int] = None  # 16-mixed: consecutive GradScaler overflows up to this step
-    grad_scale: Optional[float] = None  # 16-mixed: the scaler's scale at this step
-    only_gradients: bool = False  # the gradients were the only non-finite evidence of the step
-    initial: Optional[dynamics.InitialScales] = None  # parameter norms at fit start, read on demand
-    # the newest snapshot at or before a step: (its step, the 2-norms of its module tensors by name), or None
-    reference: Optional[Callable[[int], Optional[tuple[int, dict[str, float]]]]] = None
-    divergence: Optional[dict] = None  # the divergence watch's evidence (a divergence event)
-    # the learning rates the step ran at, by param group (id of the group -> LR): a step judged one step late
-    # finds its scheduler stepped since
-    step_lrs: Optional[dict[int, float]] = None
-    # the replay runs on the weights the step ran on (not a step judged late whose update was already applied):
-    # only then does a clean replay mean a fault that does not come back
-    same_weights: bool = True
-    norm_type: float = 2.0  # clip.norm_type: a total gradient norm that overflows it is an incident too
-    # sharded (DTensor parameters, several ranks): the replay is a collective, so every rank replays or none; this
-    # agrees on it (True when every rank wants to; one collective, every rank calls it at the same point)
-    agree: Optional[Callable[[bool], bool]] = None
-
 
 def diagnose(ctx: IncidentContext) -> str:
     """Fill the event's diagnosis fields from the evidence; return extra report text (may be empty).

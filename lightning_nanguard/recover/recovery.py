@@ -48,6 +48,8 @@ class Applied:
 
     actions: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    rolled_back: bool = False  # the weights went back to a snapshot (a give-up's restore too)
+    kept_step: bool = False  # that rollback kept the current step's gradients (:meth:`Recovery.rollback`)
 
 
 def _safe_factor(event: NaNEvent) -> Optional[float]:
@@ -322,6 +324,7 @@ class Recovery:
         lagged rollback before the current step's update, whose gradients were taken on the snapshot's
         parameters (:attr:`pristine`): keep them and the buffers its forward wrote, so the step goes ahead."""
         assert self.store is not None and self.store.newest is not None
+        keep_step = keep_step and self.pristine  # else a step was applied since: other weights
         snap = self.store.newest
         written = self.buffers.written() if keep_step and self.buffers is not None else {}
         self.store.restore(snap, trainer, pl_module, scaler_overflows)
@@ -402,6 +405,7 @@ class Recovery:
             self.stop()
             if self.store:
                 snap = self.rollback(trainer, pl_module, scaler_overflows)
+                done.rolled_back = True
                 done.details["restored_step"] = snap.step
             else:
                 done.details["restored_step"] = None
@@ -417,6 +421,7 @@ class Recovery:
                 self.store.drop_newest()  # taken after the divergence began: not known-good
             further = plan.go_further_back or len(self.store) < dropped
             snap = self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
+            done.rolled_back, done.kept_step = True, self.kept_step
             done.actions.append("rollback")
             done.details["restored_step"] = snap.step
             if plan.skip_batches:

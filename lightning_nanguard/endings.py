@@ -1,0 +1,46 @@
+"""How an incident can end a run, in words: a give-up (what was restored, from which step, or why nothing was) and
+a rank whose hardware is suspect (:data:`recovery.on_suspect_hardware`). Pure: the texts and the event's account of
+them; the responder stops or raises (:meth:`.Responder.respond`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .causes import where_it_ran
+from .config import RecoveryConfig
+from .events import NaNEvent
+
+__all__ = ["give_up_message", "suspect_hardware"]
+
+
+def give_up_message(event: NaNEvent, incidents: int, rollbacks: int, bad: Sequence[dict], report: str) -> str:
+    """The give-up at ``event``: exactly what it restored (and from which step), or that nothing could be, and
+    whether the weights left are finite (``bad``: the non-finite ones, when nothing was restored). ``rollbacks``:
+    before the give-up's own restore."""
+    restored = event.details.get("restored_step")
+    if restored is not None:
+        state = (f"the module, optimizers and LR schedulers were restored to the last known-good state, the "
+                 f"snapshot of step {restored}")
+    else:
+        state = (f"nothing could be restored ({event.details.get('not_restored', 'no snapshot')}): the weights "
+                 + (f"are left NON-FINITE ({', '.join(f['name'] for f in bad[:5])})" if bad else
+                    f"are left as they were before step {event.step} (finite; that step was not applied)"))
+    return (f"NaNGuard gave up at step {event.step} after {incidents} incident(s) and {rollbacks} rollback(s); "
+            f"{state}. Last incident: {event.kind}, cause={event.cause}, culprit={event.culprit}. {event.suggestion} "
+            f"Report: {report}")
+
+
+def suspect_hardware(event: NaNEvent, steps: list[int], cfg: RecoveryConfig) -> str:
+    """The rank of ``event`` had more faults that did not come back (at ``steps``) than ``recovery.transient_limit``
+    within ``transient_window`` steps: say so in the event (its details, suggestion and action) and return the
+    message for ``recovery.on_suspect_hardware``."""
+    event.details["suspect_hardware"] = {"rank": event.rank, "host": event.host, "device": event.device,
+                                         "local_rank": event.local_rank, "faults": len(steps), "steps": steps,
+                                         "window": cfg.transient_window, "policy": cfg.on_suspect_hardware}
+    message = (f"the hardware of {where_it_ran(event)} is suspect: {len(steps)} faults that did not come back "
+               f"within {cfg.transient_window} steps (steps {', '.join(map(str, steps))}; recovery.transient_limit="
+               f"{cfg.transient_limit}). Test that device or have the job scheduler exclude host "
+               f"{event.host or '(unknown)'}.")
+    event.suggestion = f"{event.suggestion} {message[0].upper()}{message[1:]}"
+    event.add_action(cfg.on_suspect_hardware)
+    return message

@@ -1,0 +1,69 @@
+"""The parts of the guard, built together for a fit and handed as one bundle to the two that compose them
+(:class:`~.step.StepFlow` and :class:`~.responder.Responder`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from .config import NaNGuardConfig
+from .counters import Counters
+from .detect.amp import OverflowWatch, grad_scaler
+from .detect.divergence import DivergenceWatch
+from .detect.evidence import StepEvidence
+from .detect.sync import StepSync as Ranks  # (moving to detect/ranks.py)
+from .detect.spikes import LossWatch
+from .diagnose.diagnoser import Diagnoser
+from .recover.clipping import Clipper
+from .recover.recovery import Recovery
+from .report.recorder import Recorder
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["Parts"]
+
+
+@dataclass
+class Parts:
+    """Every part of the guard, each the owner of its state (docs/architecture.md, "Owners"); ``ranks``: how
+    evidence agrees across ranks, set at fit start (:meth:`.StepFlow.start`)."""
+
+    config: NaNGuardConfig
+    counters: Counters
+    evidence: StepEvidence
+    clipper: Clipper
+    losses: LossWatch
+    overflow: OverflowWatch
+    divergence: DivergenceWatch
+    recovery: Recovery
+    diagnoser: Diagnoser
+    recorder: Recorder
+    ranks: Ranks = field(default_factory=Ranks)
+
+    @classmethod
+    def build(cls, cfg: NaNGuardConfig, name: Optional[str]) -> "Parts":
+        """The parts, fresh for a new fit (``name``: the guard's, for its report files)."""
+        counters = Counters()
+        clipper = Clipper(cfg.clip, counters)
+        losses = LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)
+        divergence = DivergenceWatch(cfg.check.divergence, cfg.check.divergence_growth, cfg.check.divergence_steps,
+                                     cfg.check.divergence_factor)
+        recovery = Recovery(cfg.recovery, cfg.clip, counters, statistics={
+            "zclip": clipper.zclip, "loss_stats": losses.detector, "divergence": divergence})
+        return cls(cfg, counters, StepEvidence(cfg.check, keep_rng=cfg.anomaly.mode != "off"), clipper, losses,
+                   OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale), divergence, recovery,
+                   Diagnoser(cfg.anomaly, counters), Recorder(cfg.logging, counters, name))
+
+    def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
+        """The guard's scalars (tags below ``nanguard/``): counts, LR scale, the last gradient norm (and the
+        GradScaler's scale)."""
+        counts = self.counters
+        values = {"incidents": float(counts["incidents"]), "skipped_steps": float(counts["skipped_steps"]),
+                  "rollbacks": float(counts["rollbacks"]), "lr_scale": float(self.recovery.lr_scale),
+                  "grad_norm": float(self.clipper.last_norm)}
+        scaler = grad_scaler(trainer)
+        if scaler is not None:
+            scale = self.overflow.scale  # read with the step's flags: no extra sync
+            values["grad_scale"] = scale if scale is not None else float(scaler.get_scale())
+        return values
