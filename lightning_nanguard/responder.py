@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 
+from .account import share_incident
 from .causes import cause as cause_entry, suggest, where_it_ran
 from .config import NaNGuardConfig
 from .console import say
@@ -21,8 +22,10 @@ from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.evidence import StepEvidence
 from .detect.find import find_batch_nonfinite
+from .detect.placement import whereabouts
+from .detect.ranks import Ranks
+from .detect.replicas import weights_checksum
 from .detect.spikes import LossWatch
-from .detect.sync import StepSync, share_incident, weights_checksum, whereabouts
 from .diagnose import dynamics
 from .diagnose.diagnoser import Diagnoser
 from .diagnose.replay import local_gradients, reproduces
@@ -85,7 +88,7 @@ class Responder:
         self.recovery = recovery
         self.diagnoser = diagnoser
         self.recorder = recorder
-        self.sync = StepSync()
+        self.sync = Ranks()
         self.pending: list[Pending] = []
         # the newest incident and its window: a fit that ends inside its streak reruns it at the end
         self.last_incident: Optional[tuple[NaNEvent, Window]] = None
@@ -217,7 +220,7 @@ class Responder:
                    record: StepRecord) -> Optional[tuple[float, Optional[tuple[int, ...]]]]:
         """Two replicas disagree and no majority can tell which copy is wrong: recompute the reduced gradient's
         norm (and checksum) from every rank's replayed local gradient (one incident-only all-reduce of the whole
-        gradient, on every rank: :meth:`.StepSync.reduced_norm`). None where it cannot be: with ``anomaly.mode:
+        gradient, on every rank: :meth:`.Ranks.reduced_norm`). None where it cannot be: with ``anomaly.mode:
         off`` (no replays), manual optimization, more than two ranks (a majority tells), or a step whose update was
         already applied (other weights)."""
         if (self.sync.world_size != 2 or self.config.anomaly.mode == "off" or record.update is UpdateStage.APPLIED
@@ -576,7 +579,7 @@ class Responder:
 
     def replicas_drifted(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """DDP, at a snapshot: the replicas' weights are no longer bitwise the same
-        (:meth:`.StepSync.snapshot_agreement`). Every rank rolls back to the newest snapshot, on which they agreed
+        (:meth:`.Ranks.snapshot_agreement`). Every rank rolls back to the newest snapshot, on which they agreed
         (each is taken only where they do), counted like any rollback (one that keeps failing gives up). The event
         names the odd rank where a majority tells (3 or more ranks); every rank gathers the checksums
         (one ``all_gather_object``, only here)."""

@@ -29,8 +29,9 @@ from .counters import Counters
 from .detect.amp import OverflowWatch, clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
+from .detect.ranks import Ranks
+from .detect.read_mode import choose_read_mode
 from .detect.spikes import LossWatch
-from .detect.sync import StepSync, choose_sync
 from .detect.vector import SCHEMA
 from .detect.verdict import Outcome, classify, skip_flag
 from .record import StepRecord, UpdateStage
@@ -52,7 +53,7 @@ class StepFlow:
     Attributes:
         outcome: the current step's :class:`~.detect.verdict.Outcome`, from its optimizer step to its batch end.
         lagged: ``check.sync`` as chosen at fit start: flags read one step late.
-        sync: how the flags agree across ranks (:class:`~.detect.sync.StepSync`).
+        sync: how the flags agree across ranks (:class:`~.detect.ranks.Ranks`).
     """
 
     def __init__(self, config: NaNGuardConfig, counters: Counters, evidence: StepEvidence, clipper: Clipper,
@@ -63,7 +64,7 @@ class StepFlow:
         self.evidence, self.clipper, self.losses, self.overflow = evidence, clipper, losses, overflow
         self.divergence, self.recovery = divergence, recovery
         self.recorder, self.responder = recorder, responder
-        self.sync = StepSync()
+        self.sync = Ranks()
         self.outcome: Optional[Outcome] = None
         self.lagged = False
         self._unread: Optional[StepRecord] = None  # the lagged step whose flags are not read yet
@@ -73,10 +74,10 @@ class StepFlow:
         """Fit start: how flags agree across ranks, and eager or lagged reads (said once where ``check.sync`` was
         set: a healthy fit under ``auto`` prints nothing)."""
         check = self.config.check
-        self.sync = self.responder.sync = StepSync.for_trainer(trainer, self.config.clip.norm_type, check.replicas,
+        self.sync = self.responder.sync = Ranks.for_trainer(trainer, self.config.clip.norm_type, check.replicas,
                                                                check.replica_tolerance,
                                                                exact=check.replica_compare == "exact")
-        self.lagged, why = choose_sync(self.config.check.sync, trainer, pl_module)
+        self.lagged, why = choose_read_mode(self.config.check.sync, trainer, pl_module)
         if self.lagged and "cannot skip" in why and self.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
         if check.sync != "auto":  # the user chose a mode: say what they got, and why
