@@ -829,8 +829,8 @@ MUTANTS: list[Mutant] = [
            "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
            "of its own; here the precedence is swapped"),
     Mutant("ranks", "doc-ranks-details-ranks-all", ACCOUNT,
-           'ranks = [p["rank"] for p in gathered if p["evidence"] > 0]',
-           'ranks = [p["rank"] for p in gathered]',
+           'named = [p["rank"] for p in gathered if p["evidence"] > 0]',
+           'named = [p["rank"] for p in gathered]',
            "docs/distributed.md: 'details.ranks lists the ranks with evidence'; here every rank"),
     Mutant("ranks", "doc-ranks-lagged-local-vector", RESPONDER,
            "extra = share_incident(self.sync, event, extra, record.local,",
