@@ -218,7 +218,7 @@ def main() -> None:
 def passes(quick: bool, calls: int = 200) -> list[dict]:
     """The norm pass and the checksum pass over each workload's gradients, timed alone (ms, median of ``calls``)."""
     from lightning_nanguard.detect.kernels import total_norm
-    from lightning_nanguard.detect.sync import bits_checksum
+    from lightning_nanguard.detect.replicas import bits_checksum
 
     rows = []
     for workload, (make_model, data) in workloads(quick).items():

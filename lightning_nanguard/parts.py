@@ -11,7 +11,7 @@ from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
-from .detect.sync import StepSync as Ranks  # (moving to detect/ranks.py)
+from .detect.ranks import Ranks
 from .detect.spikes import LossWatch
 from .diagnose.diagnoser import Diagnoser
 from .recover.clipping import Clipper

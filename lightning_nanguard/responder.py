@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Optional
 from .causes import cause as cause_entry, suggest
 from .console import say
 from .detect.find import find_batch_nonfinite
-from .detect.sync import share_incident, weights_checksum, whereabouts
+from .account import share_incident
+from .detect.placement import whereabouts
+from .detect.replicas import weights_checksum
 from .diagnose import dynamics
 from .diagnose.context import History, IncidentContext
 from .diagnose.final_weights import suspect
@@ -172,7 +174,7 @@ class Responder:
                    record: Optional[StepRecord]) -> Optional[tuple[float, Optional[tuple[int, ...]]]]:
         """Two replicas disagree and no majority can tell which copy is wrong: recompute the reduced gradient's
         norm (and checksum) from every rank's replayed local gradient (one incident-only all-reduce of the whole
-        gradient, on every rank: :meth:`.StepSync.reduced_norm`). None where it cannot be: with ``anomaly.mode:
+        gradient, on every rank: :meth:`.Ranks.reduced_norm`). None where it cannot be: with ``anomaly.mode:
         off`` (no replays), manual optimization, more than two ranks (a majority tells), or a step whose update was
         already applied (other weights)."""
         ranks = self.parts.ranks
@@ -300,7 +302,7 @@ class Responder:
 
     def replicas_drifted(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Response:
         """DDP, at a snapshot: the replicas' weights are no longer bitwise the same
-        (:meth:`.StepSync.snapshot_agreement`). Every rank gathers the checksums (one ``all_gather_object``, only
+        (:meth:`.Ranks.snapshot_agreement`). Every rank gathers the checksums (one ``all_gather_object``, only
         here); the odd rank is named where a majority tells (3 or more ranks)."""
         total = weights_checksum(pl_module)
         gathered = self.parts.ranks.gather({"checksum": None if total is None else int(total), **whereabouts(trainer)})

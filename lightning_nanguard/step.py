@@ -27,7 +27,8 @@ from torch import Tensor
 from . import incident as incidents
 from .console import say
 from .detect.amp import clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
-from .detect.sync import StepSync as Ranks, choose_sync
+from .detect.ranks import Ranks
+from .detect.read_mode import choose_read_mode
 from .detect.vector import SCHEMA
 from .detect.verdict import Outcome, classify, device_skipped, skip_flag
 from .diagnose.rules import persistent_clipping_cause, spike_cause
@@ -66,7 +67,7 @@ class StepFlow:
         p, check = self.parts, self.parts.config.check
         p.ranks = Ranks.for_trainer(trainer, p.config.clip.norm_type, check.replicas, check.replica_tolerance,
                                     exact=check.replica_compare == "exact")
-        self.lagged, why = choose_sync(check.sync, trainer, pl_module)
+        self.lagged, why = choose_read_mode(check.sync, trainer, pl_module)
         if self.lagged and "cannot skip" in why and p.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
         if check.sync != "auto":  # the user chose a mode: say what they got, and why

@@ -38,7 +38,9 @@ VECTOR = PKG + "detect/vector.py"
 VERDICT = PKG + "detect/verdict.py"
 WEIGHTS = PKG + "detect/weights.py"  # was detect/state.py
 SPIKES = PKG + "detect/spikes.py"
-SYNC = PKG + "detect/sync.py"
+RANKS = PKG + "detect/ranks.py"  # detect/sync.py was split into ranks, replicas, placement, read_mode
+READ_MODE = PKG + "detect/read_mode.py"
+ACCOUNT = PKG + "account.py"  # share_incident, was in detect/sync.py
 AMP = PKG + "detect/amp.py"
 LADDER = PKG + "recover/ladder.py"
 RECOVERY = PKG + "recover/recovery.py"
@@ -118,7 +120,7 @@ MUTANTS: list[Mutant] = [
            "hand-ordered StepFlags, where a field added after grad_scale left a flag out of the DDP reduce) is "
            "off by one: the last flag (loss_bad) falls out of the flag slice, so a non-finite loss is no "
            "rank-local evidence, is not in the device skip flag and is never kind loss"),
-    Mutant("detection", "det-ddp-loss-summed", SYNC,
+    Mutant("detection", "det-ddp-loss-summed", RANKS,
            "out[i] = out[i] / self.world_size",
            "pass",
            "under DDP the step's loss is the sum over ranks, not the mean (spike statistics, event loss)"),
@@ -308,8 +310,8 @@ MUTANTS: list[Mutant] = [
            "        if norm is not None:",
            "clip.agc_clip_factor is ignored"),
     Mutant("clipping", "clip-norm-type-ignored", STEP,
-           "StepSync.for_trainer(trainer, self.config.clip.norm_type, check.replicas,",
-           "StepSync.for_trainer(trainer, 2.0, check.replicas,",
+           "Ranks.for_trainer(trainer, self.config.clip.norm_type, check.replicas,",
+           "Ranks.for_trainer(trainer, 2.0, check.replicas,",
            "clip.norm_type is ignored (always the 2-norm)"),
     Mutant("clipping", "clip-zclip-z-ignored", CLIPPING,
            "self.zclip = ZClip(cfg.z_threshold, cfg.ema_alpha, cfg.warmup_steps)",
@@ -806,29 +808,29 @@ MUTANTS: list[Mutant] = [
            "        if self.failed_rollbacks > self.cfg.max_rollbacks:\n            plan.give_up = True",
            "docs/recovery.md (give up when a rollback is needed and recovery.max_rollbacks rollbacks in a row are "
            "unconfirmed): a run of applied bad steps (lagged, non-fused) rolls back once more than allowed"),
-    Mutant("sync", "doc-sync-auto-lagged-on-cpu", SYNC,
+    Mutant("sync", "doc-sync-auto-lagged-on-cpu", READ_MODE,
            'if device is None or torch.device(device).type == "cpu":', "if device is None:",
            "docs/performance.md / configuration.md: check.sync auto is lagged only 'when the device is not the "
            "CPU'; 'On the CPU ... auto reads eagerly there'; here a CPU fit with a fused optimizer goes lagged"),
-    Mutant("sync", "doc-sync-manual-lagged", SYNC,
+    Mutant("sync", "doc-sync-manual-lagged", READ_MODE,
            '    if not getattr(pl_module, "automatic_optimization", True):\n        return False, "manual',
            '    if False:\n        return False, "manual',
            "docs/distributed.md: under manual optimization 'every optimizer.step() is guarded on its own' "
-           "(choose_sync: manual optimization always reads eagerly); here check.sync lagged/auto judges a manual "
+           "(choose_read_mode: manual optimization always reads eagerly); here check.sync lagged/auto judges a manual "
            "step one step late"),
     # ------------------------------------------------------------------ ranks: DDP, which rank an event names
-    Mutant("ranks", "doc-ranks-highest-rank-named", SYNC,
+    Mutant("ranks", "doc-ranks-highest-rank-named", ACCOUNT,
            'best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))',
            'best = max(gathered, key=lambda p: (p["evidence"], p["rank"]))',
            "docs/distributed.md: the event names 'the lowest rank whose own flags were set'; here the highest"),
-    Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", SYNC,
+    Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", ACCOUNT,
            "4 if reproduced else 3 if any(own_flags) else 2 if own else 1 if shard else 0",
            "4 if reproduced else 2 if any(own_flags) else 3 if own else 1 if shard else 0",
            "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
            "of its own; here the precedence is swapped"),
-    Mutant("ranks", "doc-ranks-details-ranks-all", SYNC,
-           'ranks = [p["rank"] for p in gathered if p["evidence"] > 0]',
-           'ranks = [p["rank"] for p in gathered]',
+    Mutant("ranks", "doc-ranks-details-ranks-all", ACCOUNT,
+           'named = [p["rank"] for p in gathered if p["evidence"] > 0]',
+           'named = [p["rank"] for p in gathered]',
            "docs/distributed.md: 'details.ranks lists the ranks with evidence'; here every rank"),
     Mutant("ranks", "doc-ranks-lagged-local-vector", RESPONDER,
            "extra = share_incident(self.sync, event, extra, record.local,",
@@ -837,16 +839,16 @@ MUTANTS: list[Mutant] = [
            "were set at the incident's step; here the rank flags of the step under way (the last reduced "
            "vector) are used, so the wrong rank (or none) is named",
            harmless="equivalent (judged after the 2d475bd run, where it survived): only StepEvidence.vector calls "
-                    "StepSync.reduce, and in a lagged fit no reduce runs between a step's _stage and its read "
+                    "Ranks.reduce, and in a lagged fit no reduce runs between a step's _stage and its read "
                     "(_judge_late runs before the next _stage; every flush judges the step just staged), so "
                     "sync.last_local is late.local itself"),
-    Mutant("ranks", "doc-ranks-flags-not-reduced", SYNC,
+    Mutant("ranks", "doc-ranks-flags-not-reduced", RANKS,
            "dist.all_reduce(out[summed], group=self.group)",
            'dist.all_reduce(out[SCHEMA.index["loss"]:SCHEMA.index["loss"] + 1], group=self.group)',
            "docs/distributed.md: the rank-local flags are summed across ranks so that 'every rank takes the "
            "same decision at the same step'; here only the loss is reduced and a NaN input on one rank skips "
            "the step there only"),
-    Mutant("ranks", "doc-ranks-sharded-norm-not-rooted", SYNC,
+    Mutant("ranks", "doc-ranks-sharded-norm-not-rooted", RANKS,
            "out[norm] = out[norm].clamp_min(0).pow(1.0 / self.norm_type)",
            "out[norm] = out[norm].clamp_min(0)",
            "docs/distributed.md (FSDP): the guard sums |g|^p over its shards and 'the same all-reduce completes "

@@ -126,7 +126,7 @@ def test_fsdp_single_device_skips_and_rolls_back(tmp_path):
     import pytorch_lightning as pl
 
     from lightning_nanguard import NaNGuard
-    from lightning_nanguard.detect.sync import shards_gradients
+    from lightning_nanguard.detect.placement import shards_gradients
 
     class Burst(models.Regression):
         def training_step(self, batch, batch_idx):

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_nanguard.detect.ranks import local_norm_power
 from lightning_nanguard.dtensors import is_dtensor, local, norm_share
-from lightning_nanguard.detect.sync import local_norm_power
 
 from .ranks import launch, per_step
 

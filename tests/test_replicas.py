@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_nanguard.detect.sync import (EPS32, FLOAT32_EXACT, _f32, bits_checksum, checksum_parts,
-                                            checksum_primes, checksum_weight, checksums_disagree, odd_checksums,
-                                            odd_ranks, own_residues, replicas_disagree, weights_checksum)
+from lightning_nanguard.detect.replicas import (EPS32, FLOAT32_EXACT, _f32, bits_checksum, checksum_parts,
+                                                checksum_primes, checksum_weight, checksums_disagree, odd_checksums,
+                                                odd_ranks, own_residues, replicas_disagree, weights_checksum)
 
 from .ranks import launch, per_step
 

@@ -345,7 +345,7 @@ def test_only_a_replicated_strategy_shards_its_snapshots():
     (whose ZeRO stages subclass DDP but partition the optimizer state) keep what each rank holds."""
     from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
-    from lightning_nanguard.detect.sync import replicates as replicates_state
+    from lightning_nanguard.detect.placement import replicates as replicates_state
 
     class DeepSpeedStrategy(DDPStrategy):  # the name is what counts (no deepspeed install needed)
         pass

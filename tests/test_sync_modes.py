@@ -426,14 +426,14 @@ def test_16_mixed_routine_overflows_stay_routine_when_lagged(fit):
 def test_auto_reads_eagerly_on_the_cpu_and_says_nothing_while_an_explicit_mode_says_why(fit, caplog):
     """Issue 29: a default fit prints no line (``check.sync: auto``); a mode the user set is confirmed once, with
     the reason."""
-    from lightning_nanguard.detect.sync import choose_sync
+    from lightning_nanguard.detect.read_mode import choose_read_mode
 
     caplog.set_level("INFO")
     model, auto = Net(), NaNGuard(logging=QUIET)
     t = fit(model, models.regression_data(n=64), [auto], batch_size=16, steps=2)
     assert auto.lagged is False
-    assert choose_sync("auto", t, model) == (False, "on the CPU every op has finished when it returns: reading "
-                                                    "the flags waits for nothing")
+    assert choose_read_mode("auto", t, model) == (False, "on the CPU every op has finished when it returns: "
+                                                         "reading the flags waits for nothing")
     assert not [r for r in caplog.records if r.getMessage().startswith("[nanguard]")]
     fit(Net(), models.regression_data(n=64), [guard("eager")], batch_size=16, steps=2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[nanguard] sync:")]

@@ -23,9 +23,9 @@ from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
 from .kernels import dense_nonfinite_flag
+from .ranks import Ranks
 from .vector import SCHEMA, StepFlags
 from .weights import WeightCheck
-from .sync import StepSync
 
 __all__ = ["StepEvidence", "HostCopy"]
 
@@ -130,7 +130,7 @@ class StepEvidence:
         """Drop the pending parameter/buffer flag (a rollback replaced the weights it was computed on)."""
         self._state_bad = self._state_module = None
 
-    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync,
+    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], ranks: Ranks,
                grads: Sequence[Tensor] = ()) -> Tensor:
         """The step's evidence vector (:data:`~.vector.SCHEMA`) on the device, stacked with ``norm`` (of ``grads``)
         and agreed across ranks (one all-reduce under DDP); nothing is read."""
@@ -150,17 +150,17 @@ class StepEvidence:
                  "input_bad": part(self._input_bad), "param_bad": part(self._state_bad),
                  "activation_bad": part(self.activations.take()),
                  "grad_scale": scale_flag(scaler, device) if scaler is not None else None}
-        if norm is not None and sync.replicas:  # DDP: this rank's own copy of the reduced gradient, for the check
-            parts.update((name, part(t)) for name, t in sync.own_parts(norm, grads).items())
+        if norm is not None and ranks.replicas:  # DDP: this rank's own copy of the reduced gradient, for the check
+            parts.update((name, part(t)) for name, t in ranks.own_parts(norm, grads).items())
         if self._state_bad is not None:  # checked with this step's flags
             self._state_bad = self._state_module = None
         self._read = True
-        return sync.reduce(SCHEMA.build(parts, consts))
+        return ranks.reduce(SCHEMA.build(parts, consts))
 
-    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], sync: StepSync,
+    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], ranks: Ranks,
              grads: Sequence[Tensor] = ()) -> StepFlags:
         """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
-        return SCHEMA.read(self.vector(norm, device, scaler, sync, grads).tolist())
+        return SCHEMA.read(self.vector(norm, device, scaler, ranks, grads).tolist())
 
     def stage(self, vec: Tensor) -> None:
         """Start copying ``vec`` to the host without waiting (``check.sync: lagged``); :meth:`take` reads it."""

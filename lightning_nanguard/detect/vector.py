@@ -1,7 +1,7 @@
 """The step's evidence vector: named fields, how each agrees across ranks, one builder and one reader.
 
 The guard reads one small float32 vector per optimizer step (:mod:`.evidence` builds it on the device, one
-all-reduce under DDP agrees on it, :mod:`.sync`). Its fields are declared once, in :data:`SCHEMA`, each
+all-reduce under DDP agrees on it, :mod:`.ranks`). Its fields are declared once, in :data:`SCHEMA`, each
 with the reduction that makes it identical on every rank (as torchmetrics' ``add_state(...,
 dist_reduce_fx=...)``):
 
@@ -198,7 +198,7 @@ SCHEMA = VectorSchema([
     *(Field(f"grad_checksum_{k}", "sum", help=f"DDP, replica_compare exact: this rank's checksum of its copy of the "
                                               f"reduced gradient's bits modulo the prime p{k}, times the rank's weight "
                                               "(weights sum to 0 over ranks); summed: 0 for all three when every copy "
-                                              "is the same (detect/sync.py: checksum_parts)")
+                                              "is the same (detect/replicas.py: checksum_parts)")
       for k in range(3)),
     Field("grad_scale", "none", math.nan, help="the GradScaler's scale (16-mixed), nan without one"),
 ], fallback_kind="gradient")

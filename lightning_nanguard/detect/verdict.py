@@ -26,7 +26,7 @@ class Outcome(enum.Enum):
 def skip_flag(vec: Tensor, gradients: bool, replicas: Optional[Tensor] = None) -> Tensor:
     """0-dim float on ``vec``'s device, 1 when the step of the evidence vector ``vec`` must be skipped: a flag
     field (a rank count under DDP), or, with ``gradients``, a non-finite gradient norm (on any rank's copy, under
-    the replica check), or ``replicas`` (:meth:`.sync.StepSync.replica_flag`: the ranks' copies disagree). No
+    the replica check), or ``replicas`` (:meth:`.ranks.Ranks.replica_flag`: the ranks' copies disagree). No
     sync."""
     bad = vec[SCHEMA.flags].ne(0).any()
     if gradients:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..detect.find import find_nonfinite_tensors
 from ..detect.kernels import any_nonfinite_flag, dense_nonfinite_flag
-from ..detect.sync import local_tensor
+from ..detect.placement import local_tensor
 from ..layouts import checkable
 from ..tree import iter_tensors
 
@@ -42,7 +42,7 @@ def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20, exempt: Itera
 
 def optimizer_state_nonfinite(optimizers: Iterable[Any]) -> bool:
     """Does any optimizer of this rank hold a non-finite state tensor (its local shards under a sharding strategy)?
-    One fused flag, one read (snapshot time only; the ranks agree on it: :meth:`.StepSync.snapshot_agreement`)."""
+    One fused flag, one read (snapshot time only; the ranks agree on it: :meth:`.Ranks.snapshot_agreement`)."""
     tensors = [local_tensor(t) for opt in optimizers for state in opt.state.values() for t in state.values()
                if isinstance(t, Tensor)]
     flag = any_nonfinite_flag(tensors)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..config import ClipConfig, RecoveryConfig
 from ..console import say
 from ..counters import Counters
-from ..detect.sync import replicates
+from ..detect.placement import replicates
 from ..events import NaNEvent
 from ..layouts import load_module_state
 from .hardware import HardwareWatch

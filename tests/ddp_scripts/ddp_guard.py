@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from common import from_guard, save_and_exit
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.detect import sync as nd
+from lightning_nanguard.detect.ranks import Ranks
 from lightning_nanguard.detect.vector import SCHEMA
 
 STEPS = 24
@@ -92,16 +92,16 @@ class Probe(pl.Callback):
                            "snapshots": self.guard.counters["snapshots"]})
 
     def on_train_end(self, trainer, pl_module):
-        # the FSDP path of StepSync on real collectives: each rank holds half of the gradient tensors
+        # the FSDP path of Ranks on real collectives: each rank holds half of the gradient tensors
         rank = dist.get_rank()
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(3 + i, generator=g) for i in range(5)]
         mine = full[rank::2]
         for p in (2.0, float("inf")):
-            sync = nd.StepSync(world_size=2, sharded=True, norm_type=p)
-            parts = {"grad_norm": sync.grad_norm(mine), "loss": torch.tensor(float(rank + 1)),
+            ranks = Ranks(world_size=2, sharded=True, norm_type=p)
+            parts = {"grad_norm": ranks.grad_norm(mine), "loss": torch.tensor(float(rank + 1)),
                      "loss_bad": torch.tensor(float(rank == 1))}
-            out = sync.reduce(SCHEMA.build(parts, SCHEMA.constants(torch.device("cpu")))).tolist()
+            out = ranks.reduce(SCHEMA.build(parts, SCHEMA.constants(torch.device("cpu")))).tolist()
             reduced = [out[SCHEMA.index[name]] for name in ("grad_norm", "loss", "loss_bad")]
             self.sharded[str(p)] = {"reduced": reduced, "expected_norm": float(torch.nn.utils.get_total_norm(full, p))}
 

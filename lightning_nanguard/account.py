@@ -1,0 +1,134 @@
+"""One account of an incident for every rank.
+
+Under DDP every rank meets the same incident at the same step (the step's flags are reduced across ranks:
+:mod:`.detect.ranks`), but each rank holds its own evidence and its own diagnosis. On an incident only,
+:func:`share_incident` gathers every rank's evidence and diagnosis, so that all ranks adopt the account of the
+rank that produced the problem (the one rank 0 writes to the sinks): one ``all_gather_object``, never called in
+steady state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from torch import Tensor
+
+from .detect.ranks import Ranks
+from .detect.replicas import CHECKSUM_FIELDS, odd_checksums, odd_ranks, own_residues
+from .detect.vector import SCHEMA
+
+__all__ = ["share_incident"]
+
+_EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion", "host", "device", "local_rank")
+
+
+def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor] = None,
+                   own_norm: Optional[float] = None, recomputed: Optional[tuple[float, Any]] = None,
+                   found: Optional[bool] = None) -> str:
+    """On an incident: gather every rank's evidence and make every rank adopt the same account.
+
+    The chosen rank is the one that produced the fault: for a replica disagreement (``event.kind == "replica"``;
+    ``own_norm``: this rank's norm of its copy of the reduced gradient, ``recomputed``: the norm and checksum
+    residues of the reduced gradient recomputed from the replays, :meth:`.Ranks.reduced_norm`) the first rank
+    whose copy disagrees (:func:`_odd_replica`), else the first with the strongest evidence of its own
+    (:func:`_evidence`; rank 0 when nobody knows, and ``details.ranks`` is empty then).
+
+    ``event.rank`` (and ``host``, ``device``, ``local_rank``) become the chosen rank's and
+    ``event.details["ranks"]`` lists the ranks with evidence (the disagreeing ones, for a replica). Returns the
+    chosen rank's report text. Costs one ``all_gather_object``; never called in steady state. ``local``: the
+    rank's vector of the incident's step when it is not the last one reduced (a lagged read). ``found``: an
+    incident outside a step (before a snapshot or a checkpoint, at validation or the end of fit): this rank's own
+    evidence (its weights or optimizer state non-finite), instead of a step's flags.
+    """
+    if not ranks.distributed:
+        return extra
+    gathered = ranks.gather(_payload(ranks, event, extra, local, own_norm, found))
+    named = [p["rank"] for p in gathered if p["evidence"] > 0]
+    best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
+    replica: Optional[dict[str, Any]] = None
+    if event.kind == "replica" and own_norm is not None:
+        replica = _odd_replica(ranks, gathered, recomputed)
+        named = replica["odd_ranks"]
+        if named:
+            best = gathered[named[0]]
+    _adopt(event, best, named, replica)
+    return best["extra"]
+
+
+def _payload(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor], own_norm: Optional[float],
+             found: Optional[bool]) -> dict[str, Any]:
+    """What this rank tells the others of the incident: its rank, the strength of its evidence (:func:`_evidence`),
+    its own flags, its report text, its norm and checksum residues of its copy (a replica incident) and its event's
+    account (:data:`_EVENT_FIELDS`). Reads the device (incident only)."""
+    residues = _own_checksum(ranks, event, local, own_norm)
+    shard = found is None and ranks.shard_bad(local)
+    own_flags = [bool(found)] if found is not None else ranks.local_flags(local)
+    return {"rank": ranks.rank, "evidence": _evidence(event, own_flags, shard), "local": own_flags, "extra": extra,
+            "own_norm": own_norm, "residues": None if residues is None else list(residues),
+            "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
+
+
+def _own_checksum(ranks: Ranks, event: Any, local: Optional[Tensor],
+                  own_norm: Optional[float]) -> Optional[tuple[int, ...]]:
+    """A replica incident under ``replica_compare: exact``: this rank's checksum residues, back from its checksum
+    fields in its vector of the incident's step (``local``, else the last one reduced); None otherwise."""
+    if event.kind != "replica" or own_norm is None or not ranks.primes:
+        return None
+    vec = ranks.last_local if local is None else local
+    if vec is None:
+        return None
+    first = SCHEMA.index[CHECKSUM_FIELDS[0]]
+    return own_residues(vec[first:first + len(CHECKSUM_FIELDS)].tolist(), ranks.weight)
+
+
+def _evidence(event: Any, own_flags: list[bool], shard: bool) -> int:
+    """How strongly this rank's own evidence says it produced the fault (0: none); the highest wins, the lowest
+    rank among equals:
+
+    5. its own weights hold the non-finite values (under sharding a rank checks its own shards, and a bad shard
+       spoils every rank's loss through the forward's all-gather);
+    4. its own replay of its own micro-batches reproduced the fault (``details.replay``);
+    3. local evidence (a non-finite loss, input, parameter or module output: ``own_flags``);
+    2. its diagnosis found something of its own (bad inputs, an op);
+    1. (sharded) its own share of the gradient is non-finite (``shard``: a fault after the backward, in one rank's
+       shard: the others' are finite);
+    0. nothing (e.g. a fault that no rank's replay reproduces, in a gradient the all-reduce spread to every rank).
+    """
+    own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
+    reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
+    weights = event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
+    return 5 if weights else 4 if reproduced else 3 if any(own_flags) else 2 if own else 1 if shard else 0
+
+
+def _odd_replica(ranks: Ranks, gathered: list[dict[str, Any]],
+                 recomputed: Optional[tuple[float, Any]]) -> dict[str, Any]:
+    """A replica disagreement: which ranks' copies of the reduced gradient disagree, by their checksums
+    (:func:`~.detect.replicas.odd_checksums`, ``replica_compare: exact``), else by their norms
+    (:func:`~.detect.replicas.odd_ranks`), from every rank's payload and the gradient recomputed from the replays.
+    Returns the fields for ``details.replica``: ``grad_norms``, ``odd_ranks`` (empty: untold), ``found_by``,
+    ``recomputed_grad_norm`` (and ``checksum_residues`` when exact)."""
+    norm, checksum = recomputed if recomputed is not None else (None, None)
+    norms = [math.nan if p["own_norm"] is None else float(p["own_norm"]) for p in gathered]
+    odd: tuple[list[int], str] = ([], "untold")
+    if ranks.primes:  # exact: by the copies' checksums
+        odd = odd_checksums([p["residues"] for p in gathered], checksum)
+    if not odd[0]:
+        odd = odd_ranks(norms, ranks.tolerance, norm)
+    replica: dict[str, Any] = {"grad_norms": norms, "odd_ranks": odd[0], "found_by": odd[1],
+                               "recomputed_grad_norm": norm}
+    if ranks.primes:
+        replica["checksum_residues"] = [p["residues"] for p in gathered]
+    return replica
+
+
+def _adopt(event: Any, best: dict[str, Any], named: list[int], replica: Optional[dict[str, Any]]) -> None:
+    """Make ``event`` the chosen rank's account (``best``, its payload), with ``details.ranks`` = ``named`` and the
+    replica disagreement's fields (``replica``) over the account's own ``details.replica``."""
+    for key, value in best["event"].items():
+        setattr(event, key, value)
+    event.rank = best["rank"]
+    event.details = dict(event.details)
+    event.details["ranks"] = named
+    if replica is not None:
+        event.details["replica"] = dict(event.details.get("replica") or {}, **replica)
