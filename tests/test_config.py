@@ -3,8 +3,11 @@ LightningCLI applies the sections (real subprocess runs)."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import io
 import json
 import math
@@ -471,6 +474,61 @@ def test_default_yaml_and_docs_list_everyday_keys_before_advanced_ones():
         declared = [k for k in _declared() if k.split(".")[0] == name]
         assert rows[0] == [k for k in declared if k in EVERYDAY_KEYS]
         assert rows[1] == [k for k in declared if k not in EVERYDAY_KEYS]
+
+
+def _gen_config_docs():
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _numeric(node: ast.expr) -> bool:
+    """A number, arithmetic on numbers, or a non-empty tuple, list or dict (values) of numbers."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _numeric(node.left) and _numeric(node.right)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return bool(node.elts) and all(_numeric(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return bool(node.values) and all(_numeric(v) for v in node.values)
+    return False
+
+
+def test_every_numeric_module_constant_is_a_documented_threshold_or_named_as_not_one():
+    """Every module-level UPPER_CASE numeric constant of the package is either in the Constants table of
+    docs/configuration.md (name, the value imported from its module, the module) or in the generator's
+    NOT_THRESHOLDS, never both: a new threshold cannot hide in the code."""
+    gen = _gen_config_docs()
+    found = set()
+    for path in sorted((ROOT / "lightning_nanguard").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            found |= {f"{module}.{t.id}" for t in targets
+                      if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and _numeric(value)}
+    documented = [f"{module}.{name}" for module, name, _, _ in gen.CONSTANTS]
+    assert len(set(documented)) == len(documented)
+    assert set(documented).isdisjoint(gen.NOT_THRESHOLDS)
+    assert sorted(found) == sorted(documented + list(gen.NOT_THRESHOLDS)), \
+        "classify each constant in scripts/gen_config_docs.py (CONSTANTS or NOT_THRESHOLDS), then run it"
+    assert "lightning_nanguard.responder.SPIKES_BEFORE_LR_CUT" in documented and len(documented) >= 16
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    table = docs.split("\n## Constants\n", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        (f"| `{name}`", f"`{gen.constant_value(getattr(importlib.import_module(module), name))}`",
+         f"`{module.replace('.', '/')}.py`") for module, name, _, _ in gen.CONSTANTS]
+    assert all(len(row) == 5 and all(cell.strip(" |") for cell in row) for row in rows)
 
 
 @pytest.mark.parametrize("name", ["default", "debug", "pretraining", "finetune"])
