@@ -29,6 +29,7 @@ __all__ = [
     "LoggingConfig",
     "NaNGuardConfig",
     "SECTIONS",
+    "EVERYDAY_KEYS",
     "load_yaml",
     "iter_keys",
 ]
@@ -250,6 +251,21 @@ SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
 }
 
+# The keys users set: what is checked, clipping, the replay, the ladder's size and LR cut, snapshots, giving up,
+# the hardware policy and what is written where. docs/configuration.md and configs/default.yaml list them first
+# in each section; every other key is a tuning knob (a threshold, window or bound whose default is tuned) or a
+# special case, listed after them as "advanced". Both are plain keys of the same section: the tier is only the
+# order of the docs (and of iter_keys), never a nesting level, so every config keeps working.
+EVERYDAY_KEYS: tuple[str, ...] = (
+    "check.loss", "check.gradients", "check.inputs", "check.parameters", "check.activations", "check.spike_action",
+    "check.divergence", "check.sync",
+    "clip.max_norm", "clip.adaptive",
+    "anomaly.mode",
+    "recovery.max_skips", "recovery.lr_factor", "recovery.snapshot", "recovery.snapshot_every",
+    "recovery.snapshot_dir", "recovery.max_rollbacks", "recovery.on_suspect_hardware", "recovery.on_give_up",
+    "logging.events_file", "logging.loggers", "logging.reports", "logging.progress_bar", "logging.verbose",
+)
+
 
 @dataclass
 class NaNGuardConfig:
@@ -461,9 +477,11 @@ def _strict_loader() -> Any:
 
 
 def iter_keys() -> list[tuple[str, Any, str]]:
-    """Every configuration key as ``(section.key, default, help)``, in declaration order."""
+    """Every configuration key as ``(section.key, default, help)``, section by section: each section's
+    :data:`EVERYDAY_KEYS` first, then its advanced keys, each tier in declaration order (the order of
+    ``configs/default.yaml`` and of the reference in ``docs/configuration.md``)."""
     out = []
     for name, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            out.append((f"{name}.{f.name}", f.default, f.metadata.get("help", "")))
+        keys = [(f"{name}.{f.name}", f.default, f.metadata.get("help", "")) for f in dataclasses.fields(cls)]
+        out += [k for k in keys if k[0] in EVERYDAY_KEYS] + [k for k in keys if k[0] not in EVERYDAY_KEYS]
     return out

@@ -3,8 +3,11 @@ LightningCLI applies the sections (real subprocess runs)."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import io
 import json
 import math
@@ -24,7 +27,7 @@ from hypothesis import strategies as st
 
 from lightning_nanguard import ConfigError, NaNGuard, NaNGuardConfig
 from lightning_nanguard.report.cli import main as cli_main
-from lightning_nanguard.config import SECTIONS, RecoveryConfig, iter_keys, load_yaml
+from lightning_nanguard.config import EVERYDAY_KEYS, SECTIONS, RecoveryConfig, iter_keys, load_yaml
 
 from .cli_runs import run_cli_cases
 
@@ -417,6 +420,115 @@ def test_configuration_docs_list_every_key_with_its_code_default():
     check = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _declared() -> list[str]:
+    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def test_every_key_is_everyday_or_advanced_exactly_once():
+    """EVERYDAY_KEYS names real keys, each once; every other key is advanced; iter_keys lists each key once, a
+    section's everyday keys before its advanced ones (each tier in declaration order)."""
+    declared = _declared()
+    assert len(set(EVERYDAY_KEYS)) == len(EVERYDAY_KEYS), "a key listed twice in EVERYDAY_KEYS"
+    assert [k for k in EVERYDAY_KEYS if k not in declared] == [], "EVERYDAY_KEYS names a key that does not exist"
+    advanced = [k for k in declared if k not in EVERYDAY_KEYS]
+    assert sorted(list(EVERYDAY_KEYS) + advanced) == sorted(declared) and len(advanced) > 0
+    expected = [k for name in SECTIONS for tier in ([k for k in declared if k in EVERYDAY_KEYS], advanced)
+                for k in tier if k.split(".")[0] == name]
+    assert [k for k, _, _ in iter_keys()] == expected
+    # every section starts with keys users set; the keys the public contract names are among them
+    assert {k.split(".")[0] for k in EVERYDAY_KEYS} == set(SECTIONS)
+    assert {"check.activations", "clip.max_norm", "anomaly.mode", "recovery.lr_factor", "recovery.max_rollbacks",
+            "recovery.on_give_up"} <= set(EVERYDAY_KEYS)
+
+
+def test_default_yaml_and_docs_list_everyday_keys_before_advanced_ones():
+    """configs/default.yaml lists every everyday key of a section before its first advanced key, with the
+    advanced ones after one divider comment, as flat keys of the same section; the reference of
+    docs/configuration.md puts them in a table of their own under a sub-heading."""
+    lines = (CONFIGS / "default.yaml").read_text().splitlines()
+    section, seen, divider = "", {}, {}
+    for line in lines:
+        top = re.match(r"^(\w+):", line)
+        key = re.match(r"^  (\w+):", line)
+        if top:
+            section = top.group(1)
+            seen[section] = []
+        elif key:
+            seen[section].append(f"{section}.{key.group(1)}")
+        elif line.strip().startswith("# --- advanced"):
+            assert section not in divider, f"two advanced dividers in {section}"
+            divider[section] = len(seen[section])
+    for name, keys in seen.items():
+        everyday = [k for k in keys if k in EVERYDAY_KEYS]
+        assert everyday and keys[:len(everyday)] == everyday, f"default.yaml: an advanced key of {name} comes first"
+        assert divider.get(name, len(keys)) == len(everyday), f"default.yaml: the divider of {name} is misplaced"
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    reference = docs.split("\n## Reference\n", 1)[1].split("\n## ", 1)[0]
+    for name in SECTIONS:
+        body = reference.split(f"\n### `{name}`\n", 1)[1].split("\n### ", 1)[0]
+        everyday, _, advanced = body.partition(f"\n#### `{name}`: advanced\n")
+        rows = [[line.split("`")[1] for line in part.splitlines() if line.startswith("| `")]
+                for part in (everyday, advanced)]
+        declared = [k for k in _declared() if k.split(".")[0] == name]
+        assert rows[0] == [k for k in declared if k in EVERYDAY_KEYS]
+        assert rows[1] == [k for k in declared if k not in EVERYDAY_KEYS]
+
+
+def _gen_config_docs():
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _numeric(node: ast.expr) -> bool:
+    """A number, arithmetic on numbers, or a non-empty tuple, list or dict (values) of numbers."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _numeric(node.left) and _numeric(node.right)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return bool(node.elts) and all(_numeric(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return bool(node.values) and all(_numeric(v) for v in node.values)
+    return False
+
+
+def test_every_numeric_module_constant_is_a_documented_threshold_or_named_as_not_one():
+    """Every module-level UPPER_CASE numeric constant of the package is either in the Constants table of
+    docs/configuration.md (name, the value imported from its module, the module) or in the generator's
+    NOT_THRESHOLDS, never both: a new threshold cannot hide in the code."""
+    gen = _gen_config_docs()
+    found = set()
+    for path in sorted((ROOT / "lightning_nanguard").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            found |= {f"{module}.{t.id}" for t in targets
+                      if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and _numeric(value)}
+    documented = [f"{module}.{name}" for module, name, _, _ in gen.CONSTANTS]
+    assert len(set(documented)) == len(documented)
+    assert set(documented).isdisjoint(gen.NOT_THRESHOLDS)
+    assert sorted(found) == sorted(documented + list(gen.NOT_THRESHOLDS)), \
+        "classify each constant in scripts/gen_config_docs.py (CONSTANTS or NOT_THRESHOLDS), then run it"
+    assert "lightning_nanguard.responder.SPIKES_BEFORE_LR_CUT" in documented and len(documented) >= 16
+    docs = (ROOT / "docs" / "configuration.md").read_text()
+    table = docs.split("\n## Constants\n", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    assert [(row[0], row[1], row[2]) for row in rows] == [
+        (f"| `{name}`", f"`{gen.constant_value(getattr(importlib.import_module(module), name))}`",
+         f"`{module.replace('.', '/')}.py`") for module, name, _, _ in gen.CONSTANTS]
+    assert all(len(row) == 5 and all(cell.strip(" |") for cell in row) for row in rows)
 
 
 @pytest.mark.parametrize("name", ["default", "debug", "pretraining", "finetune"])
