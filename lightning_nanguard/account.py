@@ -10,22 +10,36 @@ steady state.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from collections import Counter
+from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
 
+from .detect.placement import whereabouts
 from .detect.ranks import Ranks
-from .detect.replicas import CHECKSUM_FIELDS, odd_checksums, odd_ranks, own_residues
+from .detect.replicas import CHECKSUM_FIELDS, odd_checksums, odd_ranks, own_residues, weights_checksum
 from .detect.vector import SCHEMA
+from .diagnose.replay import local_gradients
+from .record import StepRecord, UpdateStage
 
-__all__ = ["share_incident"]
+__all__ = ["Account", "share_incident", "recompute_reduced_norm", "drifted_replicas"]
+
+
+class Account(NamedTuple):
+    """The account every rank adopts (:func:`share_incident`): the chosen rank's report text, the ranks with
+    evidence of their own (None: one process; empty: several, and no rank knows), and the LR factor its diagnosis
+    found safe (a ``sized`` cut, :meth:`.Recovery.plan`)."""
+
+    extra: str
+    ranks: Optional[list[int]] = None
+    safe_factor: Optional[float] = None
 
 _EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion", "host", "device", "local_rank")
 
 
 def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor] = None,
                    own_norm: Optional[float] = None, recomputed: Optional[tuple[float, Any]] = None,
-                   found: Optional[bool] = None) -> str:
+                   found: Optional[bool] = None, safe_factor: Optional[float] = None) -> Account:
     """On an incident: gather every rank's evidence and make every rank adopt the same account.
 
     The chosen rank is the one that produced the fault: for a replica disagreement (``event.kind == "replica"``;
@@ -36,14 +50,15 @@ def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor]
 
     ``event.rank`` (and ``host``, ``device``, ``local_rank``) become the chosen rank's and
     ``event.details["ranks"]`` lists the ranks with evidence (the disagreeing ones, for a replica). Returns the
-    chosen rank's report text. Costs one ``all_gather_object``; never called in steady state. ``local``: the
-    rank's vector of the incident's step when it is not the last one reduced (a lagged read). ``found``: an
-    incident outside a step (before a snapshot or a checkpoint, at validation or the end of fit): this rank's own
-    evidence (its weights or optimizer state non-finite), instead of a step's flags.
+    chosen rank's :class:`Account` (``safe_factor``: this rank's, from its diagnosis). Costs one
+    ``all_gather_object``; never called in steady state. ``local``: the rank's vector of the incident's step when it
+    is not the last one reduced (a lagged read). ``found``: an incident outside a step (before a snapshot or a
+    checkpoint, at validation or the end of fit): this rank's own evidence (its weights or optimizer state
+    non-finite), instead of a step's flags.
     """
     if not ranks.distributed:
-        return extra
-    gathered = ranks.gather(_payload(ranks, event, extra, local, own_norm, found))
+        return Account(extra, None, safe_factor)
+    gathered = ranks.gather(dict(_payload(ranks, event, extra, local, own_norm, found), safe_factor=safe_factor))
     named = [p["rank"] for p in gathered if p["evidence"] > 0]
     best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
     replica: Optional[dict[str, Any]] = None
@@ -53,7 +68,7 @@ def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor]
         if named:
             best = gathered[named[0]]
     _adopt(event, best, named, replica)
-    return best["extra"]
+    return Account(best["extra"], named, best["safe_factor"])
 
 
 def _payload(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor], own_norm: Optional[float],
@@ -132,3 +147,30 @@ def _adopt(event: Any, best: dict[str, Any], named: list[int], replica: Optional
     event.details["ranks"] = named
     if replica is not None:
         event.details["replica"] = dict(event.details.get("replica") or {}, **replica)
+
+
+def recompute_reduced_norm(ranks: Ranks, trainer: Any, pl_module: Any, record: Optional[StepRecord],
+                           replays: bool) -> Optional[tuple[float, Optional[tuple[int, ...]]]]:
+    """Two replicas disagree and no majority can tell which copy is wrong: recompute the reduced gradient's norm
+    (and checksum) from every rank's replayed local gradient (one incident-only all-reduce of the whole gradient, on
+    every rank: :meth:`.Ranks.reduced_norm`). None where it cannot be: no ``replays`` (``anomaly.mode: off``),
+    manual optimization, more than two ranks (a majority tells), or a step whose update was already applied (other
+    weights)."""
+    if (record is None or ranks.world_size != 2 or not replays or record.update is UpdateStage.APPLIED
+            or not getattr(pl_module, "automatic_optimization", True)):
+        return None
+    params = [p for group in record.optimizer.param_groups for p in group["params"]]
+    window = record.window
+    grads = local_gradients(trainer, pl_module, window.batches, window.rng, params, window.step)
+    return ranks.reduced_norm(grads, params)
+
+
+def drifted_replicas(ranks: Ranks, trainer: Any, pl_module: Any) -> tuple[list[dict[str, Any]], list[int]]:
+    """DDP replicas whose weights differ (:meth:`.Ranks.snapshot_agreement`): every rank's weights checksum and
+    whereabouts (one ``all_gather_object``, only here), and the odd ranks where a majority tells (3 or more ranks;
+    none with two)."""
+    total = weights_checksum(pl_module)
+    gathered = ranks.gather({"checksum": None if total is None else int(total), **whereabouts(trainer)})
+    sums = [g["checksum"] for g in gathered]
+    common, agreeing = Counter(sums).most_common(1)[0]
+    return gathered, [r for r, c in enumerate(sums) if c != common] if agreeing * 2 > len(sums) else []

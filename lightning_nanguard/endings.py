@@ -1,16 +1,36 @@
-"""How an incident can end a run, in words: a give-up (what was restored, from which step, or why nothing was) and
-a rank whose hardware is suspect (:data:`recovery.on_suspect_hardware`). Pure: the texts and the event's account of
-them; the responder stops or raises (:meth:`.Responder.respond`)."""
+"""How an incident can end a run: a give-up (what was restored, from which step, or why nothing was) and a rank
+whose hardware is suspect (``recovery.on_suspect_hardware``), in words, and the stop or the error that follows."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from .causes import where_it_ran
 from .config import RecoveryConfig
+from .console import say
+from .errors import NaNGuardError
 from .events import NaNEvent
 
-__all__ = ["give_up_message", "suspect_hardware"]
+__all__ = ["give_up_message", "suspect_hardware", "stop_or_raise", "act_on_suspect_hardware"]
+
+
+def stop_or_raise(trainer: Any, on_give_up: str, message: str) -> None:
+    """``recovery.on_give_up``: raise :class:`NaNGuardError` with ``message``, or stop the Trainer and say it."""
+    if on_give_up == "raise":
+        raise NaNGuardError(message)
+    trainer.should_stop = True
+    say(trainer, "[nanguard] " + message)
+
+
+def act_on_suspect_hardware(trainer: Any, recovery: Any, policy: str, text: str) -> None:
+    """``recovery.on_suspect_hardware``: warn (on screen, the run goes on), stop the Trainer (the weights are good:
+    the faulty steps were skipped), or raise :class:`NaNGuardError` naming the rank and host (``text``)."""
+    if policy == "raise":
+        raise NaNGuardError(text)
+    if policy == "stop":
+        recovery.stop()
+        trainer.should_stop = True
+    say(trainer, "[nanguard] " + text)
 
 
 def give_up_message(event: NaNEvent, incidents: int, rollbacks: int, bad: Sequence[dict], report: str) -> str:

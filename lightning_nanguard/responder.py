@@ -8,22 +8,17 @@ done. Nothing here runs while training is healthy.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import TYPE_CHECKING, Optional
 
 from .causes import cause as cause_entry, suggest
-from .console import say
 from .detect.find import find_batch_nonfinite
-from .account import share_incident
+from .account import Account, drifted_replicas, recompute_reduced_norm, share_incident
 from .detect.placement import whereabouts
-from .detect.replicas import weights_checksum
 from .diagnose import dynamics
 from .diagnose.context import History, IncidentContext
 from .diagnose.final_weights import suspect
-from .diagnose.replay import local_gradients
 from .diagnose.rules import drifted_replicas_cause
-from .endings import give_up_message, suspect_hardware
-from .errors import NaNGuardError
+from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
 from .events import NaNEvent
 from . import incident as incidents
 from .incident import Act, At, Incident, Look, Planning, Response, Skip, kind_of
@@ -38,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Responder"]
 
-Queued = tuple[Incident, Plan, IncidentContext, str]  # an incident whose plan waits for the step's end, its report
+Queued = tuple[Incident, Plan, IncidentContext, Account]  # an incident to conclude: its plan, context and account
 
 
 class Responder:
@@ -74,10 +69,10 @@ class Responder:
             self.last_incident = (event, incident.evidence.window.copy())  # (the live window is cleared at step end)
         if incident.undo_buffers_first and record is not None and record.update is UpdateStage.PENDING:
             p.recovery.undo_buffers()  # before anything looks at the weights
-        extra = self._diagnose(trainer, pl_module, incident, ctx)
+        account = self._diagnose(trainer, pl_module, incident, ctx)
         if incident.detected_at is not None:
             event.details["detected_at"] = incident.detected_at
-        plan = self._plan(incident)
+        plan = self._plan(incident, account)
         response = Response(queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
         if incident.skip is not None and record is not None:
             response.skipped = self._skip(record, incident.skip)
@@ -91,21 +86,21 @@ class Responder:
         if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():  # a step's: its sequels
             event.add_action("clip")
         if incident.act is Act.STEP_END:
-            self._queued.append((incident, plan or Plan(), ctx, extra))
+            self._queued.append((incident, plan or Plan(), ctx, account))
         elif incident.act is Act.NOW:
-            response = response.merge(self._conclude(trainer, pl_module, (incident, plan or Plan(), ctx, extra)))
+            response = response.merge(self._conclude(trainer, pl_module, (incident, plan or Plan(), ctx, account)))
         elif incident.act is Act.RECORD:
             if plan is not None:
                 self._apply(trainer, pl_module, event, plan)
             if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
                 event.add_action("warn")
-            self._record(trainer, event, ctx, extra)
+            self._record(trainer, event, ctx, account.extra)
         else:  # Act.STOP: nothing known-good exists
             p.recovery.stop()
             self.left_nonfinite = response.stopped = True
-            self._record(trainer, event, ctx, extra)
-            self._stop_or_raise(trainer, f"NaNGuard: {incident.stop_message}. {event.suggestion} "
-                                         f"Report: {p.recorder.report_path(event)}")
+            self._record(trainer, event, ctx, account.extra)
+            stop_or_raise(trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
+                          f"{event.suggestion} Report: {p.recorder.report_path(event)}")
         return response
 
     def finish(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", keep_step: bool = False) -> Response:
@@ -131,9 +126,9 @@ class Responder:
         return p.diagnoser.context(trainer, pl_module, incident.event, incident.evidence, history)
 
     def _diagnose(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident,
-                  ctx: IncidentContext) -> str:
+                  ctx: IncidentContext) -> Account:
         """Look at the weights and inputs behind ``incident``, diagnose it and agree one account across ranks (the
-        rank that produced the fault); returns the report's extra text."""
+        rank that produced the fault: :func:`.account.share_incident`)."""
         p, event = self.parts, incident.event
         self._look(pl_module, incident, ctx)
         extra, recomputed = "", None
@@ -142,17 +137,18 @@ class Responder:
                 extra = p.diagnoser.diagnose_error(ctx, incident.anomaly)
             elif incident.diagnose:
                 extra = p.diagnoser.diagnose(ctx, p.recorder.events)
-                recomputed = self._recompute(trainer, pl_module, incident.record) if incident.replica else None
+                recomputed = recompute_reduced_norm(p.ranks, trainer, pl_module, incident.record,
+                                                    p.config.anomaly.mode != "off") if incident.replica else None
         if not incident.share:
-            return extra
+            return Account(extra, None, ctx.safe_factor)
         record = incident.record
         found = None if incident.own_evidence is None else bool(ctx.param_findings) or incident.own_evidence
-        extra = share_incident(p.ranks, event, extra, record.local if record else None,
-                               own_norm=record.evidence.grad_norm if record and incident.replica else None,
-                               recomputed=recomputed, found=found)
+        account = share_incident(p.ranks, event, extra, record.local if record else None,
+                                 own_norm=record.evidence.grad_norm if record and incident.replica else None,
+                                 recomputed=recomputed, found=found, safe_factor=ctx.safe_factor)
         if p.ranks.distributed:  # the suggestion names where the chosen rank ran
             event.suggestion = suggest(event, event.cause)
-        return extra
+        return account
 
     def _look(self, pl_module: "pl.LightningModule", incident: Incident, ctx: IncidentContext) -> None:
         """The non-finite weights (``incident.look``) or else inputs behind ``incident``, and the kind they make it
@@ -170,27 +166,11 @@ class Responder:
         incident.event.kind = kind_of(incident.event.kind, looked, {n for n, _ in pl_module.named_buffers()},
                                       ctx.input_findings)
 
-    def _recompute(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                   record: Optional[StepRecord]) -> Optional[tuple[float, Optional[tuple[int, ...]]]]:
-        """Two replicas disagree and no majority can tell which copy is wrong: recompute the reduced gradient's
-        norm (and checksum) from every rank's replayed local gradient (one incident-only all-reduce of the whole
-        gradient, on every rank: :meth:`.Ranks.reduced_norm`). None where it cannot be: with ``anomaly.mode:
-        off`` (no replays), manual optimization, more than two ranks (a majority tells), or a step whose update was
-        already applied (other weights)."""
-        ranks = self.parts.ranks
-        if (record is None or ranks.world_size != 2 or self.parts.config.anomaly.mode == "off"
-                or record.update is UpdateStage.APPLIED or not getattr(pl_module, "automatic_optimization", True)):
-            return None
-        params = [p for group in record.optimizer.param_groups for p in group["params"]]
-        window = record.window
-        grads = local_gradients(trainer, pl_module, window.batches, window.rng, params, window.step)
-        return ranks.reduced_norm(grads, params)
-
-    def _plan(self, incident: Incident) -> Optional[Plan]:
+    def _plan(self, incident: Incident, account: Account) -> Optional[Plan]:
         recovery, event = self.parts.recovery, incident.event
         if incident.planning is Planning.LADDER:
-            return recovery.plan(event.step, event, clip_armed=self.parts.clipper.armed,
-                                 rollback_before=incident.rollback_before)
+            return recovery.plan(event.step, event.kind, event.cause, safe_factor=account.safe_factor,
+                                 clip_armed=self.parts.clipper.armed, rollback_before=incident.rollback_before)
         if incident.planning is Planning.ROLL_BACK:
             plan = Plan()
             recovery.must_roll_back(plan, incident.reason)
@@ -232,47 +212,31 @@ class Responder:
                   keep_step: bool = False) -> Response:
         """Carry out the plan, record the event, and stop or raise if the plan gives up (or the rank's hardware is
         suspect, :func:`.endings.suspect_hardware`)."""
-        p, (incident, plan, ctx, extra) = self.parts, item
-        event = incident.event
+        p, (incident, plan, ctx, account) = self.parts, item
+        event, cfg = incident.event, p.config.recovery
         rollbacks = p.counters["rollbacks"]
         response = self._apply(trainer, pl_module, event, plan, keep_step)
         p.evidence.weights.refresh()  # a rollback replaced the tensors, and the flag computed on them
         p.evidence.forget_state()
         if plan.give_up:
-            event.add_action(p.config.recovery.on_give_up)
-        message = None if plan.give_up else self._hardware(event)
-        self._record(trainer, event, ctx, extra)
+            event.add_action(cfg.on_give_up)
+        # a fault that does not come back counts against the rank that produced it (not where no rank is known)
+        steps = (p.recovery.hardware.fault(event.rank, event.step) if not plan.give_up and account.ranks != []
+                 and cause_entry(event.cause).hardware_fault else None)
+        message = None if steps is None else suspect_hardware(event, steps, cfg)
+        self._record(trainer, event, ctx, account.extra)
+        report = p.recorder.report_path(event)
         if plan.give_up:
             restored = event.details.get("restored_step")
             bad = [] if restored is not None else p.evidence.weights.find(pl_module)
             self.left_nonfinite = bool(bad)
-            self._stop_or_raise(trainer, give_up_message(event, p.counters["incidents"], rollbacks, bad,
-                                                         str(p.recorder.report_path(event))))
+            stop_or_raise(trainer, cfg.on_give_up,
+                          give_up_message(event, p.counters["incidents"], rollbacks, bad, str(report)))
         elif message is not None:
-            self._suspect_hardware(trainer, event, message)
+            act_on_suspect_hardware(trainer, p.recovery, cfg.on_suspect_hardware,
+                                    f"NaNGuard at step {event.step}: {message} Report: {report}")
         response.stopped = p.recovery.stopped
         return response
-
-    def _hardware(self, event: NaNEvent) -> Optional[str]:
-        """Count a fault that does not come back against the rank that produced it (not where no rank is known);
-        past ``recovery.transient_limit`` within ``transient_window`` steps, the rank's hardware is suspect: the
-        message for ``recovery.on_suspect_hardware``. The same on every rank: every rank records the same event."""
-        if not cause_entry(event.cause).hardware_fault or event.details.get("ranks") == []:
-            return None
-        steps = self.parts.recovery.hardware.fault(event.rank, event.step)
-        return None if steps is None else suspect_hardware(event, steps, self.parts.config.recovery)
-
-    def _suspect_hardware(self, trainer: "pl.Trainer", event: NaNEvent, message: str) -> None:
-        """``recovery.on_suspect_hardware``: warn (on screen, the run goes on), stop the Trainer (the weights are
-        good: the faulty steps were skipped), or raise :class:`NaNGuardError` naming the rank and host."""
-        policy = self.parts.config.recovery.on_suspect_hardware
-        text = f"NaNGuard at step {event.step}: {message} Report: {self.parts.recorder.report_path(event)}"
-        if policy == "raise":
-            raise NaNGuardError(text)
-        if policy == "stop":
-            self.parts.recovery.stop()
-            trainer.should_stop = True
-        say(trainer, "[nanguard] " + text)
 
     def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> Response:
         """Fit end: restore the newest known-good snapshot, record what was restored (the incident's
@@ -285,14 +249,9 @@ class Responder:
         self._record(trainer, event, self._context(trainer, pl_module, incident), "")
         if stop:
             self.left_nonfinite = True
-            self._stop_or_raise(trainer, f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
+            stop_or_raise(trainer, p.config.recovery.on_give_up,
+                          f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
         return Response(rolled_back=restored is not None, stopped=stop)
-
-    def _stop_or_raise(self, trainer: "pl.Trainer", message: str) -> None:
-        if self.parts.config.recovery.on_give_up == "raise":
-            raise NaNGuardError(message)
-        trainer.should_stop = True
-        say(trainer, "[nanguard] " + message)
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)
@@ -304,11 +263,7 @@ class Responder:
         """DDP, at a snapshot: the replicas' weights are no longer bitwise the same
         (:meth:`.Ranks.snapshot_agreement`). Every rank gathers the checksums (one ``all_gather_object``, only
         here); the odd rank is named where a majority tells (3 or more ranks)."""
-        total = weights_checksum(pl_module)
-        gathered = self.parts.ranks.gather({"checksum": None if total is None else int(total), **whereabouts(trainer)})
-        sums = [g["checksum"] for g in gathered]
-        common, agreeing = Counter(sums).most_common(1)[0]
-        odd = [r for r, c in enumerate(sums) if c != common] if agreeing * 2 > len(sums) else []
+        gathered, odd = drifted_replicas(self.parts.ranks, trainer, pl_module)
         store = self.parts.recovery.store
         newest = store.newest.step if store and store.newest else None
         return self.respond(trainer, pl_module, incidents.replicas_drifted(self.at(trainer), gathered, odd, newest,

@@ -44,7 +44,7 @@ _DIAGNOSIS = ("a diagnosis threshold: it decides which cause the event names (an
 # is not a key). Their values are read by import, so docs/configuration.md#constants cannot drift from the code;
 # tests/test_config.py checks that every module-level numeric constant of the package is here or in NOT_THRESHOLDS.
 CONSTANTS: list[tuple[str, str, str, str]] = [
-    ("lightning_nanguard.responder", "SPIKES_BEFORE_LR_CUT",
+    ("lightning_nanguard.incident", "SPIKES_BEFORE_LR_CUT",
      "loss spikes within `recovery.incident_window` steps that cut the LR, whatever `check.spike_action` says "
      "(unless `off`)",
      "the point where spikes stop being noise and are a divergence under way; what one spike does, what counts "
@@ -118,8 +118,8 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
 NOT_THRESHOLDS: dict[str, str] = {
     "lightning_nanguard.callback._STATE_VERSION": "the format version of the guard's checkpoint state",
     "lightning_nanguard.detect.kernels.CPU_CHUNK": "elements per chunk of a CPU reduction (memory, not behaviour)",
-    "lightning_nanguard.detect.sync.EPS32": "float32's unit roundoff (arithmetic)",
-    "lightning_nanguard.detect.sync.FLOAT32_EXACT": "the largest integer float32 holds exactly (arithmetic)",
+    "lightning_nanguard.detect.replicas.EPS32": "float32's unit roundoff (arithmetic)",
+    "lightning_nanguard.detect.replicas.FLOAT32_EXACT": "the largest integer float32 holds exactly (arithmetic)",
     "lightning_nanguard.recover.sharded.EVERY_RANK": "a sentinel owner rank",
     "lightning_nanguard.recover.sharded.BUCKET_BYTES": "the largest broadcast of a sharded restore (memory)",
     "lightning_nanguard.report.cli.MAX_LINE": "`nanguard report`: the longest line read as an event",

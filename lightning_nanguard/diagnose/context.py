@@ -89,3 +89,13 @@ class IncidentContext:
     # sharded (DTensor parameters, several ranks): the replay is a collective, so every rank replays or none; this
     # agrees on it (True when every rank wants to; one collective, every rank calls it at the same point)
     agree: Optional[Callable[[bool], bool]] = None
+    # what the diagnosis found, beside the event's details: the relative update of the LR rule (its safe LR)
+    relative_update: Optional[dict] = None
+
+    @property
+    def safe_factor(self) -> Optional[float]:
+        """The LR factor at which the diagnosis' relative update would be safe (a ``sized`` LR cut), or None."""
+        found = self.relative_update
+        return (found["safe_lr"] / found["lr"] if found and found.get("safe_lr") is not None and found["lr"] > 0
+                else None)
+

@@ -248,7 +248,7 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
     if update is None:
         return None
     update["onset_step"] = step
-    ctx.event.details["relative_update"] = update
+    ctx.relative_update = ctx.event.details["relative_update"] = update
     return "learning_rate" if update["relative_update"] >= dynamics.RELATIVE_UPDATE_LR else None
 
 

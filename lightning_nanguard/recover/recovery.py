@@ -20,7 +20,6 @@ from ..config import ClipConfig, RecoveryConfig
 from ..console import say
 from ..counters import Counters
 from ..detect.placement import replicates
-from ..events import NaNEvent
 from ..layouts import load_module_state
 from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
@@ -50,12 +49,6 @@ class Applied:
     details: dict[str, Any] = field(default_factory=dict)
     rolled_back: bool = False  # the weights went back to a snapshot (a give-up's restore too)
     kept_step: bool = False  # that rollback kept the current step's gradients (:meth:`Recovery.rollback`)
-
-
-def _safe_factor(event: NaNEvent) -> Optional[float]:
-    """The LR factor at which the diagnosis' relative update would be safe (a ``sized`` LR cut)."""
-    found = event.details.get("relative_update")
-    return found["safe_lr"] / found["lr"] if found and found.get("safe_lr") is not None and found["lr"] > 0 else None
 
 
 class Recovery:
@@ -183,12 +176,13 @@ class Recovery:
 
     # ------------------------------------------------------------------------------------------- the plan
 
-    def plan(self, step: int, event: NaNEvent, *, clip_armed: bool = False,
-             rollback_before: Optional[int] = None) -> Plan:
-        """The ladder's plan for ``event`` at ``step`` (its kind and diagnosed cause; a ``sized`` LR cut goes to
-        the diagnosis' safe LR); ``rollback_before``: roll back to a snapshot taken at or before that step."""
-        plan = self._ladder.incident(step, event.kind, can_roll_back=self.can_roll_back, cause=event.cause,
-                                     safe_factor=_safe_factor(event), clip_armed=clip_armed)
+    def plan(self, step: int, kind: str, cause: Optional[str], *, safe_factor: Optional[float] = None,
+             clip_armed: bool = False, rollback_before: Optional[int] = None) -> Plan:
+        """The ladder's plan for an incident of ``kind`` at ``step``, diagnosed as ``cause`` (a ``sized`` LR cut goes
+        to ``safe_factor``, the factor of the diagnosis' safe LR); ``rollback_before``: roll back to a snapshot taken
+        at or before that step."""
+        plan = self._ladder.incident(step, kind, can_roll_back=self.can_roll_back, cause=cause,
+                                     safe_factor=safe_factor, clip_armed=clip_armed)
         if rollback_before is not None:
             plan.rollback_before = rollback_before
         return plan
