@@ -21,6 +21,7 @@ from .console import say, warn
 from .detect.amp import grad_scaler
 from .errors import ConfigError, NaNGuardError
 from .events import NaNEvent
+from .fit_end import FitEnd
 from .recover.checkpoint import nonfinite_entries, rebuild
 from .parts import Parts
 from .recover.snapshots import SnapshotStore
@@ -160,6 +161,7 @@ class NaNGuardBase:
         self._status = ProgressStatus(self.name)
         self._responder = Responder(parts)
         self._flow = StepFlow(parts, self._responder)
+        self._fit_end = FitEnd(parts, self._responder)
 
     # ------------------------------------------------------------------------------------------- views
 
@@ -280,18 +282,7 @@ class NaNGuardBase:
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._flow.flush(trainer, pl_module)  # the last lagged step's flags
-        # the last step's parameters have not been read yet: never leave a non-finite weight behind, whatever the
-        # guard's state (after it stopped too: then the newest snapshot replaces them, or it says that none can)
-        checked = self.config.check.parameters
-        bad = checked and bool(self._evidence.weights.find(pl_module))
-        if checked and trainer.world_size > 1:  # every rank decides alike (a sharded rollback reads every rank)
-            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
-        if bad and self._recovery.stopped:
-            self._responder.after_stop(trainer, pl_module)
-        elif bad:
-            self._bad_weights(trainer, pl_module, "train_end")
-        elif self.config.recovery.restore_at_end:  # finite but suspect weights: restore the newest good ones
-            self._responder.unfinished_recovery(trainer, pl_module, diverging=self._parts.divergence.growing())
+        self._fit_end.judge(trainer, pl_module)  # never leave a non-finite weight behind; restore suspect ones
         self._recovery.finish()  # snapshot writes in flight are done (a failed one reported)
         summary = self._recovery.store.failure_summary() if self._recovery.store is not None else None
         if summary:
@@ -316,7 +307,7 @@ class NaNGuardBase:
         if bad is not None and trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if bad:
-            self._bad_weights(trainer, pl_module, "validation_start")
+            self._responder.bad_weights(trainer, pl_module, "validation_start")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._flow.abort()
@@ -331,11 +322,6 @@ class NaNGuardBase:
             self._responder.respond(trainer, pl_module, incidents.anomaly_error(
                 self._responder.at(trainer), base, self._evidence.window, found, self.config.check.inputs != "off"))
         self._recorder.flush()
-
-    def _bad_weights(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str) -> None:
-        """Non-finite weights found outside a step (every rank calls it together): :func:`.incident.bad_weights`."""
-        self._responder.respond(trainer, pl_module, incidents.bad_weights(
-            self._responder.at(trainer), where, grads_were_finite=self._evidence.grads_were_finite))
 
     def _stop_hooks(self) -> None:
         self._evidence.activations.stop()
@@ -380,7 +366,7 @@ class NaNGuardBase:
         if not bad:
             return
         # the checkpoint would carry non-finite state: restore known-good state and save that instead
-        self._bad_weights(trainer, pl_module, "checkpoint")
+        self._responder.bad_weights(trainer, pl_module, "checkpoint")
         rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         still_bad = nonfinite_entries(checkpoint, exempt=exempt)
         if still_bad:  # nothing known-good to substitute (recovery.snapshot: off): refuse to write it

@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING, Optional
 
 from .causes import cause as cause_entry, suggest
 from .detect.find import find_batch_nonfinite
-from .account import Account, drifted_replicas, recompute_reduced_norm, share_incident
+from .account import Account, recompute_reduced_norm, share_incident
 from .detect.placement import whereabouts
 from .diagnose import dynamics
 from .diagnose.context import History, IncidentContext
-from .diagnose.final_weights import suspect
-from .diagnose.rules import drifted_replicas_cause
 from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
 from .events import NaNEvent
 from . import incident as incidents
@@ -50,6 +48,11 @@ class Responder:
         self.last_incident: Optional[tuple[NaNEvent, Window]] = None
         self.left_nonfinite = False
 
+    def take_last_incident(self) -> Optional[tuple[NaNEvent, Window]]:
+        """The newest step incident and its window, forgotten here (the end of fit reruns it once)."""
+        last, self.last_incident = self.last_incident, None
+        return last
+
     def at(self, trainer: "pl.Trainer", record: Optional[StepRecord] = None) -> At:
         """Where an incident happens: at the judged step of ``record``, or (outside a step) where the trainer is."""
         if record is not None:
@@ -73,35 +76,8 @@ class Responder:
         if incident.detected_at is not None:
             event.details["detected_at"] = incident.detected_at
         plan = self._plan(incident, account)
-        response = Response(queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
-        if incident.skip is not None and record is not None:
-            response.skipped = self._skip(record, incident.skip)
-            if response.skipped:
-                event.add_action("skip_step")
-            elif incident.skip.applied_rolls_back and plan is not None:  # too late to skip: undo it
-                p.recovery.step_was_applied(plan)
-        if incident.clip_to is not None:
-            p.clipper.arm()  # and z-score clipping from now on
-            event.add_action("clip")
-        if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():  # a step's: its sequels
-            event.add_action("clip")
-        if incident.act is Act.STEP_END:
-            self._queued.append((incident, plan or Plan(), ctx, account))
-        elif incident.act is Act.NOW:
-            response = response.merge(self._conclude(trainer, pl_module, (incident, plan or Plan(), ctx, account)))
-        elif incident.act is Act.RECORD:
-            if plan is not None:
-                self._apply(trainer, pl_module, event, plan)
-            if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
-                event.add_action("warn")
-            self._record(trainer, event, ctx, account.extra)
-        else:  # Act.STOP: nothing known-good exists
-            p.recovery.stop()
-            self.left_nonfinite = response.stopped = True
-            self._record(trainer, event, ctx, account.extra)
-            stop_or_raise(trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
-                          f"{event.suggestion} Report: {p.recorder.report_path(event)}")
-        return response
+        response = self._skip_and_clip(incident, plan)
+        return self._act(trainer, pl_module, (incident, plan or Plan(), ctx, account), response)
 
     def finish(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", keep_step: bool = False) -> Response:
         """End of the step: carry out the queued plans. ``keep_step``: the current step's gradients were taken on the
@@ -179,6 +155,25 @@ class Responder:
             return plan
         return incident.plan
 
+    def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> Response:
+        """Keep the step's update from landing where the incident says so (:meth:`_skip`; too late: the plan rolls
+        it back), and clip: this step (a loss spike's ``clip_to``), or the steps after a step incident (the plan's
+        ``arm_clip``)."""
+        p, event, record = self.parts, incident.event, incident.record
+        response = Response(queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
+        if incident.skip is not None and record is not None:
+            response.skipped = self._skip(record, incident.skip)
+            if response.skipped:
+                event.add_action("skip_step")
+            elif incident.skip.applied_rolls_back and plan is not None:  # too late to skip: undo it
+                p.recovery.step_was_applied(plan)
+        if incident.clip_to is not None:
+            p.clipper.arm()  # and z-score clipping from now on
+            event.add_action("clip")
+        if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():
+            event.add_action("clip")
+        return response
+
     def _skip(self, record: StepRecord, skip: Skip) -> bool:
         """Keep the step's update from landing, where that is still possible; True when it does not land.
 
@@ -198,6 +193,29 @@ class Responder:
         return False
 
     # ----------------------------------------------------------------------------------------------- acting
+
+    def _act(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", item: Queued,
+             response: Response) -> Response:
+        """Carry out the incident's plan now (:meth:`_conclude`) or at the step's end (:meth:`finish`); record it."""
+        p, (incident, plan, ctx, account) = self.parts, item
+        event = incident.event
+        if incident.act is Act.STEP_END:
+            self._queued.append(item)
+        elif incident.act is Act.NOW:
+            response = response.merge(self._conclude(trainer, pl_module, item))
+        elif incident.act is Act.RECORD:
+            if incident.plan is not None:  # an LR cut at most
+                self._apply(trainer, pl_module, event, plan)
+            if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
+                event.add_action("warn")
+            self._record(trainer, event, ctx, account.extra)
+        else:  # Act.STOP: nothing known-good exists
+            p.recovery.stop()
+            self.left_nonfinite = response.stopped = True
+            self._record(trainer, event, ctx, account.extra)
+            stop_or_raise(trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
+                          f"{event.suggestion} Report: {p.recorder.report_path(event)}")
+        return response
 
     def _apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, plan: Plan,
                keep_step: bool = False) -> Response:
@@ -257,41 +275,12 @@ class Responder:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)
         self.parts.recorder.record(event, text, lambda: self.parts.scalars(trainer))
 
-    # ------------------------------------------------------------------- incidents that need a look first
+    # ------------------------------------------------------------------------------------- outside a step
 
-    def replicas_drifted(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Response:
-        """DDP, at a snapshot: the replicas' weights are no longer bitwise the same
-        (:meth:`.Ranks.snapshot_agreement`). Every rank gathers the checksums (one ``all_gather_object``, only
-        here); the odd rank is named where a majority tells (3 or more ranks)."""
-        gathered, odd = drifted_replicas(self.parts.ranks, trainer, pl_module)
-        store = self.parts.recovery.store
-        newest = store.newest.step if store and store.newest else None
-        return self.respond(trainer, pl_module, incidents.replicas_drifted(self.at(trainer), gathered, odd, newest,
-                                                                           drifted_replicas_cause()))
-
-    def after_stop(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Fit ends on non-finite weights after the guard stopped: :func:`.incident.after_stop` (nothing new where
-        the guard already said it left them non-finite). Every rank calls it together."""
-        if not self.left_nonfinite:
-            findings = self.parts.evidence.weights.find(pl_module)
-            buffers = {n for n, _ in pl_module.named_buffers()}
-            self.respond(trainer, pl_module, incidents.after_stop(self.at(trainer), findings, buffers,
-                                                                  self.parts.config.recovery.on_give_up))
-
-    def unfinished_recovery(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                            diverging: bool = False) -> None:
-        """Fit ends while recovery is unfinished (``recovery.restore_at_end``; the weights are finite): restore the
-        newest known-good snapshot only if the final weights are suspect (:func:`.final_weights.suspect`).
-        ``diverging``: the divergence watch sees the loss running away at the end. Weights that are the newest
-        snapshot's already (no step applied since it was taken or restored) leave nothing to restore."""
-        p, recovery = self.parts, self.parts.recovery
-        last, self.last_incident = self.last_incident, None
-        if not recovery.unfinished or recovery.pristine:
-            return
-        found = suspect(trainer, pl_module, recovery, p.recorder.events, last, diverging,
-                        p.config.anomaly.mode != "off", p.config.clip.norm_type)
-        if found is not None:
-            kind, source, reason, details = found
-            self.respond(trainer, pl_module, incidents.unfinished(self.at(trainer), kind, source, reason, details,
-                                                                  in_a_row=recovery.incidents_in_a_row,
-                                                                  unconfirmed=recovery.unconfirmed_rollbacks))
+    def bad_weights(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str,
+                    own_evidence: bool = False) -> Response:
+        """Non-finite weights (or optimizer state: ``own_evidence``) found outside a step, ``where``; every rank calls
+        it together: :func:`.incident.bad_weights`."""
+        found = incidents.bad_weights(self.at(trainer), where, grads_were_finite=self.parts.evidence.grads_were_finite,
+                                      own_evidence=own_evidence)
+        return self.respond(trainer, pl_module, found)

@@ -25,13 +25,14 @@ import torch
 from torch import Tensor
 
 from . import incident as incidents
+from .account import drifted_replicas
 from .console import say
 from .detect.amp import clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from .detect.ranks import Ranks
 from .detect.read_mode import choose_read_mode
 from .detect.vector import SCHEMA
 from .detect.verdict import Outcome, classify, device_skipped, skip_flag
-from .diagnose.rules import persistent_clipping_cause, spike_cause
+from .diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
 from .incident import SPIKES_BEFORE_LR_CUT, Incident, Response
 from .parts import Parts
 from .record import StepRecord, UpdateStage
@@ -333,14 +334,15 @@ class StepFlow:
         agree, (weights_bad, state_bad) = p.ranks.snapshot_agreement(pl_module, (weights_bad, own_state_bad))
         if weights_bad:  # never snapshot poisoned state: the next step rolls back
             return
-        if not agree:
-            self.responder.replicas_drifted(trainer, pl_module)
+        if not agree:  # every rank rolls back to the newest snapshot, on which they agreed
+            gathered, odd = drifted_replicas(p.ranks, trainer, pl_module)
+            newest = p.recovery.store.newest
+            self.responder.respond(trainer, pl_module, incidents.replicas_drifted(
+                self.responder.at(trainer), gathered, odd, newest.step if newest else None, drifted_replicas_cause()))
             return
         # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
         if state_bad:
-            self.responder.respond(trainer, pl_module, incidents.bad_weights(
-                self.responder.at(trainer), "snapshot", grads_were_finite=p.evidence.grads_were_finite,
-                own_evidence=own_state_bad))
+            self.responder.bad_weights(trainer, pl_module, "snapshot", own_evidence=own_state_bad)
             return
         p.recovery.take_snapshot(trainer, pl_module)
         p.evidence.weights.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then

@@ -1,0 +1,61 @@
+"""The end of a fit: never leave a non-finite weight behind, whatever the guard's state, and restore the newest
+known-good snapshot over finite weights that are suspect (``recovery.restore_at_end``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import incident as incidents
+from .diagnose.final_weights import suspect
+from .parts import Parts
+from .responder import Responder
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+__all__ = ["FitEnd"]
+
+
+class FitEnd:
+    """What the end of a fit does about the weights it leaves (after the last lagged step was judged)."""
+
+    def __init__(self, parts: Parts, responder: Responder) -> None:
+        self.parts, self.responder = parts, responder
+
+    def judge(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """The last step's weights have not been read yet: read them (every rank decides alike: a sharded rollback
+        reads every rank). Non-finite: after the guard stopped, the newest snapshot replaces them or the guard says
+        that none can (:func:`.incident.after_stop`); else an incident like any (:meth:`.Responder.bad_weights`).
+        Finite: :meth:`unfinished`."""
+        p = self.parts
+        checked = p.config.check.parameters
+        findings = p.evidence.weights.find(pl_module) if checked else []
+        bad = bool(findings)
+        if checked and trainer.world_size > 1:
+            bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if bad and p.recovery.stopped:
+            if not self.responder.left_nonfinite:  # (nothing new where the guard said it left them non-finite)
+                buffers = {n for n, _ in pl_module.named_buffers()}
+                self.responder.respond(trainer, pl_module, incidents.after_stop(
+                    self.responder.at(trainer), findings, buffers, p.config.recovery.on_give_up))
+        elif bad:
+            self.responder.bad_weights(trainer, pl_module, "train_end")
+        elif p.config.recovery.restore_at_end:
+            self.unfinished(trainer, pl_module)
+
+    def unfinished(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Recovery is unfinished at the end (the weights are finite): restore the newest known-good snapshot only if
+        the final weights are suspect (:func:`.final_weights.suspect`; the divergence watch tells whether the loss
+        is running away at the end). Weights that are the newest snapshot's already (no step applied since it was
+        taken or restored) leave nothing to restore."""
+        p, recovery = self.parts, self.parts.recovery
+        last = self.responder.take_last_incident()
+        if not recovery.unfinished or recovery.pristine:
+            return
+        found = suspect(trainer, pl_module, recovery, p.recorder.events, last, p.divergence.growing(),
+                        p.config.anomaly.mode != "off", p.config.clip.norm_type)
+        if found is not None:
+            kind, source, reason, details = found
+            self.responder.respond(trainer, pl_module, incidents.unfinished(
+                self.responder.at(trainer), kind, source, reason, details, in_a_row=recovery.incidents_in_a_row,
+                unconfirmed=recovery.unconfirmed_rollbacks))
