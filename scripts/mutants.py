@@ -149,8 +149,8 @@ MUTANTS: list[Mutant] = [
            "plan.go_further_back = self.failed_rollbacks > 0",
            "a one-off bad parameter after a failed rollback discards a good snapshot (goes further back)"),
     Mutant("ladder", "lad-skip-batches-ignored", LADDER,
-           "plan.skip_batches = self.cfg.skip_batches\n            plan.reasons.append(",
-           "plan.skip_batches = 0\n            plan.reasons.append(",
+           "plan.skip_batches = self.cfg.skip_batches\n        plan.reasons.append(\"parameters are non-finite\"",
+           "plan.skip_batches = 0\n        plan.reasons.append(\"parameters are non-finite\"",
            "recovery.skip_batches is ignored after a rollback"),
     Mutant("ladder", "lad-window-boundary", LADDER,
            "while self._recent and self._recent[0] <= step - self.cfg.incident_window:",
@@ -1048,7 +1048,7 @@ MUTANTS: list[Mutant] = [
            "confirms it)'; here the exemption outlives the confirming snapshot, so the first forced rollback of "
            "a later, unrelated episode does not cut the LR"),
     Mutant("lr", "doc-lr-param-rollback-cuts", LADDER,
-           "by_rollback = wants_rollback and not weights and self.cfg.reduce_lr_on_rollback",
+           "by_rollback = wants_rollback and not what.weights and self.cfg.reduce_lr_on_rollback",
            "by_rollback = wants_rollback and self.cfg.reduce_lr_on_rollback",
            "docs/recovery.md: 'A one-off bad parameter never cuts the learning rate' (configuration.md "
            "reduce_lr_on_rollback: not for a one-off bad parameter)"),
