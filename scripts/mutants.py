@@ -376,9 +376,9 @@ MUTANTS: list[Mutant] = [
            "overflow and precision causes are swapped"),
     Mutant("diagnosis", "diag-backward-precision-dropped", RULES,
            'if f64 is not None and f64.get("grads_finite"):\n'
-           '            return "precision"',
+           '        return "precision"',
            'if False:\n'
-           '            return "precision"',
+           '        return "precision"',
            "a backward NaN that is finite in float64 is called backward_op instead of precision"),
     Mutant("diagnosis", "diag-history-override-ignores-features", RULES,
            'data_explained = found in ("overflow", "precision") and bool(details.get("extreme_features"))',
