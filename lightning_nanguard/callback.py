@@ -220,21 +220,13 @@ class NaNGuardBase:
                 "overflow": self._parts.overflow.state_dict(), "divergence": self._parts.divergence.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a saved state: checked first (:mod:`~lightning_nanguard.state_schema`), so that a malformed
-        decision raises :class:`NaNGuardError` naming its key before anything is loaded, and malformed statistics
-        are reset with one warning."""
+        """Continue from a saved state: checked first (:mod:`~lightning_nanguard.state_schema`), so that a state of
+        another version than the current one (the older ones were never released) or a malformed decision raises
+        :class:`NaNGuardError` naming its key before anything is loaded, and malformed statistics are reset with one
+        warning."""
         source = f"checkpoint['callbacks'][{self.state_key!r}]"
-        version = check_version(state_dict, _STATE_VERSION, source)
-        state = state_dict
-        try:
-            if version < 2:
-                state = _upgrade_v1(state)
-            if version < 3:
-                state = _upgrade_v2(state)
-        except (AttributeError, TypeError, ValueError) as exc:  # a section of the old layout that is not a mapping
-            raise NaNGuardError(f"NaNGuard cannot resume from the guard state saved in the checkpoint ({source}): "
-                                f"a version-{version} state that cannot be read ({exc})") from None
-        checked = check_state(state, source)
+        check_version(state_dict, _STATE_VERSION, source)
+        checked = check_state(state_dict, source)
         if checked.reset:
             warn(f"[nanguard] the guard state saved in the checkpoint ({source}) holds unusable running statistics, "
                  f"reset to a fresh warm-up (they are re-learned from the next healthy steps): "
@@ -375,35 +367,3 @@ class NaNGuardBase:
                 f"({', '.join(f['name'] for f in still_bad[:5])}) and has no known-good snapshot to save instead "
                 "(recovery.snapshot is 'off'?).")
 
-
-def _upgrade_v2(state: dict[str, Any]) -> dict[str, Any]:
-    """A version-2 state dict (counts kept by the parts that counted them; adaptive clipping armed in the ladder)
-    in the version-3 layout (one ``counters`` section; the clipper knows whether it is armed)."""
-    recorder, recovery = dict(state.get("recorder", {})), dict(state.get("recovery", {}))
-    clipper, ladder = dict(state.get("clipper", {})), dict(recovery.get("ladder", {}))
-    counters = {"incidents": recorder.pop("incidents", 0), "spikes": recorder.pop("spikes", 0),
-                "clipped_steps": clipper.pop("clipped_steps", 0),
-                "replays": dict(state.get("diagnoser", {})).get("replays", 0),
-                **{k: recovery.pop(k, 0) for k in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots")}}
-    if "adaptive_clip" in ladder:
-        clipper["armed"] = ladder.pop("adaptive_clip")
-    recovery["ladder"] = ladder
-    return {**state, "version": 3, "counters": counters, "recorder": recorder, "recovery": recovery,
-            "clipper": clipper}
-
-
-def _upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
-    """A version-1 state dict (one flat dict of counters and statistics) in the version-2 layout."""
-    counters = state.get("counters", {})
-    return {"version": 2,
-        "recorder": {"index": state.get("event_index", 0), "incidents": counters.get("incidents", 0),
-                     "spikes": counters.get("spikes", 0)},
-        "recovery": {"lr_scale": state.get("lr_scale", 1.0), "ladder": state.get("ladder", {}),
-                     "healthy_since_snapshot": state.get("healthy_since_snapshot", 0),
-                     **{k: counters.get(k, 0) for k in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots")}},
-        "clipper": {"zclip": state.get("norm_ema") or {}, "history": state.get("norm_history", []),
-                    "clipped_steps": counters.get("clipped_steps", 0)},
-        "losses": {"spikes": state.get("loss_stats") or {}, "history": state.get("loss_history", [])},
-        "overflow": {"overflows": state.get("scaler_overflows", 0)},
-        "diagnoser": {"replays": counters.get("replays", 0)},
-    }

@@ -217,21 +217,32 @@ def _where(source: str) -> str:
     return f"NaNGuard cannot resume from the guard state saved in the checkpoint ({source})"
 
 
-def check_version(state: Any, newest: int, source: str = "checkpoint['callbacks']['NaNGuard']") -> int:
-    """The state's ``version`` (1 when absent: the first layout had none); raises
-    :class:`~lightning_nanguard.errors.NaNGuardError` for a state that is not a mapping, a version that is not an
-    integer >= 1, or one newer than ``newest`` (written by a later release, whose layout this one cannot read)."""
+_NEVER_RELEASED = (1, 2)  # the layouts of development builds before 0.1.0: no upgrade path
+
+
+def check_version(state: Any, current: int, source: str = "checkpoint['callbacks']['NaNGuard']") -> int:
+    """The state's ``version``, which must be ``current``; raises :class:`~lightning_nanguard.errors.NaNGuardError`
+    for a state that is not a mapping, a version that is absent or not an integer, an older one (versions 1 and 2
+    were layouts of development builds, never released, and are not read) or a newer one (written by a later
+    release, whose layout this one cannot read)."""
     if not isinstance(state, Mapping):
         raise NaNGuardError(f"{_where(source)}: got {_shown(state)}; expected a mapping of sections. "
                             + _REMEDY.format(source=source, first=""))
-    version = state.get("version", 1)
+    reads = f"this lightning_nanguard reads version {current} only"
+    version = state.get("version")
+    if version is None:  # the version-1 layout had no version key
+        raise NaNGuardError(f"{_where(source)}: version: absent (version 1, a development build's layout, never "
+                            f"released); {reads}. " + _REMEDY.format(source=source, first=""))
     if isinstance(version, bool) or not isinstance(version, numbers.Integral) or int(version) < 1:
-        raise NaNGuardError(f"{_where(source)}: version: got {_shown(version)}; expected an integer >= 1. "
+        raise NaNGuardError(f"{_where(source)}: version: got {_shown(version)}; expected the integer {current}. "
                             + _REMEDY.format(source=source, first=""))
-    if int(version) > newest:
-        raise NaNGuardError(f"{_where(source)}: version: got {version}; this lightning_nanguard reads versions 1 to "
-                            f"{newest} (the checkpoint was written by a newer release). "
-                            + _REMEDY.format(source=source, first="upgrade lightning_nanguard, "))
+    if int(version) > current:
+        raise NaNGuardError(f"{_where(source)}: version: got {version}; {reads} (the checkpoint was written by a "
+                            f"newer release). " + _REMEDY.format(source=source, first="upgrade lightning_nanguard, "))
+    if int(version) < current:
+        why = "a development build's layout, never released" if int(version) in _NEVER_RELEASED else "an older layout"
+        raise NaNGuardError(f"{_where(source)}: version: got {version}; {reads} (version {version} is {why}, and "
+                            f"is not read). " + _REMEDY.format(source=source, first=""))
     return int(version)
 
 

@@ -117,6 +117,8 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
 # Module-level numeric constants of the package that are not thresholds of the guard's behaviour, and why.
 NOT_THRESHOLDS: dict[str, str] = {
     "lightning_nanguard.callback._STATE_VERSION": "the format version of the guard's checkpoint state",
+    "lightning_nanguard.state_schema._NEVER_RELEASED": "the format versions of the guard's checkpoint state that "
+                                                       "no release wrote (refused on resume)",
     "lightning_nanguard.detect.kernels.CPU_CHUNK": "elements per chunk of a CPU reduction (memory, not behaviour)",
     "lightning_nanguard.detect.replicas.EPS32": "float32's unit roundoff (arithmetic)",
     "lightning_nanguard.detect.replicas.FLOAT32_EXACT": "the largest integer float32 holds exactly (arithmetic)",

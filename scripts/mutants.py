@@ -149,8 +149,8 @@ MUTANTS: list[Mutant] = [
            "plan.go_further_back = self.failed_rollbacks > 0",
            "a one-off bad parameter after a failed rollback discards a good snapshot (goes further back)"),
     Mutant("ladder", "lad-skip-batches-ignored", LADDER,
-           "plan.skip_batches = self.cfg.skip_batches\n            plan.reasons.append(",
-           "plan.skip_batches = 0\n            plan.reasons.append(",
+           "plan.skip_batches = self.cfg.skip_batches\n        plan.reasons.append(\"parameters are non-finite\"",
+           "plan.skip_batches = 0\n        plan.reasons.append(\"parameters are non-finite\"",
            "recovery.skip_batches is ignored after a rollback"),
     Mutant("ladder", "lad-window-boundary", LADDER,
            "while self._recent and self._recent[0] <= step - self.cfg.incident_window:",
@@ -376,9 +376,9 @@ MUTANTS: list[Mutant] = [
            "overflow and precision causes are swapped"),
     Mutant("diagnosis", "diag-backward-precision-dropped", RULES,
            'if f64 is not None and f64.get("grads_finite"):\n'
-           '            return "precision"',
+           '        return "precision"',
            'if False:\n'
-           '            return "precision"',
+           '        return "precision"',
            "a backward NaN that is finite in float64 is called backward_op instead of precision"),
     Mutant("diagnosis", "diag-history-override-ignores-features", RULES,
            'data_explained = found in ("overflow", "precision") and bool(details.get("extreme_features"))',
@@ -557,13 +557,16 @@ MUTANTS: list[Mutant] = [
     Mutant("checkpoint", "ckpt-resume-ladder-lost", LADDER,
            'self.failed_rollbacks = int(state.get("failed_rollbacks", 0))', "self.failed_rollbacks = 0",
            "a resumed run forgets its unconfirmed rollbacks (gives up later than configured)"),
-    # new: the version-1 state dict upgrade, and a named guard's state_key
-    Mutant("checkpoint", "ckpt-v1-not-upgraded", CALLBACK,
-           "if version < 2:\n"
-           "                state = _upgrade_v1(state)",
-           "if False:\n"
-           "                state = _upgrade_v1(state)",
-           "a version-1 checkpoint resumes with every counter, the LR scale and the ladder reset"),
+    # issue 25: the layouts of never-released builds (versions 1 and 2) are refused, no longer upgraded (these two
+    # replace ckpt-v1-not-upgraded and ckpt-v1-event-index-lost, whose upgrade code is gone)
+    Mutant("checkpoint", "ckpt-old-version-loaded", STATE_SCHEMA,
+           "    if int(version) < current:\n", "    if int(version) < 1:\n",
+           "a version-2 state (never released) loads as if it were version 3: its counts are lost, and a resume "
+           "from it neither fails nor says so"),
+    Mutant("checkpoint", "ckpt-unversioned-state-loaded", STATE_SCHEMA,
+           'version = state.get("version")', 'version = state.get("version", current)',
+           "a state without a version (the version-1 layout) is taken as the current one and loads: the LR scale, "
+           "ladder and event numbering silently start over"),
     # issue 24: the saved state is checked on resume
     Mutant("checkpoint", "doc-ckpt-state-nan-lr-scale-loaded", STATE_SCHEMA,
            '"lr_scale": real(lo=0.0, lo_open=True, hi=1.0),',
@@ -579,9 +582,7 @@ MUTANTS: list[Mutant] = [
            "        self.lr_scale_known = \"lr_scale\" in state", "        self.lr_scale_known = True",
            "docs/recovery.md: a cut LR in the checkpoint's optimizer without recovery.lr_scale is taken as the LR "
            "scale, with a warning; here it is forgotten (lr_scale 1.0 while the optimizer runs at the cut LR)"),
-    Mutant("checkpoint", "ckpt-v1-event-index-lost", CALLBACK,
-           '"recorder": {"index": state.get("event_index", 0),', '"recorder": {"index": 0,',
-           "resuming a version-1 checkpoint restarts event numbering (report files overwritten)"),
+    # a named guard's state_key
     Mutant("checkpoint", "ckpt-name-state-key-shared", CALLBACK,
            'return self._generate_state_key(name=self.name) if self.name else "NaNGuard"',
            'return "NaNGuard"',
@@ -1047,7 +1048,7 @@ MUTANTS: list[Mutant] = [
            "confirms it)'; here the exemption outlives the confirming snapshot, so the first forced rollback of "
            "a later, unrelated episode does not cut the LR"),
     Mutant("lr", "doc-lr-param-rollback-cuts", LADDER,
-           "by_rollback = wants_rollback and not weights and self.cfg.reduce_lr_on_rollback",
+           "by_rollback = wants_rollback and not what.weights and self.cfg.reduce_lr_on_rollback",
            "by_rollback = wants_rollback and self.cfg.reduce_lr_on_rollback",
            "docs/recovery.md: 'A one-off bad parameter never cuts the learning rate' (configuration.md "
            "reduce_lr_on_rollback: not for a one-off bad parameter)"),

@@ -265,11 +265,3 @@ def test_guard_state_dict_carries_the_statistics() -> None:
     b.load_state_dict(state)
     assert b.state_dict()["clipper"]["zclip"] == zclip.state_dict()
     assert b.state_dict()["losses"]["spikes"] == spikes.state_dict()
-    c = NaNGuard()  # a version-1 state dict: one flat dict of counters and statistics
-    c.load_state_dict({"counters": {"incidents": 3, "rollbacks": 1}, "lr_scale": 0.25, "event_index": 4,
-                       "norm_ema": {"count": 30, "mean": 2.0, "var": 0.25}})
-    loaded = ZClip()
-    loaded.load_state_dict(c.state_dict()["clipper"]["zclip"])
-    assert loaded.threshold() == pytest.approx(2.0 + 2.5 * 0.5)
-    assert c.lr_scale == 0.25 and c.counters["incidents"] == 3 and c.counters["rollbacks"] == 1
-    assert c.state_dict()["recorder"]["index"] == 4

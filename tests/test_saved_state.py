@@ -1,7 +1,7 @@
 """The guard state saved in a checkpoint is checked on resume: a malformed decision (counts, numbering, LR scale,
-ladder, faults per rank) or a future version ends the resume with a NaNGuardError naming the key; malformed
-running statistics are reset with one warning and the resumed fit still rescues; a cut LR without its
-``recovery.lr_scale`` is reconciled from the optimizer.
+ladder, faults per rank), a future version or an older one (never released) ends the resume with a NaNGuardError
+naming the key; malformed running statistics are reset with one warning and the resumed fit still rescues; a cut LR
+without its ``recovery.lr_scale`` is reconciled from the optimizer.
 
 One real fit per module writes the checkpoint (an LR cut at step 6, warmed-up statistics); each case edits a copy
 (``torch.load``, change the guard's state, ``torch.save``) and resumes a real Trainer from it with ``ckpt_path``."""
@@ -105,8 +105,10 @@ def put(*keys, value):
     (put("recovery", "hardware", "faults", value={"1": 3}), "recovery.hardware.faults['1']: got 3"),
     (put("clipper", "armed", value=1), "clipper.armed: got 1; expected true or false"),
     (put("overflow", value=[0]), "overflow: got [0] (a list); expected a mapping"),
-    (put("version", value=99), "version: got 99; this lightning_nanguard reads versions 1 to 3"),
-    (put("version", value="3"), "version: got '3' (a str); expected an integer >= 1"),
+    (put("version", value=99), "version: got 99; this lightning_nanguard reads version 3 only (the checkpoint was "
+                               "written by a newer release)"),
+    (put("version", value="3"), "version: got '3' (a str); expected the integer 3"),
+    (put("version", value=0), "version: got 0; expected the integer 3"),
     (put("recorder", value=None), "recorder: got None"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_a_malformed_decision_in_a_checkpoint_ends_the_resume_naming_the_key(saved, tmp_path, change, named):
@@ -215,12 +217,65 @@ def test_every_key_a_guard_saves_is_checked_and_a_real_state_passes_unchanged(sa
     assert check_state(fresh).reset == [] and set(leaves(fresh)) - {"version"} <= known_keys()
 
 
-def test_an_old_layout_that_cannot_be_upgraded_names_its_version():
-    """Version 2 (and 1) states are upgraded first; one whose sections are not mappings cannot be, and says so."""
-    with pytest.raises(NaNGuardError, match=r"NaNGuard cannot resume .*: a version-2 state that cannot be read"):
-        NaNGuard().load_state_dict({"version": 2, "recorder": [1, 2, 3]})
-    with pytest.raises(NaNGuardError, match=r"recovery\.lr_scale: got nan"):  # upgraded, then checked
-        NaNGuard().load_state_dict({"lr_scale": math.nan, "event_index": 4})
+# ------------------------------------------------------------------- the layouts of builds that were never released
+
+
+def as_version_2(callbacks):
+    """``change``: the saved state in the version-2 layout (a development build before 0.1.0, never released):
+    counts kept by the parts that counted them, adaptive clipping armed in the ladder."""
+    v3 = state(callbacks)
+    counts, recovery, clipper = v3["counters"], dict(v3["recovery"]), dict(v3["clipper"])
+    recovery.update({k: counts[k] for k in ("skipped_steps", "rollbacks", "lr_cuts", "snapshots")},
+                    ladder={**recovery["ladder"], "adaptive_clip": clipper.pop("armed")})
+    callbacks["NaNGuard"] = {
+        **{k: v for k, v in v3.items() if k != "counters"}, "version": 2,
+        "recorder": {**v3["recorder"], "incidents": counts["incidents"], "spikes": counts["spikes"]},
+        "recovery": recovery, "clipper": {**clipper, "clipped_steps": counts["clipped_steps"]},
+        "diagnoser": {"replays": counts["replays"]}}
+
+
+def as_version_1(callbacks):
+    """``change``: the saved state in the version-1 layout (the first development build, never released): one flat
+    dict of counters and statistics, no ``version`` key."""
+    v3 = state(callbacks)
+    callbacks["NaNGuard"] = {
+        "counters": dict(v3["counters"]), "event_index": v3["recorder"]["index"],
+        "lr_scale": v3["recovery"]["lr_scale"], "ladder": v3["recovery"]["ladder"],
+        "healthy_since_snapshot": v3["recovery"]["healthy_since_snapshot"], "norm_ema": v3["clipper"]["zclip"],
+        "norm_history": v3["clipper"]["history"], "loss_stats": v3["losses"]["spikes"],
+        "loss_history": v3["losses"]["history"], "scaler_overflows": v3["overflow"]["overflows"]}
+
+
+@pytest.mark.parametrize("change, named", [
+    (as_version_2, "version: got 2; this lightning_nanguard reads version 3 only (version 2 is a development "
+                   "build's layout, never released, and is not read)"),
+    (lambda c: c.__setitem__("NaNGuard", {"version": 2, "recorder": [1, 2, 3]}),  # not even a readable version 2
+     "version: got 2; this lightning_nanguard reads version 3 only"),
+    (put("version", value=1), "version: got 1; this lightning_nanguard reads version 3 only (version 1 is a "
+                              "development build's layout, never released"),
+    (as_version_1, "version: absent (version 1, a development build's layout, never released); this "
+                   "lightning_nanguard reads version 3 only"),
+], ids=["version-2", "version-2-malformed", "version-1-numbered", "version-1"])
+def test_a_state_of_a_never_released_version_ends_the_resume_saying_so(saved, tmp_path, change, named):
+    """Versions 1 and 2 were the layouts of development builds: they are not upgraded (there is no released
+    checkpoint to upgrade), and a resume from one ends before training with a NaNGuardError naming ``version``,
+    what was found, what is read and how to go on, never with an error from inside a part of the guard."""
+    with pytest.raises(NaNGuardError) as info:
+        resume(tmp_path, edited(saved, tmp_path, change))
+    message = str(info.value)
+    assert message.startswith("NaNGuard cannot resume from the guard state saved in the checkpoint "
+                              "(checkpoint['callbacks']['NaNGuard'])") and named in message, message
+    assert message.endswith("To go on: resume from another checkpoint, or delete checkpoint['callbacks']['NaNGuard'] "
+                            "from this one to resume with a fresh guard state (counters, event numbering and LR "
+                            "scale start over)."), message
+
+
+def test_deleting_a_never_released_state_resumes_the_fit_with_a_fresh_guard_state(saved, tmp_path):
+    """What the message says to do works: without its guard state the checkpoint resumes (weights, optimizer and
+    schedule from the checkpoint) and the guard starts over, as the message says (counters, LR scale)."""
+    g, trainer, said = resume(tmp_path, edited(saved, tmp_path, lambda c: c.pop("NaNGuard")), steps=SAVED_AT + 2)
+    assert trainer.global_step == SAVED_AT + 2 and said == []
+    assert g.events == [] and g.counters["incidents"] == 0 and g.lr_scale == 1.0
 
 
 def test_common_ratio_is_one_fraction_of_every_group_or_none():

@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import re
 from contextlib import nullcontext
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -173,103 +174,196 @@ def out_of_domain(name: str, args: Any, kwargs: dict, outs: list[Tensor]) -> Opt
     """Which input of op ``name`` was outside its domain, at how many positions: ``zero``, ``negative``, ``an all
     -inf row``, ``a single sample``, ``an empty selection``, ``every target ignored``, ``0 x inf``, ``inf - inf``,
     ``outside [-1, 1]``; None when the op is not one this knows."""
+    check = _CHECKS.get(name)
+    if check is None:
+        return None
     args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
-    x = args[0] if args else None
     try:
         with torch.no_grad():
-            return _classify(name, x, args, kwargs, outs)
+            return check(_Call(name, args[0] if args else None, args, kwargs, outs))
     except Exception:  # evidence only
         return None
 
 
-def _classify(name: str, x: Any, args: tuple, kwargs: dict, outs: list[Tensor]) -> Optional[dict[str, Any]]:
-    tensor = isinstance(x, Tensor) and x.is_floating_point()
+@dataclass
+class _Call:
+    """One call of the op ``name``: its first argument ``x``, all its arguments and its floating outputs."""
 
-    def found(what: str, positions: int, argument: str = "input", **more: Any) -> dict[str, Any]:
-        return {"op": name, "input": what, "argument": argument, "positions": positions, **more}
+    name: str
+    x: Any
+    args: tuple
+    kwargs: dict
+    outs: list[Tensor]
 
-    if name in ("log", "log2", "log10") and tensor:
-        zeros, negs = _count(x == 0), _count(x < 0)
+    @property
+    def tensor(self) -> bool:
+        """Is the first argument a floating tensor?"""
+        return isinstance(self.x, Tensor) and self.x.is_floating_point()
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        return _arg(self.args, self.kwargs, i, name, default)
+
+    def found(self, what: str, positions: int, argument: str = "input", **more: Any) -> dict[str, Any]:
+        return {"op": self.name, "input": what, "argument": argument, "positions": positions, **more}
+
+
+_Check = Callable[[_Call], Optional[dict[str, Any]]]  # the input of one call outside its op's domain, or None
+
+
+def _log(op: _Call) -> Optional[dict[str, Any]]:
+    if op.tensor:
+        zeros, negs = _count(op.x == 0), _count(op.x < 0)
         if zeros or negs:
-            return found("zero" if zeros else "negative", zeros or negs, produced_by=_producer(x))
-    if name == "log1p" and tensor and _count(x <= -1):
-        return found("at or below -1", _count(x <= -1))
-    if name in ("sqrt", "rsqrt") and tensor:
-        negs = _count(x < 0)
-        if negs:
-            return found("negative", negs)
-        if name == "rsqrt" and _count(x == 0):
-            return found("zero", _count(x == 0))
-    if name in ("div", "truediv", "true_divide", "divide", "rtruediv", "reciprocal"):
-        num, den = (None, x) if name == "reciprocal" else (_arg(args, kwargs, 1, "other"), x) \
-            if name == "rtruediv" else (x, _arg(args, kwargs, 1, "other"))
-        if isinstance(den, (int, float)) and not isinstance(den, bool):
-            den = torch.tensor(float(den))
-        if isinstance(den, Tensor):
-            zero = den == 0
-            n = _count(zero)
-            if n:
-                if isinstance(num, (int, float)) and not isinstance(num, bool):
-                    num = torch.tensor(float(num))
-                both = _count(zero & (num == 0)) if isinstance(num, Tensor) else 0
-                if outs and zero.dim() == 0:
-                    n = int(outs[0].numel())
-                return found("zero", n, argument="denominator", zero_over_zero=bool(both))
-    if name in ("std", "var", "std_mean", "var_mean") and tensor and outs:
-        correction = kwargs.get("correction")
-        if correction is None:
-            unbiased = kwargs.get("unbiased", args[1] if len(args) > 1 and isinstance(args[1], bool) else True)
-            correction = 1 if unbiased else 0
-        samples = x.numel() // max(outs[0].numel(), 1)
-        if samples <= correction:
-            return found("a single sample" if samples == 1 else "no samples", int(outs[0].numel()),
-                         samples=samples, correction=float(correction))
-    if name in ("softmax", "log_softmax", "softmin") and tensor:
-        dim = _arg(args, kwargs, 1, "dim", -1)
-        if isinstance(dim, int) and x.dim():
-            rows = _count(torch.isneginf(x).all(dim)) if name != "softmin" else _count(torch.isposinf(x).all(dim))
-            if rows:
-                return found("an all -inf row", rows, dim=dim)
-            pos = _count(torch.isposinf(x).any(dim))
-            if pos:
-                return found("+inf in a row", pos, dim=dim)
-    if name in ("mean", "nanmean") and isinstance(x, Tensor) and x.numel() == 0:
-        return found("an empty selection", 1)
-    if name in ("cross_entropy", "nll_loss"):
-        target = _arg(args, kwargs, 1, "target")
-        ignore = _arg(args, kwargs, 4, "ignore_index", -100)
-        if isinstance(target, Tensor) and not target.is_floating_point() and target.numel() and \
-                _count(target == ignore) == target.numel() and kwargs.get("reduction", "mean") == "mean":
-            return found("every target ignored", int(target.numel()), argument="target", ignore_index=ignore)
-    if name in ("mul", "multiply") and len(args) > 1:
-        y = args[1]
-        xs = x if isinstance(x, Tensor) else torch.tensor(float(x))
-        ys = y if isinstance(y, Tensor) else torch.tensor(float(y)) if isinstance(y, (int, float)) else None
-        if ys is not None:
-            n = _count((torch.isinf(xs) & (ys == 0)) | ((xs == 0) & torch.isinf(ys)))
-            if n:
-                return found("0 x inf", n)
-    if name in ("add", "sub", "subtract", "rsub") and len(args) > 1:
-        y = args[1]
-        xs = x if isinstance(x, Tensor) else torch.tensor(float(x))
-        ys = y if isinstance(y, Tensor) else torch.tensor(float(y)) if isinstance(y, (int, float)) else None
-        if ys is not None:
-            same = torch.sign(xs) == torch.sign(ys)
-            n = _count(torch.isinf(xs) & torch.isinf(ys) & (same if name in ("sub", "subtract", "rsub") else ~same))
-            if n:
-                return found("inf - inf", n)
-    if name in ("acos", "asin", "atanh") and tensor:
-        n = _count(x.abs() > 1) if name != "atanh" else _count(x.abs() >= 1)
-        if n:
-            return found("outside [-1, 1]", n)
-    if name in ("pow", "float_power") and tensor:
-        e = _arg(args, kwargs, 1, "exponent")
-        if isinstance(e, (int, float)):
-            if e != int(e) and _count(x < 0):
-                return found("negative", _count(x < 0), exponent=float(e))
-            if e < 0 and _count(x == 0):
-                return found("zero", _count(x == 0), exponent=float(e))
+            return op.found("zero" if zeros else "negative", zeros or negs, produced_by=_producer(op.x))
     return None
+
+
+def _log1p(op: _Call) -> Optional[dict[str, Any]]:
+    if op.tensor and _count(op.x <= -1):
+        return op.found("at or below -1", _count(op.x <= -1))
+    return None
+
+
+def _sqrt(op: _Call) -> Optional[dict[str, Any]]:
+    if op.tensor:
+        negs = _count(op.x < 0)
+        if negs:
+            return op.found("negative", negs)
+        if op.name == "rsqrt" and _count(op.x == 0):
+            return op.found("zero", _count(op.x == 0))
+    return None
+
+
+def _as_tensor(value: Any) -> Any:
+    """A Python number (not a bool) as a 0-dim tensor; anything else as it is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value))
+    return value
+
+
+def _division(op: _Call) -> Optional[dict[str, Any]]:
+    num, den = (None, op.x) if op.name == "reciprocal" else (op.arg(1, "other"), op.x) \
+        if op.name == "rtruediv" else (op.x, op.arg(1, "other"))
+    den = _as_tensor(den)
+    if isinstance(den, Tensor):
+        zero = den == 0
+        n = _count(zero)
+        if n:
+            num = _as_tensor(num)
+            both = _count(zero & (num == 0)) if isinstance(num, Tensor) else 0
+            if op.outs and zero.dim() == 0:
+                n = int(op.outs[0].numel())
+            return op.found("zero", n, argument="denominator", zero_over_zero=bool(both))
+    return None
+
+
+def _spread(op: _Call) -> Optional[dict[str, Any]]:
+    """``std``/``var`` over fewer samples than their correction."""
+    if op.tensor and op.outs:
+        correction = op.kwargs.get("correction")
+        if correction is None:
+            args = op.args
+            unbiased = op.kwargs.get("unbiased", args[1] if len(args) > 1 and isinstance(args[1], bool) else True)
+            correction = 1 if unbiased else 0
+        samples = op.x.numel() // max(op.outs[0].numel(), 1)
+        if samples <= correction:
+            return op.found("a single sample" if samples == 1 else "no samples", int(op.outs[0].numel()),
+                            samples=samples, correction=float(correction))
+    return None
+
+
+def _softmax(op: _Call) -> Optional[dict[str, Any]]:
+    x = op.x
+    dim = op.arg(1, "dim", -1)
+    if op.tensor and isinstance(dim, int) and x.dim():
+        rows = _count(torch.isneginf(x).all(dim)) if op.name != "softmin" else _count(torch.isposinf(x).all(dim))
+        if rows:
+            return op.found("an all -inf row", rows, dim=dim)
+        pos = _count(torch.isposinf(x).any(dim))
+        if pos:
+            return op.found("+inf in a row", pos, dim=dim)
+    return None
+
+
+def _mean(op: _Call) -> Optional[dict[str, Any]]:
+    if isinstance(op.x, Tensor) and op.x.numel() == 0:
+        return op.found("an empty selection", 1)
+    return None
+
+
+def _classification_loss(op: _Call) -> Optional[dict[str, Any]]:
+    target = op.arg(1, "target")
+    ignore = op.arg(4, "ignore_index", -100)
+    if isinstance(target, Tensor) and not target.is_floating_point() and target.numel() and \
+            _count(target == ignore) == target.numel() and op.kwargs.get("reduction", "mean") == "mean":
+        return op.found("every target ignored", int(target.numel()), argument="target", ignore_index=ignore)
+    return None
+
+
+def _operands(op: _Call) -> Optional[tuple[Tensor, Tensor]]:
+    """The two operands of a binary op as tensors; None when the second is neither a tensor nor a number."""
+    if len(op.args) <= 1:
+        return None
+    x, y = op.x, op.args[1]
+    xs = x if isinstance(x, Tensor) else torch.tensor(float(x))
+    ys = y if isinstance(y, Tensor) else torch.tensor(float(y)) if isinstance(y, (int, float)) else None
+    return None if ys is None else (xs, ys)
+
+
+def _product(op: _Call) -> Optional[dict[str, Any]]:
+    both = _operands(op)
+    if both is not None:
+        xs, ys = both
+        n = _count((torch.isinf(xs) & (ys == 0)) | ((xs == 0) & torch.isinf(ys)))
+        if n:
+            return op.found("0 x inf", n)
+    return None
+
+
+def _difference(op: _Call) -> Optional[dict[str, Any]]:
+    both = _operands(op)
+    if both is not None:
+        xs, ys = both
+        same = torch.sign(xs) == torch.sign(ys)
+        n = _count(torch.isinf(xs) & torch.isinf(ys) & (same if op.name in ("sub", "subtract", "rsub") else ~same))
+        if n:
+            return op.found("inf - inf", n)
+    return None
+
+
+def _inverse_trig(op: _Call) -> Optional[dict[str, Any]]:
+    if op.tensor:
+        n = _count(op.x.abs() > 1) if op.name != "atanh" else _count(op.x.abs() >= 1)
+        if n:
+            return op.found("outside [-1, 1]", n)
+    return None
+
+
+def _power(op: _Call) -> Optional[dict[str, Any]]:
+    e = op.arg(1, "exponent")
+    if op.tensor and isinstance(e, (int, float)):
+        if e != int(e) and _count(op.x < 0):
+            return op.found("negative", _count(op.x < 0), exponent=float(e))
+        if e < 0 and _count(op.x == 0):
+            return op.found("zero", _count(op.x == 0), exponent=float(e))
+    return None
+
+
+# op name -> the check of its family's domain (each op in one family)
+_CHECKS: dict[str, _Check] = {name: check for names, check in (
+    (("log", "log2", "log10"), _log),
+    (("log1p",), _log1p),
+    (("sqrt", "rsqrt"), _sqrt),
+    (("div", "truediv", "true_divide", "divide", "rtruediv", "reciprocal"), _division),
+    (("std", "var", "std_mean", "var_mean"), _spread),
+    (("softmax", "log_softmax", "softmin"), _softmax),
+    (("mean", "nanmean"), _mean),
+    (("cross_entropy", "nll_loss"), _classification_loss),
+    (("mul", "multiply"), _product),
+    (("add", "sub", "subtract", "rsub"), _difference),
+    (("acos", "asin", "atanh"), _inverse_trig),
+    (("pow", "float_power"), _power),
+) for name in names}
 
 
 class _FirstAten(TorchDispatchMode):

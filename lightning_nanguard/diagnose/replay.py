@@ -38,7 +38,7 @@ from ..layouts import deepcopy_memo
 from ..record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
 from ..tree import map_tensors
-from .probes import (FirstBadOp, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
+from .probes import (FirstBadOp, Frame, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
                         is_compiled, public_name)
 
 __all__ = ["ReplayResult", "replay_window", "reproduces", "local_gradients", "preserved_state", "parse_anomaly_error"]
@@ -316,38 +316,12 @@ def _ctx(plugin: Any) -> Any:
 
 def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
                 frames: int, norm_type: float = 2.0, float64: bool = True) -> None:
+    """Replay one micro-batch under a frame recorder: whether it reproduces, where it first went non-finite
+    (forward or backward), then, on a rank that reproduced it, the op pass or the anomaly pass."""
     named = [(public_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
-    rec = FrameRecorder(module, backward=True, root_name=f"<{type(module).__name__}>")
-    try:
-        with rec:
-            loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
-            res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
-            # (sharded: the backward is a collective the other ranks make, whatever this rank's loss)
-            grads = _grads(loss, named) if loss is not None and (res.loss_finite or res.lockstep) else []
-    except RuntimeError as err:  # e.g. an in-place op on a hooked output: replay without backward hooks
-        res.errors.append(f"backward hooks: {err}".splitlines()[0])
-        rec = FrameRecorder(module, backward=False, root_name=f"<{type(module).__name__}>")
-        with preserved_state(module), rec:
-            loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
-            res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
-            grads = _grads(loss, named) if loss is not None and (res.loss_finite or res.lockstep) else []
-    rec.read()
-    bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
-    if res.lockstep and res.loss_finite is False:
-        bad_grads = []  # (the gradients of a non-finite loss, computed for the other ranks' sake, say nothing more)
-    res.nonfinite_grads = bad_grads[:20]
-    if not bad_grads:
-        finite = [local(g) for g in grads if g is not None]  # sharded: this rank's shards (a DTensor norm: collective)
-        res.norm_overflow = bool(finite) and not bool(torch.isfinite(total_norm(finite, norm_type)))
-    first_fwd = rec.first_bad(rec.forward_frames)
-    res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
-    res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads or res.norm_overflow)
-    if first_fwd is not None:
-        res.forward = first_fwd.row()
-        ring = rec.forward_frames[max(0, first_fwd.index - frames + 1): first_fwd.index + 1]
-        res.frames_text = format_frames(ring, "forward (module call, inputs -> output):")
-    elif res.loss_finite is False:
-        res.forward = {"module": "training_step", "call": 0}
+    rec, grads = _recorded_run(res, module, batch, batch_idx, rng, plugin, named)
+    bad_grads = _nonfinite_gradients(res, named, grads, norm_type)
+    first_fwd = _first_bad_forward(res, rec, frames, bad_grads)
     if res.lockstep:
         if bad_grads:
             first_bwd = rec.first_bad(rec.backward_frames)
@@ -359,15 +333,74 @@ def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng:
             res.forward_op = _op_pass(module, batch, batch_idx, rng, plugin, where, float64)
         return
     if bad_grads:
-        first_bwd = rec.first_bad(rec.backward_frames)
-        end = first_bwd.index + 1 if first_bwd is not None else len(rec.backward_frames)
-        if first_bwd is not None:
-            res.backward = first_bwd.row()
-        ring = rec.backward_frames[max(0, end - frames): end]
-        if ring:
-            res.frames_text = format_frames(ring, "backward (module, grad wrt outputs -> grad wrt inputs):")
+        _first_bad_backward(res, rec, frames)
         with preserved_state(module):
             res.backward_op, res.anomaly = _anomaly_pass(module, batch, batch_idx, rng, plugin, named)
+
+
+def _recorded_run(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
+                  named: list[tuple[str, Tensor]]) -> tuple[FrameRecorder, list[Optional[Tensor]]]:
+    """``training_step`` and its gradients under a frame recorder (its frames read), without backward hooks where
+    they break the module; the loss's finiteness goes into ``res``."""
+    rec = FrameRecorder(module, backward=True, root_name=f"<{type(module).__name__}>")
+    try:
+        with rec:
+            grads = _loss_and_grads(res, module, batch, batch_idx, rng, plugin, named)
+    except RuntimeError as err:  # e.g. an in-place op on a hooked output: replay without backward hooks
+        res.errors.append(f"backward hooks: {err}".splitlines()[0])
+        rec = FrameRecorder(module, backward=False, root_name=f"<{type(module).__name__}>")
+        with preserved_state(module), rec:
+            grads = _loss_and_grads(res, module, batch, batch_idx, rng, plugin, named)
+    rec.read()
+    return rec, grads
+
+
+def _loss_and_grads(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
+                    named: list[tuple[str, Tensor]]) -> list[Optional[Tensor]]:
+    loss = _run(module, batch, batch_idx, rng, _ctx(plugin))
+    res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
+    # (sharded: the backward is a collective the other ranks make, whatever this rank's loss)
+    return _grads(loss, named) if loss is not None and (res.loss_finite or res.lockstep) else []
+
+
+def _nonfinite_gradients(res: ReplayResult, named: list[tuple[str, Tensor]], grads: list[Optional[Tensor]],
+                         norm_type: float) -> list[str]:
+    """The names of the non-finite gradients (the first 20 in ``res``); where there is none, whether the total
+    norm of the finite ones overflows."""
+    bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
+    if res.lockstep and res.loss_finite is False:
+        bad_grads = []  # (the gradients of a non-finite loss, computed for the other ranks' sake, say nothing more)
+    res.nonfinite_grads = bad_grads[:20]
+    if not bad_grads:
+        finite = [local(g) for g in grads if g is not None]  # sharded: this rank's shards (a DTensor norm: collective)
+        res.norm_overflow = bool(finite) and not bool(torch.isfinite(total_norm(finite, norm_type)))
+    return bad_grads
+
+
+def _first_bad_forward(res: ReplayResult, rec: FrameRecorder, frames: int, bad_grads: list[str]) -> Optional[Frame]:
+    """The first module call whose output is non-finite (its row and up to ``frames`` calls before it in ``res``),
+    or the loss; and whether the replay reproduced the incident."""
+    first_fwd = rec.first_bad(rec.forward_frames)
+    res.forward_rows = [f.row() for f in rec.forward_frames[:first_fwd.index + 1 if first_fwd is not None else None]]
+    res.reproduced = bool(first_fwd is not None or res.loss_finite is False or bad_grads or res.norm_overflow)
+    if first_fwd is not None:
+        res.forward = first_fwd.row()
+        ring = rec.forward_frames[max(0, first_fwd.index - frames + 1): first_fwd.index + 1]
+        res.frames_text = format_frames(ring, "forward (module call, inputs -> output):")
+    elif res.loss_finite is False:
+        res.forward = {"module": "training_step", "call": 0}
+    return first_fwd
+
+
+def _first_bad_backward(res: ReplayResult, rec: FrameRecorder, frames: int) -> None:
+    """The first module in backward order whose gradient is non-finite, and up to ``frames`` modules before it."""
+    first_bwd = rec.first_bad(rec.backward_frames)
+    end = first_bwd.index + 1 if first_bwd is not None else len(rec.backward_frames)
+    if first_bwd is not None:
+        res.backward = first_bwd.row()
+    ring = rec.backward_frames[max(0, end - frames): end]
+    if ring:
+        res.frames_text = format_frames(ring, "backward (module, grad wrt outputs -> grad wrt inputs):")
 
 
 def _op_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,

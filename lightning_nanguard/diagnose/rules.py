@@ -64,6 +64,7 @@ from ..causes import suggest
 from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
 from ..detect.spikes import history_zscore, norm_growth
+from ..events import NaNEvent
 from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
 from . import domain, dynamics, replay
@@ -83,13 +84,7 @@ def diagnose(ctx: IncidentContext) -> str:
     details = ev.details
     frames_text = ""
     cause: Optional[str] = None
-    if ctx.agree is not None and ctx.replay and ctx.batches:  # (the same on every rank: the budget and the window)
-        wanted = _would_replay(ctx)
-        ctx.replay = ctx.agree(wanted)
-        if wanted and not ctx.replay:
-            details["replay_skipped"] = ("sharded: the replay is a collective (forward and backward all-gather) and "
-                                         "another rank's own evidence (its inputs, its weights) named the cause: no "
-                                         "rank replayed")
+    _agree_on_replay(ctx)
     z = history_zscore(ctx.grad_norm, ctx.norm_history)
     if z is not None:
         details["grad_norm_zscore"] = z
@@ -106,35 +101,70 @@ def diagnose(ctx: IncidentContext) -> str:
         ev.culprit = ctx.param_findings[0]["name"] if ctx.param_findings else None
         cause = "optimizer" if ctx.grads_were_finite else "unknown"
     else:
-        rows: list[dict] = []
-        if ev.kind == "divergence":
-            pass  # nothing is non-finite: nothing to replay
-        elif ctx.replay and ctx.batches:
-            result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
-                                          frames=ctx.frames, float64_check=ctx.float64_check,
-                                          norm_type=ctx.norm_type, step=ctx.replay_step)
-            ctx.replayed = True
-            cause = _cause_from_replay(ctx, result)
-            frames_text = result.frames_text
-            rows = result.forward_rows
-        elif (not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause
-              and ctx.previous.cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
-            prev = ctx.previous
-            ev.culprit, ev.op, cause = prev.culprit, prev.op, prev.cause
-            details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
-            details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
-                                                         "forward_op", "backward_op", "domain", "judged_at")
-                            if k in prev.details})
-        if cause != TRANSIENT:  # clean on the same weights: the step's dynamics did not make it non-finite
-            cause = _dynamics_cause(ctx, cause, rows)
-    if ctx.scaler_overflows is not None:
-        details.update(grad_scale=ctx.grad_scale, scaler_overflows=ctx.scaler_overflows)
-        # (the replay computes unscaled gradients: a scaled overflow does not come back there)
-        if ctx.only_gradients and ev.kind == "gradient" and cause in (None, "unknown", TRANSIENT):
-            cause = "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
+        cause, frames_text = _cause_of_step(ctx)
+    cause = _persisting_overflows(ctx, cause)
     ev.cause = cause
     ev.suggestion = suggest(ev, cause or "unknown")
     return frames_text
+
+
+def _agree_on_replay(ctx: IncidentContext) -> None:
+    """Sharded: every rank replays or none (the replay is a collective); say so when this rank wanted to and does
+    not."""
+    if ctx.agree is not None and ctx.replay and ctx.batches:  # (the same on every rank: the budget and the window)
+        wanted = _would_replay(ctx)
+        ctx.replay = ctx.agree(wanted)
+        if wanted and not ctx.replay:
+            ctx.event.details["replay_skipped"] = (
+                "sharded: the replay is a collective (forward and backward all-gather) and another rank's own "
+                "evidence (its inputs, its weights) named the cause: no rank replayed")
+
+
+def _cause_of_step(ctx: IncidentContext) -> tuple[Optional[str], str]:
+    """Rule 4 of the module docstring: the cause of a non-finite loss, gradient or activation (from its replay, or
+    the last replayed incident's) or of a divergence, then the step's dynamics; and the replay's module frames."""
+    ev = ctx.event
+    cause: Optional[str] = None
+    frames_text = ""
+    rows: list[dict] = []
+    if ev.kind == "divergence":
+        pass  # nothing is non-finite: nothing to replay
+    elif ctx.replay and ctx.batches:
+        result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
+                                      frames=ctx.frames, float64_check=ctx.float64_check,
+                                      norm_type=ctx.norm_type, step=ctx.replay_step)
+        ctx.replayed = True
+        cause = _cause_from_replay(ctx, result)
+        frames_text = result.frames_text
+        rows = result.forward_rows
+    elif (not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause
+          and ctx.previous.cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
+        cause = _reused(ctx, ctx.previous)
+    if cause != TRANSIENT:  # clean on the same weights: the step's dynamics did not make it non-finite
+        cause = _dynamics_cause(ctx, cause, rows)
+    return cause, frames_text
+
+
+def _reused(ctx: IncidentContext, prev: NaNEvent) -> Optional[str]:
+    """The diagnosis of ``prev``, the last replayed incident of the same kind (``anomaly.max_replays`` is spent):
+    its culprit, op, cause and replay evidence."""
+    ev, details = ctx.event, ctx.event.details
+    ev.culprit, ev.op = prev.culprit, prev.op
+    details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
+    details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
+                                                 "forward_op", "backward_op", "domain", "judged_at")
+                    if k in prev.details})
+    return prev.cause
+
+
+def _persisting_overflows(ctx: IncidentContext, cause: Optional[str]) -> Optional[str]:
+    """Rule 5: under 16-mixed, GradScaler overflows that persisted with nothing else known are ``overflow``."""
+    if ctx.scaler_overflows is not None:
+        ctx.event.details.update(grad_scale=ctx.grad_scale, scaler_overflows=ctx.scaler_overflows)
+        # (the replay computes unscaled gradients: a scaled overflow does not come back there)
+        if ctx.only_gradients and ctx.event.kind == "gradient" and cause in (None, "unknown", TRANSIENT):
+            return "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
+    return cause
 
 
 def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
@@ -312,7 +342,21 @@ def _history_cause(ctx: IncidentContext) -> str:
 
 
 def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
-    ev, details = ctx.event, ctx.event.details
+    """The replay's finding (:class:`~.replay.ReplayResult` ``res``), before the step's dynamics: ``transient``
+    when it did not come back, else where it first appeared (forward or backward) and how that op or module
+    judges it; its evidence in ``details``."""
+    _record_replay(ctx.event.details, res)
+    if not res.reproduced:
+        return _unreproduced(ctx, res)
+    if res.forward is not None:
+        return _forward_cause(ctx, res)
+    if res.backward is not None or res.backward_op is not None or res.anomaly is not None:
+        return _backward_cause(ctx.event, res)
+    return None
+
+
+def _record_replay(details: dict, res: Any) -> None:
+    """What the replay did, in ``details["replay"]`` (and its float64 rerun in ``details["float64"]``)."""
     details["replay"] = {"micro_batch": res.micro_batch, "reproduced": res.reproduced,
                          "loss_finite": res.loss_finite, "nonfinite_grads": res.nonfinite_grads[:5]}
     if res.norm_overflow:
@@ -323,57 +367,74 @@ def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
         details["float64"] = res.float64
     if getattr(res, "lockstep", False):
         details["replay"]["sharded"] = replay.LOCKSTEP
-    if not res.reproduced:
-        if res.errors:
-            details["replay"]["note"] = "the replay did not complete: nothing is known about the fault"
-            return None
-        if not ctx.same_weights:
-            details["replay"]["note"] = ("finite on replay, but on other weights: the step's update was applied before "
-                                         "its flags were read (an optimizer that cannot skip on the device)")
-            return None
-        details["replay"]["note"] = ("finite on replay of the same batch on the same weights and RNG state: a fault "
-                                     "that does not come back")
-        return TRANSIENT
-    if res.forward is not None:
-        ev.culprit = res.forward["module"]
-        details["forward"] = res.forward
-        if res.forward.get("call"):
-            details["culprit_call"] = res.forward["call"]
-        if res.forward_op:
-            ev.op = res.forward_op.get("op") or domain.op_name(res.forward_op.get("function"))
-            details["forward_op"] = res.forward_op
-            if ev.culprit == "training_step" and res.forward_op.get("module"):
-                ev.culprit = res.forward_op["module"]
-        features = _extreme_features([b for b, _ in ctx.batches[res.micro_batch:res.micro_batch + 1]])
-        if features:
-            details["extreme_features"] = features
-        f64 = res.float64
-        at_op = _judged_at_op(details, res.forward_op, f64)
-        if at_op is not None:
-            return at_op
-        if f64 is not None and f64.get("module_finite", f64.get("loss_finite")):
-            dtype = getattr(torch, str(res.forward.get("dtype", "float32")), torch.float32)
-            limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
-            abs_max = f64.get("module_out_abs_max", math.nan)
-            details["abs_max_float64"], details["dtype"], details["dtype_max"] = abs_max, str(dtype), limit
-            return "overflow" if abs_max > limit else "precision"
+
+
+def _unreproduced(ctx: IncidentContext, res: Any) -> Optional[str]:
+    """A replay that came back finite: ``transient`` on the step's own weights; nothing known when it did not
+    complete or ran on other weights."""
+    note = ctx.event.details["replay"]
+    if res.errors:
+        note["note"] = "the replay did not complete: nothing is known about the fault"
         return None
-    if res.backward is not None or res.backward_op is not None or res.anomaly is not None:
-        if res.backward is not None:
-            ev.culprit = res.backward["module"]
-            details["backward"] = res.backward
-        if res.backward_op is not None:
-            details["backward_op"] = res.backward_op
-        if res.anomaly is not None:
-            details["anomaly"] = res.anomaly
-        ev.op = (res.backward_op or {}).get("op") or (res.anomaly or {}).get("op")
-        if ev.culprit is None and res.nonfinite_grads:
-            ev.culprit = res.nonfinite_grads[0]
-        f64 = res.float64
-        if f64 is not None and f64.get("grads_finite"):
-            return "precision"
-        return "backward_op"
+    if not ctx.same_weights:
+        note["note"] = ("finite on replay, but on other weights: the step's update was applied before its flags were "
+                        "read (an optimizer that cannot skip on the device)")
+        return None
+    note["note"] = ("finite on replay of the same batch on the same weights and RNG state: a fault that does not "
+                    "come back")
+    return TRANSIENT
+
+
+def _forward_cause(ctx: IncidentContext, res: Any) -> Optional[str]:
+    """A value that first went non-finite in forward: its module and op, extreme input features, and the cause
+    judged at the op (:func:`_judged_at_op`) or else at the module's output."""
+    ev, details = ctx.event, ctx.event.details
+    ev.culprit = res.forward["module"]
+    details["forward"] = res.forward
+    if res.forward.get("call"):
+        details["culprit_call"] = res.forward["call"]
+    if res.forward_op:
+        ev.op = res.forward_op.get("op") or domain.op_name(res.forward_op.get("function"))
+        details["forward_op"] = res.forward_op
+        if ev.culprit == "training_step" and res.forward_op.get("module"):
+            ev.culprit = res.forward_op["module"]
+    features = _extreme_features([b for b, _ in ctx.batches[res.micro_batch:res.micro_batch + 1]])
+    if features:
+        details["extreme_features"] = features
+    at_op = _judged_at_op(details, res.forward_op, res.float64)
+    return at_op if at_op is not None else _judged_at_module(details, res.forward, res.float64)
+
+
+def _judged_at_module(details: dict, forward: dict, f64: Optional[dict]) -> Optional[str]:
+    """Overflow or precision judged at the culprit module's output: finite in the float64 model, beyond or within
+    its dtype's max; None when the float64 model is not finite there (or was not run)."""
+    if f64 is not None and f64.get("module_finite", f64.get("loss_finite")):
+        dtype = getattr(torch, str(forward.get("dtype", "float32")), torch.float32)
+        limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+        abs_max = f64.get("module_out_abs_max", math.nan)
+        details["abs_max_float64"], details["dtype"], details["dtype_max"] = abs_max, str(dtype), limit
+        return "overflow" if abs_max > limit else "precision"
     return None
+
+
+def _backward_cause(ev: NaNEvent, res: Any) -> str:
+    """A value that first went non-finite in backward: its module, op (the replay's, else anomaly mode's) and
+    ``backward_op``, or ``precision`` where the float64 backward is finite."""
+    details = ev.details
+    if res.backward is not None:
+        ev.culprit = res.backward["module"]
+        details["backward"] = res.backward
+    if res.backward_op is not None:
+        details["backward_op"] = res.backward_op
+    if res.anomaly is not None:
+        details["anomaly"] = res.anomaly
+    ev.op = (res.backward_op or {}).get("op") or (res.anomaly or {}).get("op")
+    if ev.culprit is None and res.nonfinite_grads:
+        ev.culprit = res.nonfinite_grads[0]
+    f64 = res.float64
+    if f64 is not None and f64.get("grads_finite"):
+        return "precision"
+    return "backward_op"
 
 
 def _judged_at_op(details: dict, op: Optional[dict], f64: Optional[dict]) -> Optional[str]:

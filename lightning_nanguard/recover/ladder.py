@@ -47,9 +47,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..causes import Cause
 from ..causes import cause as cause_entry
 from ..config import ClipConfig, RecoveryConfig
-from ..events import KINDS
+from ..events import KINDS, Kind
 
 __all__ = ["Plan", "RecoveryLadder", "LARGEST_CUT"]
 
@@ -115,11 +116,7 @@ class RecoveryLadder:
         is on already."""
         policy, what = cause_entry(cause), KINDS[kind]
         plan = Plan()
-        if policy.counts_toward_rollback or self.consecutive or self.uncounted:
-            self.consecutive += 1 + self.uncounted  # (a fault that came back on the next step counts after all)
-            self.uncounted = 0
-        else:  # a fault that does not come back, after a healthy step: counted only if the next step fails too
-            self.uncounted = 1
+        self._count(policy)
         if policy.gives_up:
             plan.give_up = True
             plan.reasons.append("the weights were wrong before the first step: no rollback or learning rate helps")
@@ -127,38 +124,61 @@ class RecoveryLadder:
         if self.clip_cfg.adaptive == "on_incident" and not clip_armed and policy.arms_clip:
             plan.arm_clip = True
             plan.reasons.append("adaptive clipping enabled after the first incident")
+        wants_rollback = what.weights or what.runaway or self.consecutive > self.cfg.max_skips
+        if wants_rollback and not self._roll_back(plan, what, can_roll_back):
+            return plan  # given up
+        self._in_window(step, policy)
+        self._cut_lr(plan, policy, what, cause, wants_rollback, safe_factor)
+        return plan
 
+    def _count(self, policy: Cause) -> None:
+        """Count the incident in the streak (a fault that does not come back, after a healthy step, only if the next
+        step fails too)."""
+        if policy.counts_toward_rollback or self.consecutive or self.uncounted:
+            self.consecutive += 1 + self.uncounted  # (a fault that came back on the next step counts after all)
+            self.uncounted = 0
+        else:
+            self.uncounted = 1
+
+    def _roll_back(self, plan: Plan, what: Kind, can_roll_back: bool) -> bool:
+        """The rollback rung: roll back (one snapshot further back after a failed rollback), or give up when too
+        many rollbacks failed or bad weights have no snapshot to go back to. False when it gave up."""
         weights = what.weights
-        wants_rollback = weights or what.runaway or self.consecutive > self.cfg.max_skips
-        if wants_rollback:
-            if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:
-                plan.give_up = True
-                plan.reasons.append(
-                    f"{self.failed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
-                    f"{self.cfg.max_rollbacks})" if can_roll_back else "no known-good snapshot to roll back to")
-                return plan
-            plan.rollback = can_roll_back
-            # a rollback that did not help points at the snapshot: go one further back. Not for a one-off bad
-            # weight (a bit flip, an optimizer hiccup): the snapshot was fine, and an older one costs progress
-            plan.go_further_back = self.failed_rollbacks > 0 and not weights
-            self.failed_rollbacks += 1
-            self.consecutive = self.uncounted = 0
-            plan.skip_batches = self.cfg.skip_batches
-            plan.reasons.append("parameters are non-finite" if weights else
-                                "the loss is running away" if what.runaway else
-                                f"{self.cfg.max_skips} skipped step(s) did not help")
+        if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:
+            plan.give_up = True
+            plan.reasons.append(
+                f"{self.failed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
+                f"{self.cfg.max_rollbacks})" if can_roll_back else "no known-good snapshot to roll back to")
+            return False
+        plan.rollback = can_roll_back
+        # a rollback that did not help points at the snapshot: go one further back. Not for a one-off bad
+        # weight (a bit flip, an optimizer hiccup): the snapshot was fine, and an older one costs progress
+        plan.go_further_back = self.failed_rollbacks > 0 and not weights
+        self.failed_rollbacks += 1
+        self.consecutive = self.uncounted = 0
+        plan.skip_batches = self.cfg.skip_batches
+        plan.reasons.append("parameters are non-finite" if weights else
+                            "the loss is running away" if what.runaway else
+                            f"{self.cfg.max_skips} skipped step(s) did not help")
+        return True
 
+    def _in_window(self, step: int, policy: Cause) -> None:
+        """Remember the incident's step in the incident window (if its cause counts there); forget the older ones."""
         if policy.in_incident_window:
             self._recent.append(step)
             while self._recent and self._recent[0] <= step - self.cfg.incident_window:
                 self._recent.popleft()
+
+    def _cut_lr(self, plan: Plan, policy: Cause, what: Kind, cause: Optional[str], wants_rollback: bool,
+                safe_factor: Optional[float]) -> None:
+        """The LR rung: cut (by how much) or say why not, as the cause's ``lr_cut`` policy and the kind decide."""
         if policy.lr_cut == "never":
             if not policy.counts_toward_rollback and not self.consecutive:
                 plan.reasons.append(f"the cause ({cause}) calls for skipping the step and nothing else")
             elif cause is not None and (wants_rollback or self.consecutive == 1):
                 plan.reasons.append(f"no LR cut: the cause ({cause}) is not the learning rate")
-            return plan
-        by_rollback = wants_rollback and not weights and self.cfg.reduce_lr_on_rollback
+            return
+        by_rollback = wants_rollback and not what.weights and self.cfg.reduce_lr_on_rollback
         by_cause = policy.lr_cut in ("at_once", "sized") and (self.consecutive == 1 or what.runaway)
         by_runaway = what.runaway
         by_count = self.cfg.reduce_lr_after > 0 and len(self._recent) >= self.cfg.reduce_lr_after
@@ -176,7 +196,6 @@ class RecoveryLadder:
             plan.reasons.append(policy.lr_reason if by_cause else
                                 "a divergence, whatever its cause, runs at too high an LR" if by_runaway else
                                 "skipping did not help" if by_rollback else "repeated incidents")
-        return plan
 
     def must_roll_back(self, plan: Plan, can_roll_back: bool, reason: str) -> None:
         """The weights must go back to the newest snapshot, for ``reason``: the incident's step was applied (read

@@ -50,6 +50,35 @@ class _Saved:
         self.forward_cache: Any = None
         self.has_reset: Any = _UNSET
 
+    def keep(self, src: list[Tensor], dst: list[Tensor]) -> None:
+        """Back up the metric's state as it is now: its host fields at once, each tensor state as a (state, buffer)
+        pair appended to ``src``/``dst`` for the one batched copy; a buffer is reused while its state is the same
+        tensor, or one of the same shape, dtype and device."""
+        metric, state = self.metric, self.metric.__dict__
+        self.update_count = state.get("_update_count", 0)
+        self.forward_cache = state.get("_forward_cache")
+        self.has_reset = state.get("has_reset", _UNSET)
+        if self.lists:
+            self.lists.clear()
+        tensors = self.tensors
+        for attr in metric._defaults:
+            value = state.get(attr)
+            if value is None:
+                value = getattr(metric, attr)
+            buf, source = tensors.get(attr), self.sources.get(attr)
+            if buf is not None and source is not None and source is value:  # the same tensor as at the last arm()
+                src.append(source)
+                dst.append(buf)
+            elif isinstance(value, Tensor):
+                if (buf is None or buf.shape != value.shape or buf.dtype != value.dtype
+                        or buf.device != value.device):
+                    buf = tensors[attr] = torch.empty_like(value, memory_format=torch.contiguous_format)
+                self.sources[attr] = value
+                src.append(value)
+                dst.append(buf)
+            elif isinstance(value, list):
+                self.lists[attr] = list(value)
+
 
 class MetricUndo:
     """Back up the user's metrics at the start of each optimizer step; restore them when it is skipped.
@@ -69,54 +98,32 @@ class MetricUndo:
         """Back up every metric of the module and, given Lightning's result collection (``trainer._results``),
         every logged value in it. Tensors only, on their device: one batched copy, no sync."""
         self._results = results
-        metrics: list[Any] = self.metrics  # and, given results, the logged values: only Metric objects are kept
-        if results:
-            self._keys = set(results)
-            logged = list(results.values())
-            objects = [getattr(r, "value", None) for r in logged if not getattr(r, "is_tensor", True)]
-            metrics = [*metrics, *logged, *objects]
-        else:
-            self._keys = None if results is None else set()
+        self._keys = None if results is None else set(results)
         src: list[Tensor] = []
         dst: list[Tensor] = []
-        saved_by_id = self._saved
         live: dict[int, _Saved] = {}
-        for metric in metrics:
+        for metric in self._watched(results):
             key = id(metric)
             if key in live or not isinstance(metric, Metric):
                 continue
-            saved = saved_by_id.get(key)
+            saved = self._saved.get(key)
             if saved is None or saved.metric is not metric:
                 saved = _Saved(metric)
             live[key] = saved
-            state = metric.__dict__
-            saved.update_count = state.get("_update_count", 0)
-            saved.forward_cache = state.get("_forward_cache")
-            saved.has_reset = state.get("has_reset", _UNSET)
-            if saved.lists:
-                saved.lists.clear()
-            tensors = saved.tensors
-            for attr in metric._defaults:
-                value = state.get(attr)
-                if value is None:
-                    value = getattr(metric, attr)
-                buf, source = tensors.get(attr), saved.sources.get(attr)
-                if buf is not None and source is not None and source is value:  # the same tensor as at the last arm()
-                    src.append(source)
-                    dst.append(buf)
-                elif isinstance(value, Tensor):
-                    if (buf is None or buf.shape != value.shape or buf.dtype != value.dtype
-                            or buf.device != value.device):
-                        buf = tensors[attr] = torch.empty_like(value, memory_format=torch.contiguous_format)
-                    saved.sources[attr] = value
-                    src.append(value)
-                    dst.append(buf)
-                elif isinstance(value, list):
-                    saved.lists[attr] = list(value)
+            saved.keep(src, dst)
         self._saved = live
         if src:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
+
+    def _watched(self, results: Optional[dict]) -> list[Any]:
+        """The module's metrics and, given Lightning's result collection, the logged values and the metric objects
+        they hold (of which :meth:`arm` keeps the ``Metric`` objects only)."""
+        if not results:
+            return self.metrics
+        logged = list(results.values())
+        objects = [getattr(r, "value", None) for r in logged if not getattr(r, "is_tensor", True)]
+        return [*self.metrics, *logged, *objects]
 
     def undo(self) -> None:
         """Restore what :meth:`arm` backed up; forget the values of the skipped step."""
