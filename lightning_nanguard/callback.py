@@ -352,9 +352,9 @@ class NaNGuardBase:
         # several processes: every rank takes the same decision (one all-reduce per checkpoint): under sharding each
         # holds a different part, and the incident that follows is a collective on every rank (its account is
         # shared; a rollback of a DDP rank's share of the snapshots reads every rank)
-        sync = self._parts.ranks
-        if sync.distributed and sync.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
-            bad = [{"name": "(a shard on another rank)" if sync.sharded else "(a weight on another rank)"}]
+        ranks = self._parts.ranks
+        if ranks.distributed and ranks.any_rank(bool(bad), trainer.strategy.root_device) and not bad:
+            bad = [{"name": "(a shard on another rank)" if ranks.sharded else "(a weight on another rank)"}]
         if not bad:
             return
         # the checkpoint would carry non-finite state: restore known-good state and save that instead

@@ -157,10 +157,10 @@ def nonfinite_step(at: At, record: StepRecord, *, grads_were_finite: Optional[bo
                    check_inputs: bool, scaler: Optional[tuple[int, Optional[float]]] = None) -> Incident:
     """A step with non-finite evidence (or, DDP, ranks whose copies of the reduced gradient disagree and no rank
     has evidence of its own). Diagnosed before any state changes (the replay needs the weights and buffers of the
-    bad forward), skipped, its plan carried out at the step's end. A step judged late (not ``PENDING``) was skipped
+    bad forward), skipped, its plan carried out at the step's end. A step judged late (not ``ON_HOST``) was skipped
     on the device (else, applied, it is rolled back); its window replays on the weights it left, which are the ones
     it ran on when it was skipped. ``scaler``: 16-mixed, the GradScaler's overflow streak and scale."""
-    flags = record.evidence
+    flags = record.read_flags
     replica = record.replica is not None and not flags.local_bad
     base = "replica" if replica else flags.incident_kind()
     event = at.event(base)
@@ -173,7 +173,7 @@ def nonfinite_step(at: At, record: StepRecord, *, grads_were_finite: Optional[bo
     # the device, and the buffers hold the next step's writes already (nothing to look at after an applied update)
     flagged = base == "parameter"
     look = (Look.NOTHING if not (check_parameters or flagged) or record.update is UpdateStage.APPLIED and not flagged
-            else Look.PARAMETERS if record.update is not UpdateStage.PENDING and not flagged else Look.WEIGHTS)
+            else Look.PARAMETERS if record.update is not UpdateStage.ON_HOST and not flagged else Look.WEIGHTS)
     evidence = Evidence(window=record.window, grad_norm=flags.grad_norm, grads_were_finite=grads_were_finite,
                         only_gradients=not flags.local_bad, same_weights=record.update is not UpdateStage.APPLIED,
                         step_lrs=_lrs(record))
@@ -188,7 +188,7 @@ def divergence(at: At, record: StepRecord, found: dict, *, act: bool) -> Inciden
     """A finite loss (or gradient norm) running away (:mod:`.detect.divergence`), diagnosed. With ``act``
     (``check.divergence: act``) the step is skipped, and at its end the run rolls back to the newest snapshot from
     before the onset and the LR is cut as the cause allows (the ladder); else a warning."""
-    flags = record.evidence
+    flags = record.read_flags
     event = at.event("divergence")
     event.details.update(divergence=found, loss=flags.loss, grad_norm=flags.grad_norm,
                          lr=[float(lr) for lr in record.lrs])
@@ -208,7 +208,7 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
     climb the ladder (no rollback, no give-up); ``repeated`` (:data:`SPIKES_BEFORE_LR_CUT` within ``window`` steps)
     cuts the LR whatever the action. Judged late, the spike was skipped or clipped on the device already, by the
     same test; an LR cut applies from the step after it."""
-    flags = record.evidence
+    flags = record.read_flags
     event = at.event("spike")
     event.details.update(loss=flags.loss, loss_zscore=z, **{f"loss_{k}": v for k, v in test.items()},
                          grad_norm=flags.grad_norm, grad_norm_zscore=grad_norm_zscore)
@@ -233,7 +233,7 @@ def persistent_clipping(at: At, record: StepRecord, *, streak: int, threshold: O
     with the weights already drifting. The step is skipped, and at its end the run rolls back to the newest snapshot
     and cuts the LR, like an incident (a ``spike`` event: abnormal, still finite; it does not count towards the
     ladder's give-up). Judged late, the step was applied; the rollback undoes it."""
-    flags = record.evidence
+    flags = record.read_flags
     event = at.event("spike")
     event.details.update(reason=f"gradient norm clipped by the adaptive clip on {streak} consecutive steps",
                          grad_norm=flags.grad_norm, clip_threshold=threshold, loss=flags.loss)

@@ -7,7 +7,7 @@ incident replay), the learning rates it ran at, whether its loss was checked, th
 the vector is read. Everything after the read takes the record.
 
 :class:`UpdateStage` is a small state machine, as GradScaler's ``OptState``: a step judged at once
-(``check.sync: eager``) is ``PENDING``: the host skips its update (gradients set to None) and clips it. A step
+(``check.sync: eager``) is ``ON_HOST``: the host skips its update (gradients set to None) and clips it. A step
 judged one step late (``lagged``) ran already: ``ON_DEVICE`` when its optimizer honours the device skip flag
 (the update of a step flagged bad was skipped on the device, its clipping was done there), ``APPLIED`` when it
 cannot (a bad step was applied; only a rollback undoes it).
@@ -77,7 +77,7 @@ class Window:
 class UpdateStage(enum.Enum):
     """What can still be done about a judged step's update (module docstring)."""
 
-    PENDING = "pending"  # judged at once: the host skips and clips it
+    ON_HOST = "on_host"  # judged at once: the host skips and clips it
     ON_DEVICE = "on_device"  # judged late: skipped on the device where its flag said so, clipped there
     APPLIED = "applied"  # judged late, by an optimizer that cannot skip on the device: applied
 
@@ -95,8 +95,8 @@ class StepRecord:
     update: UpdateStage
     scaled: bool  # a GradScaler was active
     has_norm: bool  # its gradient norm was computed
-    params: list[Tensor] = field(default_factory=list)  # PENDING: the parameters the host skips and clips
-    norm: Optional[Tensor] = None  # PENDING: the norm tensor to clip with
+    params: list[Tensor] = field(default_factory=list)  # ON_HOST: the parameters the host skips and clips
+    norm: Optional[Tensor] = None  # ON_HOST: the norm tensor to clip with
     skip: Optional[Tensor] = None  # the device flag that skipped it (judged late; 0-dim float)
     limit: Optional[float] = None  # the clipping limit applied on the device (judged late)
     spike_limit: Optional[float] = None  # the limit applied instead to a loss spike (check.spike_action: clip)
@@ -110,12 +110,12 @@ class StepRecord:
         return self.window.batch_idx
 
     @property
-    def evidence(self) -> Any:
-        """Its evidence (:class:`~.detect.vector.StepFlags`), once read."""
+    def read_flags(self) -> Any:
+        """Its flags (:class:`~.detect.vector.StepFlags`), asserted read."""
         assert self.flags is not None, "the step's flags were not read yet"
         return self.flags
 
     @property
     def loss(self) -> Optional[float]:
         """The step's loss as read (None when its loss was not checked)."""
-        return self.evidence.loss if self.loss_checked else None
+        return self.read_flags.loss if self.loss_checked else None

@@ -70,7 +70,7 @@ class Responder:
         ctx = self._context(trainer, pl_module, incident)
         if incident.keeps_window and incident.evidence.window is not None:
             self.last_incident = (event, incident.evidence.window.copy())  # (the live window is cleared at step end)
-        if incident.undo_buffers_first and record is not None and record.update is UpdateStage.PENDING:
+        if incident.undo_buffers_first and record is not None and record.update is UpdateStage.ON_HOST:
             p.recovery.undo_buffers()  # before anything looks at the weights
         account = self._diagnose(trainer, pl_module, incident, ctx)
         if incident.detected_at is not None:
@@ -120,7 +120,7 @@ class Responder:
         record = incident.record
         found = None if incident.own_evidence is None else bool(ctx.param_findings) or incident.own_evidence
         account = share_incident(p.ranks, event, extra, record.local if record else None,
-                                 own_norm=record.evidence.grad_norm if record and incident.replica else None,
+                                 own_norm=record.read_flags.grad_norm if record and incident.replica else None,
                                  recomputed=recomputed, found=found, safe_factor=ctx.safe_factor)
         if p.ranks.distributed:  # the suggestion names where the chosen rank ran
             event.suggestion = suggest(event, event.cause)
@@ -177,12 +177,12 @@ class Responder:
     def _skip(self, record: StepRecord, skip: Skip) -> bool:
         """Keep the step's update from landing, where that is still possible; True when it does not land.
 
-        ``PENDING``: the host skips it (and undoes its buffer writes with ``undo_buffers``). ``ON_DEVICE``: a
+        ``ON_HOST``: the host skips it (and undoes its buffer writes with ``undo_buffers``). ``ON_DEVICE``: a
         decision the device ``mirrored`` (its skip flag is the host's test: an incident, a loss spike to skip)
         skipped it there already, and it is counted; any other decision came too late. ``APPLIED``: too late.
         """
         recovery = self.parts.recovery
-        if record.update is UpdateStage.PENDING:
+        if record.update is UpdateStage.ON_HOST:
             recovery.skip(record.params)
             if skip.undo_buffers:
                 recovery.undo_buffers()

@@ -18,7 +18,6 @@ The incident path itself is :class:`~lightning_nanguard.responder.Responder`.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
@@ -107,7 +106,7 @@ class StepFlow:
         device = params[0].device if params else torch.device("cpu")
         record = StepRecord(step=trainer.global_step, epoch=trainer.current_epoch, window=p.evidence.window,
                             lrs=[g["lr"] for g in optimizer.param_groups], loss_checked=p.evidence.loss_checked,
-                            optimizer=optimizer, update=UpdateStage.PENDING, scaled=scaler is not None,
+                            optimizer=optimizer, update=UpdateStage.ON_HOST, scaled=scaler is not None,
                             has_norm=norm is not None, params=params, log_step=logger_step(trainer))
         if self.lagged:
             self._stage(record, norm, device, scaler, grads)
@@ -151,7 +150,7 @@ class StepFlow:
                record: StepRecord) -> tuple[Outcome, Response]:
         """The step's outcome from its flags, and what its incidents did on the host."""
         p = self.parts
-        cfg, flags, loss = p.config, record.evidence, record.loss
+        cfg, flags, loss = p.config, record.read_flags, record.loss
         p.clipper.saw(flags.grad_norm)
         spike_z = None if flags.local_bad else p.losses.observe(loss)
         grads_bad = cfg.check.gradients and flags.grads_bad
@@ -167,7 +166,7 @@ class StepFlow:
             check_parameters=cfg.check.parameters, check_inputs=cfg.check.inputs != "off",
             scaler=(p.overflow.overflows, p.overflow.scale) if record.scaled else None)
         response = self.responder.respond(trainer, pl_module, found)
-        p.evidence.grads_were_finite = math.isfinite(flags.grad_norm) if cfg.check.gradients else None
+        p.evidence.judged(flags.grad_norm)
         return outcome, response
 
     def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord,
@@ -181,8 +180,8 @@ class StepFlow:
                 return Outcome.INCIDENT, response
             if response.skipped:
                 return Outcome.SKIPPED, response
-        p.evidence.grads_were_finite = True if p.config.check.gradients else None  # unchecked: unknown
-        p.recovery.judged_healthy()
+        p.evidence.judged(record.read_flags.grad_norm)  # (finite: checked, a healthy step's gradients are)
+        p.recovery.streak_over()
         outcome = Outcome.HEALTHY
         self._clip(record, response.clip_to)
         if record.has_norm and p.clipper.clipping_persists():
@@ -201,7 +200,7 @@ class StepFlow:
         """The incidents of a finite step, in order, each built only once the one before it let the step go on: a
         divergence (:mod:`.detect.divergence`; automatic optimization only: manual mixes one loss stream per
         optimizer), then a loss spike."""
-        p, flags = self.parts, record.evidence
+        p, flags = self.parts, record.read_flags
         check = p.config.check
         if getattr(pl_module, "automatic_optimization", True):
             found = p.divergence.observe(record.step, loss, flags.grad_norm)
@@ -222,8 +221,8 @@ class StepFlow:
     def _clip(self, record: StepRecord, clip_to: Optional[float]) -> None:
         """Clip a healthy step and learn its norm: on the host while its update is pending, else learn what the
         device applied (:meth:`_stage`)."""
-        flags, clipper = record.evidence, self.parts.clipper
-        if record.update is UpdateStage.PENDING:
+        flags, clipper = record.read_flags, self.parts.clipper
+        if record.update is UpdateStage.ON_HOST:
             clipper.clip(record.params, record.norm, flags.grad_norm, clip_to, record.step)
         elif record.has_norm:
             clipper.observe(flags.grad_norm, record.spike_limit if clip_to is not None else record.limit, record.step)

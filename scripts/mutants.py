@@ -228,7 +228,7 @@ MUTANTS: list[Mutant] = [
            "own_state_bad = False",
            "a snapshot keeps an inf Adam moment (frozen weights) instead of rolling back"),
     Mutant("snapshots", "snap-bn-not-undone-on-incident", RESPONDER,
-           'if record.update is UpdateStage.PENDING:\n'
+           'if record.update is UpdateStage.ON_HOST:\n'
            "            self.recovery.undo_buffers()",
            'if False:\n'
            "            self.recovery.undo_buffers()",
@@ -349,7 +349,7 @@ MUTANTS: list[Mutant] = [
            "check.spike_warmup is ignored (always 50)"),
     Mutant("spikes", "spike-skip-step-not-skipped", RESPONDER,
            "if self._skip(record, mirrored=True, undo_buffers=True):",
-           "if record.update is UpdateStage.PENDING and self.recovery.count_skip() is None or "
+           "if record.update is UpdateStage.ON_HOST and self.recovery.count_skip() is None or "
            "self._skip(record, mirrored=True, undo_buffers=True):",
            "check.spike_action: skip_step records (and counts) a skip but the optimizer still steps (eager: the "
            "host skip is the responder's _skip since issue 18)"),

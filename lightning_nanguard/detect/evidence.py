@@ -11,6 +11,7 @@ the step.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -40,7 +41,7 @@ class StepEvidence:
         weights: the parameter/buffer check (``check.parameters``).
         grads_were_finite: the gradients of the last judged step were finite (a non-finite parameter after
             finite gradients points at the optimizer); None when ``check.gradients`` is off (not known); set by
-            the guard once it has judged a step.
+            :meth:`judged` once the guard has judged a step.
     """
 
     def __init__(self, check: CheckConfig, keep_rng: bool = True) -> None:
@@ -105,6 +106,10 @@ class StepEvidence:
         (or gradients), and the incident path names it; one that no forward reads is found before the next
         snapshot, checkpoint or validation, and at the end of fit (``check.parameters``)."""
         return self.check.parameters and not (self.check.loss and self.check.gradients)
+
+    def judged(self, grad_norm: float) -> None:
+        """A step was judged (an incident, or healthy) with this gradient norm: :attr:`grads_were_finite`."""
+        self.grads_were_finite = math.isfinite(grad_norm) if self.check.gradients else None
 
     def after_step(self, module: nn.Module) -> None:
         """After an optimizer step: the weights changed since they were last checked. With

@@ -198,7 +198,7 @@ class Recovery:
         like any other, so that one that keeps failing gives up (:meth:`.RecoveryLadder.must_roll_back`)."""
         self._ladder.must_roll_back(plan, self.can_roll_back, reason)
 
-    def judged_healthy(self) -> None:
+    def streak_over(self) -> None:
         """A step was judged healthy: a streak of incidents is over."""
         self._ladder.healthy()
 
