@@ -98,7 +98,7 @@ class Incident:
     record: Optional[StepRecord] = None
     evidence: Evidence = field(default_factory=Evidence)
     look: Look = Look.NOTHING
-    look_at_inputs: bool = False  # where no weight explains it: the window's inputs
+    look_at_inputs: bool = False  # where no weight it looked at explains it: the window's inputs
     diagnose: bool = False
     anomaly: Optional[dict] = None  # the user's anomaly error, parsed: diagnosed from it instead
     history: bool = True  # the diagnosis and the report see the guard's norm and loss histories

@@ -13,6 +13,8 @@ from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
 from .detect.ranks import Ranks
 from .detect.spikes import LossWatch
+from .diagnose import dynamics
+from .diagnose.context import History
 from .diagnose.diagnoser import Diagnoser
 from .recover.clipping import Clipper
 from .recover.recovery import Recovery
@@ -54,6 +56,17 @@ class Parts:
         return cls(cfg, counters, StepEvidence(cfg.check, keep_rng=cfg.anomaly.mode != "off"), clipper, losses,
                    OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale), divergence, recovery,
                    Diagnoser(cfg.anomaly, counters), Recorder(cfg.logging, counters, name))
+
+    def history(self) -> History:
+        """The guard's memory of the steps before an incident, for its diagnosis and report. Called on every rank at
+        the same point of an incident (each trigger is agreed across ranks), so it may issue a collective: the
+        snapshots' module norms, which the diagnosis reads from a sharded store (:meth:`.Recovery.prepare_reference`).
+        """
+        recovery = self.recovery
+        recovery.prepare_reference(dynamics.norms)
+        return History(list(self.clipper.history), self.clipper.history_end, recovery.lr_cut_step,
+                       list(self.losses.history), lambda step: recovery.reference_norms(step, dynamics.norms),
+                       self.config.clip.norm_type)
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
         """The guard's scalars (tags below ``nanguard/``): counts, LR scale, the last gradient norm (and the

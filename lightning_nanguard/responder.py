@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from .causes import cause as cause_entry, suggest
-from .detect.find import find_batch_nonfinite
+from . import incident as incidents
 from .account import Account, recompute_reduced_norm, share_incident
+from .causes import cause as cause_entry, suggest
 from .detect.placement import whereabouts
-from .diagnose import dynamics
-from .diagnose.context import History, IncidentContext
+from .diagnose.context import IncidentContext
 from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
 from .events import NaNEvent
-from . import incident as incidents
-from .incident import Act, At, Incident, Look, Planning, Response, Skip, kind_of
+from .incident import Act, At, Incident, Look, Planning, Response, kind_of
 from .parts import Parts
 from .record import StepRecord, UpdateStage, Window
 from .recover.ladder import Plan
@@ -89,17 +87,10 @@ class Responder:
         return response
 
     def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> IncidentContext:
-        """The diagnosis' context of ``incident``. Called on every rank at the same point of an incident (each
-        trigger is agreed across ranks), so it may issue a collective: the snapshots' module norms, which the
-        diagnosis reads from a sharded store (:meth:`.Recovery.prepare_reference`)."""
-        p = self.parts
-        if not incident.history:
-            return p.diagnoser.context(trainer, pl_module, incident.event, incident.evidence)
-        recovery = p.recovery
-        recovery.prepare_reference(dynamics.norms)
-        history = History(list(p.clipper.history), p.clipper.history_end, recovery.lr_cut_step, list(p.losses.history),
-                          lambda step: recovery.reference_norms(step, dynamics.norms), p.config.clip.norm_type)
-        return p.diagnoser.context(trainer, pl_module, incident.event, incident.evidence, history)
+        """The diagnosis' context of ``incident``: its evidence, and the guard's history where it reads one
+        (:meth:`.Parts.history`, which may issue a collective: every rank calls this at the same point)."""
+        history = self.parts.history() if incident.history else None
+        return self.parts.diagnoser.context(trainer, pl_module, incident.event, incident.evidence, history)
 
     def _diagnose(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident,
                   ctx: IncidentContext) -> Account:
@@ -128,19 +119,15 @@ class Responder:
 
     def _look(self, pl_module: "pl.LightningModule", incident: Incident, ctx: IncidentContext) -> None:
         """The non-finite weights (``incident.look``) or else inputs behind ``incident``, and the kind they make it
-        (:func:`.incident.kind_of`); syncs: incident only."""
-        if incident.look is not Look.NOTHING:
-            findings = self.parts.evidence.weights.find(pl_module)
-            if incident.look is Look.PARAMETERS:
-                names = {n for n, _ in pl_module.named_parameters()}
-                findings = [f for f in findings if f["name"] in names]
-            ctx.param_findings = findings
-        if incident.look_at_inputs and not ctx.param_findings:
-            ctx.input_findings = [dict(f, micro_batch=i) for i, (b, _) in enumerate(ctx.batches)
-                                  for f in find_batch_nonfinite(b)]
-        looked = ctx.param_findings if incident.look is not Look.NOTHING else []
-        incident.event.kind = kind_of(incident.event.kind, looked, {n for n, _ in pl_module.named_buffers()},
-                                      ctx.input_findings)
+        (:func:`.incident.kind_of`)."""
+        looked = incident.look is not Look.NOTHING
+        weights, inputs = self.parts.evidence.nonfinite_behind(
+            pl_module, ctx.batches, weights=looked, parameters_only=incident.look is Look.PARAMETERS,
+            inputs=incident.look_at_inputs)
+        if looked:
+            ctx.param_findings = weights
+        ctx.input_findings = inputs
+        incident.event.kind = kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
 
     def _plan(self, incident: Incident, account: Account) -> Optional[Plan]:
         recovery, event = self.parts.recovery, incident.event
@@ -156,13 +143,14 @@ class Responder:
         return incident.plan
 
     def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> Response:
-        """Keep the step's update from landing where the incident says so (:meth:`_skip`; too late: the plan rolls
-        it back), and clip: this step (a loss spike's ``clip_to``), or the steps after a step incident (the plan's
-        ``arm_clip``)."""
+        """Keep the step's update from landing where the incident says so (:meth:`.Recovery.keep_from_landing`; too
+        late: the plan rolls it back), and clip: this step (a loss spike's ``clip_to``), or the steps after a step
+        incident (the plan's ``arm_clip``)."""
         p, event, record = self.parts, incident.event, incident.record
         response = Response(queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
         if incident.skip is not None and record is not None:
-            response.skipped = self._skip(record, incident.skip)
+            response.skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,
+                                                            undo_buffers=incident.skip.undo_buffers)
             if response.skipped:
                 event.add_action("skip_step")
             elif incident.skip.applied_rolls_back and plan is not None:  # too late to skip: undo it
@@ -173,24 +161,6 @@ class Responder:
         if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():
             event.add_action("clip")
         return response
-
-    def _skip(self, record: StepRecord, skip: Skip) -> bool:
-        """Keep the step's update from landing, where that is still possible; True when it does not land.
-
-        ``ON_HOST``: the host skips it (and undoes its buffer writes with ``undo_buffers``). ``ON_DEVICE``: a
-        decision the device ``mirrored`` (its skip flag is the host's test: an incident, a loss spike to skip)
-        skipped it there already, and it is counted; any other decision came too late. ``APPLIED``: too late.
-        """
-        recovery = self.parts.recovery
-        if record.update is UpdateStage.ON_HOST:
-            recovery.skip(record.params)
-            if skip.undo_buffers:
-                recovery.undo_buffers()
-            return True
-        if record.update is UpdateStage.ON_DEVICE and skip.mirrored:
-            recovery.count_skip()
-            return True
-        return False
 
     # ----------------------------------------------------------------------------------------------- acting
 

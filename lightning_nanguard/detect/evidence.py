@@ -23,6 +23,7 @@ from ..record import Window, rng_state
 from ..tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
+from .find import find_batch_nonfinite
 from .kernels import dense_nonfinite_flag
 from .ranks import Ranks
 from .vector import SCHEMA, StepFlags
@@ -106,6 +107,19 @@ class StepEvidence:
         (or gradients), and the incident path names it; one that no forward reads is found before the next
         snapshot, checkpoint or validation, and at the end of fit (``check.parameters``)."""
         return self.check.parameters and not (self.check.loss and self.check.gradients)
+
+    def nonfinite_behind(self, module: nn.Module, batches: Sequence[tuple[Any, int]], *, weights: bool,
+                         parameters_only: bool, inputs: bool) -> tuple[list[dict], list[dict]]:
+        """What holds the non-finite values behind an incident (syncs: incident only): the ``weights`` (only the
+        parameters with ``parameters_only``), and where none is, with ``inputs``, the floating tensors of the
+        micro-``batches`` (each finding with its ``micro_batch``)."""
+        found = self.weights.find(module) if weights else []
+        if parameters_only:
+            names = {n for n, _ in module.named_parameters()}
+            found = [f for f in found if f["name"] in names]
+        batch = [dict(f, micro_batch=i) for i, (b, _) in enumerate(batches) for f in find_batch_nonfinite(b)] \
+            if inputs and not found else []
+        return found, batch
 
     def judged(self, grad_norm: float) -> None:
         """A step was judged (an incident, or healthy) with this gradient norm: :attr:`grads_were_finite`."""

@@ -21,6 +21,7 @@ from ..console import say
 from ..counters import Counters
 from ..detect.placement import replicates
 from ..layouts import load_module_state
+from ..record import StepRecord, UpdateStage
 from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
 from .lr import common_ratio, current_lrs, reference_lrs, scale_lr
@@ -208,6 +209,23 @@ class Recovery:
         """Skip this optimizer step (parameters and optimizer state untouched)."""
         skip_step(params)
         self.counters.add("skipped_steps")
+
+    def keep_from_landing(self, record: StepRecord, *, mirrored: bool, undo_buffers: bool) -> bool:
+        """Keep a judged step's update from landing, where that is still possible; True when it does not land.
+
+        ``ON_HOST``: the host skips it (and undoes its buffer writes with ``undo_buffers``). ``ON_DEVICE``: a
+        decision the device ``mirrored`` (its skip flag is the host's test: an incident, a loss spike to skip)
+        skipped it there already, and it is counted; any other decision came too late. ``APPLIED``: too late.
+        """
+        if record.update is UpdateStage.ON_HOST:
+            self.skip(record.params)
+            if undo_buffers:
+                self.undo_buffers()
+            return True
+        if record.update is UpdateStage.ON_DEVICE and mirrored:
+            self.count_skip()
+            return True
+        return False
 
     def count_skip(self) -> None:
         """A step skipped by the optimizer itself, on the device (its device flag)."""
