@@ -110,7 +110,6 @@ class Incident:
     plan: Optional[Plan] = None  # Planning.GIVEN
     rollback_before: Optional[int] = None  # Planning.LADDER: to a snapshot at or before this step
     reason: str = ""  # Planning.ROLL_BACK: why
-    undo_buffers_first: bool = False  # undo the step's buffer writes before anything looks at the weights
     skip: Optional[Skip] = None
     clip_to: Optional[float] = None  # clip the step to this norm, and arm adaptive clipping
     keeps_window: bool = False  # the newest step incident: a fit that ends inside its streak reruns it
@@ -180,7 +179,7 @@ def nonfinite_step(at: At, record: StepRecord, *, grads_were_finite: Optional[bo
     if scaler is not None:
         evidence.scaler_overflows, evidence.grad_scale = scaler
     return Incident(event, Act.STEP_END, record, evidence, look=look, look_at_inputs=check_inputs, diagnose=True,
-                    share=True, replica=replica, planning=Planning.LADDER, undo_buffers_first=True,
+                    share=True, replica=replica, planning=Planning.LADDER,
                     skip=Skip(mirrored=True, undo_buffers=False, applied_rolls_back=True), keeps_window=True)
 
 

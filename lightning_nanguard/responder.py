@@ -19,7 +19,7 @@ from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, su
 from .events import NaNEvent
 from .incident import Act, At, Incident, Look, Planning, Response, kind_of
 from .parts import Parts
-from .record import StepRecord, UpdateStage, Window
+from .record import StepRecord, Window
 from .recover.ladder import Plan
 from .report.recorder import logger_step
 from .report.render import ReportText
@@ -62,14 +62,12 @@ class Responder:
 
     def respond(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> Response:
         """Run ``incident`` through the skeleton (module docstring); returns what was done."""
-        p, event, record = self.parts, incident.event, incident.record
+        event = incident.event
         if incident.act is Act.RESTORE:
             return self._restore(trainer, pl_module, incident)
         ctx = self._context(trainer, pl_module, incident)
         if incident.keeps_window and incident.evidence.window is not None:
             self.last_incident = (event, incident.evidence.window.copy())  # (the live window is cleared at step end)
-        if incident.undo_buffers_first and record is not None and record.update is UpdateStage.ON_HOST:
-            p.recovery.undo_buffers()  # before anything looks at the weights
         account = self._diagnose(trainer, pl_module, incident, ctx)
         if incident.detected_at is not None:
             event.details["detected_at"] = incident.detected_at

@@ -161,6 +161,8 @@ class StepFlow:
             return self._healthy(trainer, pl_module, record, loss, spike_z)
         if outcome is not Outcome.INCIDENT:
             return outcome, Response()
+        if record.update is UpdateStage.ON_HOST:  # its bad forward's buffer writes, before anything reads the weights
+            p.recovery.undo_buffers()  # (judged late, the device undid them where it skipped the step)
         found = incidents.nonfinite_step(
             self.responder.at(trainer, record), record, grads_were_finite=p.evidence.grads_were_finite,
             check_parameters=cfg.check.parameters, check_inputs=cfg.check.inputs != "off",
