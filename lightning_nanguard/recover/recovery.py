@@ -162,7 +162,7 @@ class Recovery:
     def unfinished(self) -> bool:
         """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
         snapshot after healthy training (and the guard has not given up). Only then can the weights at the end
-        of fit be suspect (:meth:`~lightning_nanguard.responder.Responder.unfinished_recovery` decides)."""
+        of fit be suspect (:meth:`~lightning_nanguard.fit_end.FitEnd.unfinished` decides)."""
         return not self.stopped and (self._ladder.consecutive > 0 or self._ladder.failed_rollbacks > 0)
 
     @property
