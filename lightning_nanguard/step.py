@@ -278,8 +278,7 @@ class StepFlow:
         if outcome is Outcome.STAGED:
             self._after_staged(trainer, pl_module)
         elif response.queued:
-            self.responder.finish(trainer, pl_module)
-            if not p.recovery.stopped:  # weights can go bad during a skipped step too
+            if not self.responder.finish(trainer, pl_module).stopped:  # weights can go bad during a skipped step too
                 p.evidence.after_step(pl_module)
         elif outcome is Outcome.HEALTHY:
             self._after_healthy(trainer, pl_module)
