@@ -213,8 +213,7 @@ class Responder:
         self._record(trainer, event, ctx, account.extra)
         report = p.recorder.report_path(event)
         if plan.give_up:
-            restored = event.details.get("restored_step")
-            bad = [] if restored is not None else p.evidence.weights.find(pl_module)
+            bad = [] if response.rolled_back else p.evidence.weights.find(pl_module)  # (restored: finite)
             self.left_nonfinite = bool(bad)
             stop_or_raise(trainer, cfg.on_give_up,
                           give_up_message(event, p.counters["incidents"], rollbacks, bad, str(report)))
