@@ -102,12 +102,12 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
     ("lightning_nanguard.detect.spikes", "SPIKE_ALPHA",
      "the decay per step of the spike test's mean and variance after its warm-up (an EMA with a memory of about 50 "
      "steps: the baseline follows a falling loss)",
-     "part of the spike test the healthy corpus holds with (no spike, with `PEAK_SHARE` and `PEAK_DECAY`); the "
-     "sensitivity users set is `check.spike_z`, the warm-up `check.spike_warmup` (the gradient norm's decay, "
-     "`clip.ema_alpha`, is a key of the ZClip method)"),
+     "the healthy corpus of tests/test_healthy_corpus.py holds with it (no spike, with `PEAK_SHARE` and "
+     "`PEAK_DECAY`); the sensitivity users set is `check.spike_z`, the warm-up `check.spike_warmup` (the "
+     "gradient norm's decay, `clip.ema_alpha`, is a key of the ZClip method)"),
     ("lightning_nanguard.detect.spikes", "SPIKE_REL_FLOOR",
-     "the spike test's spread is at least this share of |mean|: an almost constant loss (full-batch training, a "
-     "converged run) does not turn a 1% wobble into a spike",
+     "the spike test's spread is at least this share of the mean's magnitude: an almost constant loss "
+     "(full-batch training, a converged run) does not turn a 1% wobble into a spike",
      "a floor for a loss without spread, not a sensitivity (`check.spike_z`'s help names it; the sensitivity is "
      "`check.spike_z`)"),
     ("lightning_nanguard.detect.spikes", "ZSCORE_MIN_HISTORY",
