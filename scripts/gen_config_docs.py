@@ -54,6 +54,26 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
      "the LR (a `spike` event)",
      "at `clip.z_threshold` 2.5 a healthy run clips about 1% of its steps, one at a time: this many in a row is a "
      "divergence that clipping slows but does not stop; `clip.adaptive` and `clip.z_threshold` are the keys"),
+    ("lightning_nanguard.recover.clipping", "AGC_EPS",
+     "AGC's smallest unit weight norm: a unit's gradient is clipped to `clip.agc_clip_factor` times the larger of "
+     "its weight norm and this",
+     "AGC's own constant (NFNets, and timm's `adaptive_clip_grad`): it keeps a zero-initialised layer learning "
+     "instead of clipping its gradients to nothing; the factor is the key `clip.agc_clip_factor`"),
+    ("lightning_nanguard.recover.clipping", "NORM_HISTORY",
+     "healthy gradient norms kept: the baseline of the diagnosis' z-score and trend of the gradient norm "
+     "(`grad_norm_zscore`, `grad_norm_trend`) and of a loss spike's cause",
+     "the diagnosis' evidence, not a detector: an incident's norm against a few hundred healthy steps; the "
+     "statistics that detect and clip are set by keys (`clip.ema_alpha`, `clip.warmup_steps`)"),
+    ("lightning_nanguard.recover.clipping", "DIVERGING_Z",
+     "snapshots wait while the latest gradient norm's z-score is above this many times `clip.z_threshold` (the "
+     "norm is running away: finite is not known-good)",
+     "a multiple of the key `clip.z_threshold`: twice the clip's threshold is a norm the clip no longer "
+     "explains; how often snapshots are taken is `recovery.snapshot_every`"),
+    ("lightning_nanguard.recover.clipping", "DIVERGING_WINDOW",
+     "the latest healthy gradient norms in which snapshots also wait for a geometric growth (the last "
+     "`TREND_STEPS` averaging `TREND_RATIO` times the rest)",
+     "a recent window: a growth of the last steps defers a snapshot, an old one of the run's history does not; "
+     "the snapshots' spacing is the key `recovery.snapshot_every`"),
     ("lightning_nanguard.recover.ladder", "LARGEST_CUT",
      "the smallest factor of one LR cut sized from the diagnosis (its `safe_lr`, when that is below "
      "`recovery.divergence_lr_factor`)",
@@ -65,6 +85,12 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
      "its first value)",
      "it tells a runaway from a recovery after a dip, whatever the run; the streak itself is set by keys "
      "(`check.divergence_growth`, `check.divergence_steps`, `check.divergence_factor`)"),
+    ("lightning_nanguard.detect.divergence", "BLOWUP_STEPS",
+     "the loss blow-up rule: the last steps at each of which the loss grew `g**2`-fold (`g`: "
+     "`check.divergence_growth`), ending `RECORD_FACTOR**2` times every loss before them",
+     "it catches a run that goes from healthy to NaN in three steps, before the streak of the other rules "
+     "(`check.divergence_steps`) can complete: shorter than that streak by design, and stricter (squared growth, "
+     "squared record); the growth is the key `check.divergence_growth`"),
     ("lightning_nanguard.detect.spikes", "PEAK_SHARE",
      "the spike test's spread is at least this share of how far the highest recent loss rose above the mean "
      "(the spread learns the heavy tail of per-batch losses)",
@@ -73,6 +99,40 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
     ("lightning_nanguard.detect.spikes", "PEAK_DECAY",
      "the decay per step of that peak: the memory of a heavy tail, about 1,000 steps",
      "measured on the same corpus (a hard batch once an epoch of up to a few hundred batches stays learned)"),
+    ("lightning_nanguard.detect.spikes", "SPIKE_ALPHA",
+     "the decay per step of the spike test's mean and variance after its warm-up (an EMA with a memory of about 50 "
+     "steps: the baseline follows a falling loss)",
+     "the healthy corpus of tests/test_healthy_corpus.py holds with it (no spike, with `PEAK_SHARE` and "
+     "`PEAK_DECAY`); the sensitivity users set is `check.spike_z`, the warm-up `check.spike_warmup` (the "
+     "gradient norm's decay, `clip.ema_alpha`, is a key of the ZClip method)"),
+    ("lightning_nanguard.detect.spikes", "SPIKE_REL_FLOOR",
+     "the spike test's spread is at least this share of the mean's magnitude: an almost constant loss "
+     "(full-batch training, a converged run) does not turn a 1% wobble into a spike",
+     "a floor for a loss without spread, not a sensitivity (`check.spike_z`'s help names it; the sensitivity is "
+     "`check.spike_z`)"),
+    ("lightning_nanguard.detect.spikes", "ZSCORE_MIN_HISTORY",
+     "finite gradient norms the healthy history needs before the diagnosis measures an incident's norm against it "
+     "(`grad_norm_zscore`)",
+     "fewer give no spread to measure against: a property of the statistic, not of a run (the threshold on it is "
+     "`GRAD_NORM_Z`)"),
+    ("lightning_nanguard.detect.spikes", "TREND_STEPS",
+     "the last gradient norms of a history whose mean `norm_growth` compares with the earlier ones' (the "
+     "diagnosis' `grad_norm_trend`, a loss spike's cause, the snapshots' wait)",
+     "with `TREND_RATIO`, the signature of gradient norms growing geometrically, far from healthy noise; the "
+     "divergence detector that acts on a growth is set by keys (`check.divergence_growth`, "
+     "`check.divergence_steps`)"),
+    ("lightning_nanguard.detect.spikes", "TREND_RATIO",
+     "how many times the earlier norms' mean the last `TREND_STEPS` norms must average to be a growth",
+     "an order of magnitude within a few steps is not noise, whatever the run; the divergence detector's own "
+     "growth is the key `check.divergence_growth`"),
+    ("lightning_nanguard.diagnose.rules", "GRAD_NORM_Z",
+     "an incident's gradient norm this many standard deviations above the healthy history's names an exploding "
+     "gradient (cause `exploding_gradient`, `grad_norm_zscore`)",
+     _DIAGNOSIS + " (the adaptive clip's z-score is the key `clip.z_threshold`, the spike test's `check.spike_z`)"),
+    ("lightning_nanguard.diagnose.rules", "EXTREME_FEATURE_RATIO",
+     "an input feature column (last dim) whose abs-max is this many times the median column's is badly scaled "
+     "data, which explains an overflow or precision finding (`extreme_features`)",
+     _DIAGNOSIS),
     ("lightning_nanguard.diagnose.dynamics", "INIT_RATIO",
      "a weight whose RMS is this many times 1/sqrt(fan_in), at fit start and now, was initialised wrongly "
      "(cause `initialization`: give up at once)",
@@ -87,6 +147,11 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
      "what a sane LR moves the weights by (SGD: up to their size in the first steps; adaptive: 1% to 10% of "
      "their RMS): a property of optimizers, not of a run; how hard to cut otherwise is "
      "`recovery.divergence_lr_factor`"),
+    ("lightning_nanguard.diagnose.dynamics", "WEIGHT_RMS_FLOOR",
+     "the smallest weight RMS a relative update is measured against (a param group of zero-initialised "
+     "parameters): the LR rule and `safe_lr`",
+     "a bound on a computed value, not a choice: against a zero or tiny weight norm any step is absurdly large "
+     "and names the LR (the cause's threshold is `RELATIVE_UPDATE_LR`)"),
     ("lightning_nanguard.diagnose.dynamics", "WEIGHT_GROWTH",
      "weights that grew this many times since the reference snapshot: the relative update is measured with the "
      "reference step's own gradient, not the onset's",
@@ -95,12 +160,22 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
      "per-layer gradient RMS this many times larger on the input side than on the output side is a gradient "
      "exploding through depth (cause `exploding_gradient`)",
      _DIAGNOSIS),
+    ("lightning_nanguard.diagnose.dynamics", "LAYER_TREND",
+     "the rank correlation of depth and log gradient RMS that such a growth needs: a consistent trend through "
+     "depth, not two odd layers",
+     _DIAGNOSIS),
+    ("lightning_nanguard.diagnose.dynamics", "LAYER_COUNT",
+     "weight layers (of 2 or more dims, with a gradient) that such a growth needs",
+     _DIAGNOSIS),
     ("lightning_nanguard.diagnose.dynamics", "ACTIVATION_GROWTH",
      "module outputs of the replayed forward growing this many times over a chain of weight layers is an "
      "activation explosion (cause `exploding_gradient`)",
      _DIAGNOSIS),
     ("lightning_nanguard.diagnose.dynamics", "ACTIVATION_CHAIN",
      "consecutive weight layers, each at least doubling the abs-max, that such a chain needs",
+     _DIAGNOSIS),
+    ("lightning_nanguard.diagnose.dynamics", "ACTIVATION_STEP",
+     "the growth of the abs-max at each layer of such a chain",
      _DIAGNOSIS),
     ("lightning_nanguard.diagnose.dynamics", "SHORT_GROWTH",
      "per-step growth of the gradient norm that counts towards a short growth (cause `exploding_gradient`) and "

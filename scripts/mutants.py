@@ -1100,7 +1100,7 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: 'When adaptive clipping acts on 10 consecutive steps' the step is skipped, rolled "
            "back and the LR cut (a spike event); here only on the 11th"),
     Mutant("clipping", "doc-clip-agc-eps", CLIPPING,
-           "eps: float = 1e-3,", "eps: float = 1e-6,",
+           "eps: float = AGC_EPS,", "eps: float = 1e-6,",
            "docs/recovery.md (AGC): every unit keeps ||g_row|| <= factor * max(||w_row||, 1e-3); here zero or "
            "tiny weights (a zero-initialised layer) get their gradients clipped to almost nothing"),
     # ------------------------------------------------------------------ checkpoints and the end of fit

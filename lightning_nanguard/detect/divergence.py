@@ -37,10 +37,13 @@ import math
 from collections import deque
 from typing import Any, Optional
 
-__all__ = ["DivergenceWatch", "RECORD_FACTOR", "growth_streak"]
+__all__ = ["DivergenceWatch", "RECORD_FACTOR", "BLOWUP_STEPS", "growth_streak"]
 
 # the last value of a growth streak must be this many times every value before the streak
 RECORD_FACTOR = 10.0
+# the loss blow-up rule: the loss grew g**2-fold at each of this many last steps (and ends RECORD_FACTOR**2 times
+# every loss before them)
+BLOWUP_STEPS = 2
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -125,10 +128,10 @@ class DivergenceWatch:
             return None
         rule = None
         fast = self.growth ** 2
-        before = max([self.loss_max] + losses[:-3])
+        before = max([self.loss_max] + losses[:-(BLOWUP_STEPS + 1)])
         if growth_streak(losses, self.growth) >= self.steps and losses[-1] >= RECORD_FACTOR * self.loss_max:
             rule = "loss_growth"
-        elif (self.seen >= self.steps + 3 and growth_streak(losses, fast) >= 2
+        elif (self.seen >= self.steps + 3 and growth_streak(losses, fast) >= BLOWUP_STEPS
               and losses[-1] >= RECORD_FACTOR ** 2 * before):
             rule = "loss_blowup"
         elif (growth_streak(norms, self.growth) >= self.steps and norms[-1] >= RECORD_FACTOR * self.norm_max
@@ -140,7 +143,7 @@ class DivergenceWatch:
             return None
         self.streak_latched = True  # one event per streak: the next needs a step without growth first
         self.latched = self.latched or bool(self.above)  # and the same episode is not reported again as far above
-        first = -3 if rule == "loss_blowup" else 0
+        first = -(BLOWUP_STEPS + 1) if rule == "loss_blowup" else 0
         steps, losses, norms = steps[first:], losses[first:], norms[first:]
         evidence = {"rule": rule, "steps": steps, "losses": losses, "grad_norms": norms, "onset_step": steps[0],
                     "onset_loss": losses[0], "onset_grad_norm": norms[0], "growth": self.growth}

@@ -19,7 +19,17 @@ from typing import Any, Iterable, Optional, Sequence
 
 from torch import Tensor
 
-__all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore", "PEAK_SHARE", "PEAK_DECAY"]
+__all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore", "PEAK_SHARE", "PEAK_DECAY",
+           "SPIKE_ALPHA", "SPIKE_REL_FLOOR", "ZSCORE_MIN_HISTORY", "TREND_STEPS", "TREND_RATIO"]
+
+# a z-score against a history (:func:`history_zscore`) needs this many finite values: fewer give no spread to
+# measure against
+ZSCORE_MIN_HISTORY = 5
+# :func:`norm_growth`: the last this many gradient norms of a history ...
+TREND_STEPS = 5
+# ... averaging this many times the earlier ones are a divergence under way (gradient norms growing
+# geometrically), the diagnosis' grad_norm_trend and the snapshots' wait (:meth:`.Clipper.diverging`)
+TREND_RATIO = 10.0
 
 
 class RunningStats:
@@ -88,7 +98,7 @@ class RunningStats:
         self._m2 = float(state.get("m2", self.var * self.count))
 
 
-def history_zscore(value: float, history: Sequence[float], min_count: int = 5) -> Optional[float]:
+def history_zscore(value: float, history: Sequence[float], min_count: int = ZSCORE_MIN_HISTORY) -> Optional[float]:
     """z-score of ``value`` against the exact statistics of a history (None with fewer than ``min_count``
     finite values, for a non-finite ``value``, or for a history without spread, e.g. all-zero gradient norms:
     any other value would be 1e12 standard deviations away)."""
@@ -98,7 +108,8 @@ def history_zscore(value: float, history: Sequence[float], min_count: int = 5) -
     return stats.zscore(value)
 
 
-def norm_growth(history: Sequence[float], recent: int = 5, ratio: float = 10.0) -> Optional[tuple[float, float]]:
+def norm_growth(history: Sequence[float], recent: int = TREND_STEPS,
+                ratio: float = TREND_RATIO) -> Optional[tuple[float, float]]:
     """``(recent_mean, earlier_mean)`` when the last ``recent`` finite values average more than ``ratio``
     times the earlier ones (the signature of a divergence: gradient norms growing geometrically), else None.
     Zeros are left out: steps without gradients (a frozen start) give no scale to grow from."""
@@ -119,6 +130,12 @@ PEAK_SHARE = 0.5
 # the peak's decay per step: the memory of a heavy tail, ~1,000 steps (a hard batch once every epoch of up to
 # a few hundred batches stays learned); measured on tests/healthy_runs.py's corpus (tests/test_healthy_corpus.py)
 PEAK_DECAY = 0.999
+# the decay per step of the spike test's mean and variance once warmed up (an EMA with a memory of ~50 steps:
+# the baseline follows a falling loss); the healthy corpus above holds no spike with it
+SPIKE_ALPHA = 0.98
+# the spike test's spread is at least this share of |mean|: an almost constant loss (full-batch training, a
+# converged run) does not turn a 1% wobble into a spike (check.spike_z's help names it)
+SPIKE_REL_FLOOR = 0.01
 
 
 class SpikeDetector:
@@ -131,9 +148,9 @@ class SpikeDetector:
 
     The spread (:meth:`spread`) is the largest of:
 
-    - the standard deviation of the EMA (decay ``alpha``; exact over the warm-up);
-    - ``rel_floor * |mean|``, so that an almost constant loss (full-batch training, a converged run) does not
-      turn a 1% wobble into a spike;
+    - the standard deviation of the EMA (decay ``alpha``, :data:`SPIKE_ALPHA`; exact over the warm-up);
+    - ``rel_floor * |mean|`` (:data:`SPIKE_REL_FLOOR`), so that an almost constant loss (full-batch training, a
+      converged run) does not turn a 1% wobble into a spike;
     - ``PEAK_SHARE`` of :attr:`peak`, how far the highest recent loss rose above the mean (decaying by
       ``PEAK_DECAY`` per step; a capped spike counts up to the threshold), so that the heavy right tail of
       per-batch losses (batches of a few samples, a hard batch every epoch) widens the test instead of firing
@@ -143,8 +160,8 @@ class SpikeDetector:
     spike of 1e12 standard deviations): the warm-up starts again from the next loss.
     """
 
-    def __init__(self, z_threshold: float = 6.0, warmup: int = 50, alpha: float = 0.98,
-                 rel_floor: float = 0.01) -> None:
+    def __init__(self, z_threshold: float = 6.0, warmup: int = 50, alpha: float = SPIKE_ALPHA,
+                 rel_floor: float = SPIKE_REL_FLOOR) -> None:
         if z_threshold <= 0:
             raise ValueError(f"z_threshold must be > 0, got {z_threshold!r}")
         self.z_threshold = float(z_threshold)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..dtensors import local
 
 __all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "WEIGHT_GROWTH", "LAYER_GROWTH",
-           "ACTIVATION_GROWTH", "SHORT_GROWTH",
+           "LAYER_TREND", "LAYER_COUNT", "ACTIVATION_GROWTH", "ACTIVATION_STEP", "SHORT_GROWTH", "WEIGHT_RMS_FLOOR",
            "expected_scale", "fan_in", "InitialScales", "norms", "oversized", "relative_update", "layer_growth",
            "activation_growth", "short_growth", "growth_onset", "growth_rate", "edge_lr", "EDGE_MARGIN"]
 
@@ -46,8 +46,14 @@ SAFE_RELATIVE_UPDATE = {"sgd": 1.0, "adaptive": 0.05}
 # gradient, taken on those grown weights, cannot be measured against the reference's
 WEIGHT_GROWTH = 10.0
 LAYER_GROWTH = 100.0  # per-layer gradient RMS, input side over output side
+LAYER_TREND = 0.8  # ... with a consistent trend: the rank correlation of depth and log-RMS at least this
+LAYER_COUNT = 4  # ... over at least this many weight layers (of 2 or more dims)
 ACTIVATION_GROWTH = 1e3  # abs-max growth over a chain of weight layers in one forward pass
-ACTIVATION_CHAIN = 4  # consecutive weight layers, each at least doubling the abs-max
+ACTIVATION_CHAIN = 4  # consecutive weight layers, each growing the abs-max ...
+ACTIVATION_STEP = 2.0  # ... this many times or more (the output's over the previous layer's, or over its input)
+# the relative update of a param group whose weights' RMS is below this (zero-initialised parameters) is measured
+# against this RMS instead: against their own (tiny, or 0: no measure at all) any step would be absurdly large
+WEIGHT_RMS_FLOOR = 1e-3
 SHORT_GROWTH = 2.0  # per-step growth of the gradient norm ...
 SHORT_GROWTH_STEPS = 2  # ... over this many consecutive steps (the incident's own norm included if finite)
 # an LR cut sized from the growth rate aims this many times below the edge of stability: room for the sharpness
@@ -205,7 +211,7 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
             current = norms(p for p in params if reference is None or names.get(id(p)) not in reference)
             w = math.sqrt(sum(v * v for v in known + current))
             n = sum(local(p).numel() for p in params)  # norms of local shards: their elements
-            w = max(w, math.sqrt(n) * 1e-3)  # zero-initialised parameters: compare to a small but non-zero scale
+            w = max(w, math.sqrt(n) * WEIGHT_RMS_FLOOR)  # zero-initialised parameters: a small, non-zero scale
             if not w > 0:
                 continue  # NaN weights, or no elements at all
             if _sgd_like(group):
@@ -235,11 +241,11 @@ def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: flo
 
 def layer_growth(module: nn.Module, ratio: float = LAYER_GROWTH) -> Optional[dict[str, Any]]:
     """Per-layer gradient RMS (weights of 2 or more dims, in registration order, i.e. from the input side)
-    growing from the output side towards the input side by ``ratio`` or more, over 4 or more layers with a
-    consistent trend (rank correlation of depth and log-RMS >= 0.8): the signature of gradients exploding
-    through depth. Needs finite gradients; None otherwise."""
+    growing from the output side towards the input side by ``ratio`` or more, over :data:`LAYER_COUNT` (4) or more
+    layers with a consistent trend (rank correlation of depth and log-RMS >= :data:`LAYER_TREND`, 0.8): the
+    signature of gradients exploding through depth. Needs finite gradients; None otherwise."""
     named = [(n, p) for n, p in module.named_parameters() if p.dim() >= 2 and p.grad is not None]
-    if len(named) < 4:
+    if len(named) < LAYER_COUNT:
         return None
     grads = norms(p.grad for _, p in named)  # type: ignore[misc]  # not None: named keeps those with a gradient
     rms = [_rms(g, local(p).numel()) for (_, p), g in zip(named, grads)]
@@ -248,7 +254,7 @@ def layer_growth(module: nn.Module, ratio: float = LAYER_GROWTH) -> Optional[dic
     q = max(len(rms) // 4, 1)
     first, last = sum(rms[:q]) / q, sum(rms[-q:]) / q
     rho = _rank_correlation([-i for i in range(len(rms))], [math.log(r) for r in rms])
-    if first < ratio * last or rho < 0.8:
+    if first < ratio * last or rho < LAYER_TREND:
         return None
     return {"layers": [n for n, _ in named], "grad_rms": rms, "input_side_over_output_side": first / last,
             "rank_correlation": rho}
@@ -272,9 +278,9 @@ def _rank_correlation(a: list[float], b: list[float]) -> float:
 
 def activation_growth(rows: Sequence[dict], module: nn.Module) -> Optional[dict[str, Any]]:
     """Module outputs of a replayed forward pass (frame rows in call order, up to the first non-finite one)
-    whose abs-max grows at least 2x at each of :data:`ACTIVATION_CHAIN` or more consecutive weight layers
-    (leaf modules holding a 2-D+ weight), by :data:`ACTIVATION_GROWTH` in all: activations exploding through
-    depth."""
+    whose abs-max grows :data:`ACTIVATION_STEP` (2) times or more at each of :data:`ACTIVATION_CHAIN` or more
+    consecutive weight layers (leaf modules holding a 2-D+ weight), by :data:`ACTIVATION_GROWTH` in all:
+    activations exploding through depth."""
     layers = []
     for row in rows:
         try:
@@ -290,10 +296,10 @@ def activation_growth(rows: Sequence[dict], module: nn.Module) -> Optional[dict[
     best: list[dict] = []
     run: list[dict] = []
     for row in layers:
-        if run and out(row) >= 2 * out(run[-1]):
+        if run and out(row) >= ACTIVATION_STEP * out(run[-1]):
             run.append(row)
         else:
-            run = [row] if row["in_abs_max"] > 0 and out(row) >= 2 * row["in_abs_max"] else []
+            run = [row] if row["in_abs_max"] > 0 and out(row) >= ACTIVATION_STEP * row["in_abs_max"] else []
         if len(run) > len(best):
             best = list(run)
     if len(best) < ACTIVATION_CHAIN:

@@ -70,9 +70,15 @@ from ..tree import iter_tensors
 from . import domain, dynamics, replay
 from .context import IncidentContext
 
-__all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT"]
+__all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT", "GRAD_NORM_Z", "EXTREME_FEATURE_RATIO"]
 
 TRANSIENT = "transient"  # the cause of a fault whose replay (same batch, weights, RNG state) is clean
+# the incident's gradient norm this many standard deviations above the healthy history's is an exploding
+# gradient (rule 4d, grad_norm_zscore)
+GRAD_NORM_Z = 6.0
+# an input feature column (last dim) whose abs-max is this many times the median column's is badly scaled data:
+# it explains an overflow or precision finding (rule 4b, extreme_features)
+EXTREME_FEATURE_RATIO = 1e6
 
 def diagnose(ctx: IncidentContext) -> str:
     """Fill the event's diagnosis fields from the evidence; return extra report text (may be empty).
@@ -338,7 +344,7 @@ def _history_cause(ctx: IncidentContext) -> str:
         details["grad_norm_trend"] = {"recent_mean": growth[0], "earlier_mean": growth[1]}
         return "exploding_gradient"
     z = details.get("grad_norm_zscore")
-    return "exploding_gradient" if z is not None and z > 6 else "unknown"
+    return "exploding_gradient" if z is not None and z > GRAD_NORM_Z else "unknown"
 
 
 def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
@@ -460,7 +466,7 @@ def _judged_at_op(details: dict, op: Optional[dict], f64: Optional[dict]) -> Opt
     return "domain"
 
 
-def _extreme_features(batches: list[Any], ratio: float = 1e6, limit: int = 10) -> list[dict]:
+def _extreme_features(batches: list[Any], ratio: float = EXTREME_FEATURE_RATIO, limit: int = 10) -> list[dict]:
     """Feature columns (last dim) whose abs-max is ``ratio`` times the median column's: normalise these."""
     out = []
     for batch in batches:

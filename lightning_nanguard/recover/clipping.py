@@ -26,11 +26,23 @@ from ..counters import Counters
 from ..detect.spikes import RunningStats, norm_growth
 from ..layouts import is_strided, warn_once
 
-__all__ = ["ZClip", "Clipper", "adaptive_grad_clip_", "unitwise_norms", "CLIPS_BEFORE_LR_CUT"]
+__all__ = ["ZClip", "Clipper", "adaptive_grad_clip_", "unitwise_norms", "CLIPS_BEFORE_LR_CUT", "AGC_EPS",
+           "NORM_HISTORY", "DIVERGING_Z", "DIVERGING_WINDOW"]
 
 # consecutive steps clipped by the adaptive (z-score) clip that roll back and cut the LR: at z=2.5 a healthy
 # run clips ~1% of its steps, one at a time; a run whose every step needs clipping diverges, only more slowly
 CLIPS_BEFORE_LR_CUT = 10
+# AGC: a unit's gradient is clipped to clip.agc_clip_factor times its weight norm, or times this where the weight
+# norm is smaller (a zero-initialised layer still learns: its gradients are not clipped to nothing)
+AGC_EPS = 1e-3
+# healthy gradient norms kept (Clipper.history): the baseline of the diagnosis' z-score and trend of the gradient
+# norm (grad_norm_zscore, grad_norm_trend) and of a spike's cause
+NORM_HISTORY = 200
+# Clipper.diverging (snapshots wait): the latest gradient norm's z-score above this many times clip.z_threshold ...
+DIVERGING_Z = 2.0
+# ... or the last DIVERGING_WINDOW healthy norms growing geometrically (:func:`~.spikes.norm_growth`: the last 5
+# average more than 10 times the 20 before them)
+DIVERGING_WINDOW = 25
 
 
 class ZClip:
@@ -101,7 +113,7 @@ def unitwise_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor
 
 
 @torch.no_grad()
-def adaptive_grad_clip_(params: Iterable[Tensor], clip_factor: float = 0.01, eps: float = 1e-3,
+def adaptive_grad_clip_(params: Iterable[Tensor], clip_factor: float = 0.01, eps: float = AGC_EPS,
                         norm_type: float = 2.0) -> None:
     """Unit-wise adaptive gradient clipping, in place: scale every unit's gradient down to at most
     ``clip_factor * max(||w_unit||, eps)``. Units within the bound are left bitwise unchanged.
@@ -142,7 +154,7 @@ class Clipper:
         zclip: the adaptive clip's running statistics (part of every snapshot).
         armed: adaptive (z-score) clipping is on: from the start (``clip.adaptive: always``), or since
             :meth:`arm` (the first incident, or a loss spike with ``check.spike_action: clip``).
-        history: the last 200 healthy gradient norms (for the diagnosis).
+        history: the last :data:`NORM_HISTORY` (200) healthy gradient norms (for the diagnosis).
         history_end: the step of the newest of them (None: not known, e.g. none yet).
         last_norm: the gradient norm of the latest step, healthy or not.
 
@@ -154,7 +166,7 @@ class Clipper:
         self.counters = counters
         self.zclip = ZClip(cfg.z_threshold, cfg.ema_alpha, cfg.warmup_steps)
         self.armed = cfg.adaptive == "always"
-        self.history: deque[float] = deque(maxlen=200)
+        self.history: deque[float] = deque(maxlen=NORM_HISTORY)
         self.history_end: Optional[int] = None
         self.last_norm = math.nan
 
@@ -244,8 +256,8 @@ class Clipper:
         """Is the gradient norm growing geometrically, or far above its statistics? (Snapshots wait: finite
         is not known-good, and a snapshot of a run on its way to NaN is a rollback target that cannot help.)"""
         z = self.zclip.zscore(self.last_norm)
-        far_above = z is not None and z > 2 * self.zclip.z_threshold
-        return far_above or norm_growth(list(self.history)[-25:]) is not None
+        far_above = z is not None and z > DIVERGING_Z * self.zclip.z_threshold
+        return far_above or norm_growth(list(self.history)[-DIVERGING_WINDOW:]) is not None
 
     def state_dict(self) -> dict[str, Any]:
         return {"zclip": self.zclip.state_dict(), "armed": self.armed, "history": list(self.history),
