@@ -29,6 +29,10 @@ PKG = "lightning_nanguard/"
 CALLBACK = PKG + "callback.py"
 STEP = PKG + "step.py"
 RESPONDER = PKG + "responder.py"  # was incidents.py
+INCIDENT = PKG + "incident.py"  # the incident builders and kind_of (issue 25; were Responder methods)
+FIT_END = PKG + "fit_end.py"  # the end of fit (issue 25; was in callback.py and responder.py)
+PARTS = PKG + "parts.py"  # the parts bundle (issue 25; the parts were built in callback.py)
+ENDINGS = PKG + "endings.py"  # give-up and hardware texts, stop_or_raise (issue 25; were in responder.py)
 CONFIG = PKG + "config.py"
 EVENTS = PKG + "events.py"  # was report/events.py: NaNEvent and the kind table
 CAUSE_TABLE = PKG + "causes.py"  # the cause table (was diagnose/suggestions.py)
@@ -52,6 +56,7 @@ CLIPPING = PKG + "recover/clipping.py"
 CKPT = PKG + "recover/checkpoint.py"
 RULES = PKG + "diagnose/rules.py"  # was diagnose/causes.py
 DIAGNOSER = PKG + "diagnose/diagnoser.py"
+FINAL_WEIGHTS = PKG + "diagnose/final_weights.py"  # the end-of-fit rerun (issue 25; was in responder.py)
 SINKS = PKG + "report/sinks.py"
 RECORDER = PKG + "report/recorder.py"
 PROGRESS = PKG + "report/progress.py"
@@ -95,14 +100,15 @@ MUTANTS: list[Mutant] = [
            'if self.check.inputs == "always":', "if False:",
            "check.inputs: always does not check the batch every step"),
     Mutant("detection", "det-params-after-healthy-step", STEP,
-           "self.recovery.healthy_step()\n        self.evidence.after_step(pl_module)",
-           "self.recovery.healthy_step()",
+           "p.recovery.healthy_step()\n"
+           "        p.evidence.after_step(pl_module)",
+           "p.recovery.healthy_step()",
            "parameters written non-finite by a healthy step are never flagged"),
-    Mutant("detection", "det-params-at-train-end", CALLBACK,
-           'if bad:\n'
-           '            self._responder.parameter_incident(trainer, pl_module, where="train_end")',
-           'if False:\n'
-           '            self._responder.parameter_incident(trainer, pl_module, where="train_end")',
+    Mutant("detection", "det-params-at-train-end", FIT_END,
+           "elif bad:\n"
+           '            self.responder.bad_weights(trainer, pl_module, "train_end")',
+           "elif False:\n"
+           '            self.responder.bad_weights(trainer, pl_module, "train_end")',
            "a parameter fault at the last step is not caught at train end (non-finite weights left)"),
     Mutant("detection", "det-params-before-validation", CALLBACK,
            "if self._recovery.stopped:\n            return\n        bad = self._evidence.state_bad(consume=True)",
@@ -166,16 +172,16 @@ MUTANTS: list[Mutant] = [
     Mutant("ladder", "lad-confirm-after-ignored", RECOVERY,
            "every = min(every, self.cfg.confirm_after)", "every = self.cfg.snapshot_every",
            "recovery.confirm_after is ignored: a rollback is confirmed only at the next snapshot_every"),
-    Mutant("ladder", "lad-give-up-no-stop", RESPONDER,
-           'trainer.should_stop = True\n'
-           '        say(trainer, "[nanguard] " + message)',
+    Mutant("ladder", "lad-give-up-no-stop", ENDINGS,
+           "trainer.should_stop = True\n"
+           '    say(trainer, "[nanguard] " + message)',
            'say(trainer, "[nanguard] " + message)',
            "on_give_up: stop does not stop the Trainer"),
-    Mutant("ladder", "lad-give-up-raise-ignored", RESPONDER,
-           'if self.config.recovery.on_give_up == "raise":',
+    Mutant("ladder", "lad-give-up-raise-ignored", ENDINGS,
+           'if on_give_up == "raise":',
            "if False:",
-           "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up and non-finite weights "
-           "at fit start share _stop_or_raise now)"),
+           "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up, non-finite weights at fit "
+           "start and after a stop share endings.stop_or_raise now)"),
     Mutant("ladder", "lad-give-up-restores-nothing", RECOVERY,
            'if self.store:\n'
            "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
@@ -228,10 +234,8 @@ MUTANTS: list[Mutant] = [
            "own_state_bad = False",
            "a snapshot keeps an inf Adam moment (frozen weights) instead of rolling back"),
     Mutant("snapshots", "snap-bn-not-undone-on-incident", RESPONDER,
-           'if record.update is UpdateStage.ON_HOST:\n'
-           "            self.recovery.undo_buffers()",
-           'if False:\n'
-           "            self.recovery.undo_buffers()",
+           "if incident.undo_buffers_first and record is not None and record.update is UpdateStage.ON_HOST:",
+           "if False:",
            "a skipped step keeps the BatchNorm statistics its bad forward pass wrote"),
     Mutant("snapshots", "snap-does-not-confirm", RECOVERY,
            "self._ladder.snapshot_taken()",
@@ -242,8 +246,8 @@ MUTANTS: list[Mutant] = [
            "while len(self.ring) >= self.keep:", "while len(self.ring) > self.keep:",
            "recovery.keep_snapshots + 1 snapshots are kept (memory/disk bound exceeded)"),
     Mutant("snapshots", "snap-while-diverging", STEP,
-           "if self.recovery.snapshot_due() and not self.clipper.diverging() and",
-           "if self.recovery.snapshot_due() and",
+           "if p.recovery.snapshot_due() and not p.clipper.diverging() and",
+           "if p.recovery.snapshot_due() and",
            "a snapshot is taken while the gradient norm runs away (a rollback target that cannot help)"),
 
     # ------------------------------------------------------------------------------------------------ lr
@@ -310,7 +314,7 @@ MUTANTS: list[Mutant] = [
            "        if norm is not None:",
            "clip.agc_clip_factor is ignored"),
     Mutant("clipping", "clip-norm-type-ignored", STEP,
-           "Ranks.for_trainer(trainer, self.config.clip.norm_type, check.replicas,",
+           "Ranks.for_trainer(trainer, p.config.clip.norm_type, check.replicas,",
            "Ranks.for_trainer(trainer, 2.0, check.replicas,",
            "clip.norm_type is ignored (always the 2-norm)"),
     Mutant("clipping", "clip-zclip-z-ignored", CLIPPING,
@@ -330,8 +334,8 @@ MUTANTS: list[Mutant] = [
            "self.armed = False",
            "clip.adaptive: always waits for a first incident (whether adaptive clipping is armed is the "
            "clipper's since issue 18, was the ladder's adaptive_clip)"),
-    Mutant("clipping", "clip-streak-no-rollback", RESPONDER,
-           "plan = Plan(rollback=self.recovery.can_roll_back, reduce_lr=True",
+    Mutant("clipping", "clip-streak-no-rollback", INCIDENT,
+           "plan = Plan(rollback=can_roll_back, reduce_lr=True",
            "plan = Plan(rollback=False, reduce_lr=True",
            "persistent adaptive clipping cuts the LR but does not roll back the drifted weights"),
 
@@ -339,28 +343,30 @@ MUTANTS: list[Mutant] = [
     Mutant("spikes", "spike-two-sided", SPIKES,
            "return z if z > self.z_threshold else None", "return z if abs(z) > self.z_threshold else None",
            "a sudden drop of the loss counts as a spike"),
-    Mutant("spikes", "spike-z-ignored", CALLBACK,
+    Mutant("spikes", "spike-z-ignored", PARTS,
            "LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)",
            "LossWatch(cfg.check.spike_action, 6.0, cfg.check.spike_warmup)",
            "check.spike_z is ignored"),
-    Mutant("spikes", "spike-warmup-ignored", CALLBACK,
+    Mutant("spikes", "spike-warmup-ignored", PARTS,
            "LossWatch(cfg.check.spike_action, cfg.check.spike_z, cfg.check.spike_warmup)",
            "LossWatch(cfg.check.spike_action, cfg.check.spike_z, 50)",
            "check.spike_warmup is ignored (always 50)"),
     Mutant("spikes", "spike-skip-step-not-skipped", RESPONDER,
-           "if self._skip(record, mirrored=True, undo_buffers=True):",
-           "if record.update is UpdateStage.ON_HOST and self.recovery.count_skip() is None or "
-           "self._skip(record, mirrored=True, undo_buffers=True):",
+           "response.skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,",
+           "response.skipped = incident.skip.mirrored and incident.skip.undo_buffers and record.update is "
+           "UpdateStage.ON_HOST and p.recovery.count_skip() is None or p.recovery.keep_from_landing(record, "
+           "mirrored=incident.skip.mirrored,",
            "check.spike_action: skip_step records (and counts) a skip but the optimizer still steps (eager: the "
-           "host skip is the responder's _skip since issue 18)"),
-    Mutant("spikes", "spike-skip-step-bn-kept", RESPONDER,
-           "if self._skip(record, mirrored=True, undo_buffers=True):",
-           "if self._skip(record, mirrored=True, undo_buffers=False):",
+           "host skip is Recovery.keep_from_landing since issue 25, called from Responder._skip_and_clip; a spike "
+           "to skip is the only incident whose Skip is mirrored and undoes buffers)"),
+    Mutant("spikes", "spike-skip-step-bn-kept", INCIDENT,
+           'skip=Skip(mirrored=True, undo_buffers=True) if action == "skip_step" else None',
+           'skip=Skip(mirrored=True, undo_buffers=False) if action == "skip_step" else None',
            "a spike skipped with skip_step keeps the BatchNorm statistics of the spiking batch"),
     Mutant("spikes", "spike-action-off-ignored", SPIKES,
            "if loss is None or not self.enabled:", "if loss is None:",
            "check.spike_action: off still records spike events"),
-    Mutant("spikes", "spike-repeated-no-cut", RESPONDER,
+    Mutant("spikes", "spike-repeated-no-cut", INCIDENT,
            'if action == "reduce_lr" or repeated:',
            'if action == "reduce_lr":',
            "repeated spikes within incident_window no longer cut the LR"),
@@ -385,14 +391,13 @@ MUTANTS: list[Mutant] = [
            "data_explained = False",
            "an overflow from badly scaled input features is blamed on exploding gradients"),
     Mutant("diagnosis", "diag-input-kind-not-set", RESPONDER,
-           'event.kind = "input"\n'
-           "        with self.evidence.activations.paused():",
-           'pass\n'
-           "        with self.evidence.activations.paused():",
-           "a NaN input is reported as a loss incident (and climbs the ladder like one)"),
-    Mutant("diagnosis", "diag-inputs-off-ignored", RESPONDER,
-           'elif cfg.check.inputs != "off":',
-           "else:",
+           "kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)",
+           "kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()})",
+           "a NaN input is reported as a loss incident (and climbs the ladder like one); the input findings are "
+           "still reported (since issue 25 the kind is decided once, incident.kind_of, from Responder._look)"),
+    Mutant("diagnosis", "diag-inputs-off-ignored", STEP,
+           'check_parameters=cfg.check.parameters, check_inputs=cfg.check.inputs != "off",',
+           "check_parameters=cfg.check.parameters, check_inputs=True,",
            "check.inputs: off still inspects the batch on an incident"),
     Mutant("diagnosis", "diag-anomaly-off-still-replays", DIAGNOSER,
            'ctx.replay = (self.cfg.mode != "off" and self.counters["replays"] < self.cfg.max_replays',
@@ -405,7 +410,7 @@ MUTANTS: list[Mutant] = [
            "float64_check=self.cfg.float64_check", "float64_check=True",
            "anomaly.float64_check: false still reruns the replay in float64"),
     Mutant("diagnosis", "diag-diverging-not-passed", RECOVERY,
-           "can_roll_back=self.can_roll_back, cause=event.cause,",
+           "can_roll_back=self.can_roll_back, cause=cause,",
            "can_roll_back=self.can_roll_back, cause=None,",
            "the incident's diagnosed cause is not passed to the ladder: an exploding_gradient or learning_rate "
            "diagnosis no longer cuts the LR on the first incident, and actions stop following the cause (since "
@@ -589,15 +594,15 @@ MUTANTS: list[Mutant] = [
            "two named guards share one state_key: their checkpoint state collides"),
     # ------------------------------------------------------------------------------------------ divergence
     # (issue 13: a finite run running away; a few only, the rules themselves change often)
-    Mutant("divergence", "div-warn-acts", RESPONDER,
-           'if self.config.check.divergence == "warn":',
-           "if False:",
+    Mutant("divergence", "div-warn-acts", STEP,
+           'act=check.divergence != "warn")',
+           "act=True)",
            "check.divergence: warn skips, rolls back and cuts the LR like act"),
     Mutant("divergence", "div-rollback-before-onset-ignored", RECOVERY,
            "while plan.rollback_before is not None and", "while False and plan.rollback_before is not None and",
            "a divergence rolls back to the newest snapshot even if it was taken after the growth began"),
     Mutant("divergence", "div-snapshot-while-growing", STEP,
-           " and not self.divergence.growing()", "",
+           " and not p.divergence.growing()", "",
            "a snapshot is taken while the loss grows towards a divergence (a rollback target that cannot help)"),
     Mutant("divergence", "div-no-cut-causes-cut", LADDER,
            'if policy.lr_cut == "never":',
@@ -621,19 +626,19 @@ MUTANTS: list[Mutant] = [
            "setattr(metric, attr, list(items))", "pass",
            "list states (a CatMetric, AUROC's preds) keep the skipped step's items"),
     Mutant("metrics", "met-given-up-hidden", STEP,
-           "if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not self.recovery.stopped:",
+           "if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not p.recovery.stopped:",
            "if outcome in (Outcome.INCIDENT, Outcome.SKIPPED):",
            "after giving up, the failed steps are hidden from the logs (EarlyStopping never sees the run fail)"),
     # recovery.restore_at_end (snapshots)
-    Mutant("snapshots", "snap-end-restore-key-ignored", CALLBACK,
-           "elif self.config.recovery.restore_at_end:", "elif True:",
+    Mutant("snapshots", "snap-end-restore-key-ignored", FIT_END,
+           "elif p.config.recovery.restore_at_end:", "elif True:",
            "recovery.restore_at_end: false still restores the newest snapshot at fit end"),
     # (issue 20: the end of fit restores only suspect weights)
-    Mutant("snapshots", "snap-end-skipped-incidents-not-restored", RESPONDER,
+    Mutant("snapshots", "snap-end-skipped-incidents-not-restored", FINAL_WEIGHTS,
            "suspect = final is not False and snapshot is not True",
            "suspect = False",
            "a fit ending inside a streak of incidents that the final weights reproduce keeps the broken weights"),
-    Mutant("snapshots", "snap-end-batch-fault-restored", RESPONDER,
+    Mutant("snapshots", "snap-end-batch-fault-restored", FINAL_WEIGHTS,
            "suspect = final is not False and snapshot is not True",
            "suspect = final is not False",
            "a fit ending on NaN steps that are the batch's fault (NaN on the snapshot's weights too) throws "
@@ -643,12 +648,12 @@ MUTANTS: list[Mutant] = [
            "found = found or False",
            "finite gradients whose total norm overflows do not count as reproduced at the end: a fit ending on "
            "such incidents keeps the broken weights"),
-    Mutant("snapshots", "snap-end-param-rollback-restored", RESPONDER,
+    Mutant("snapshots", "snap-end-param-rollback-restored", FINAL_WEIGHTS,
            "if recovery.unconfirmed_rollbacks > 0 and diverging:",
            "if recovery.unconfirmed_rollbacks > 0:",
            "the healthy steps after a rollback (of a one-off bad parameter, of a NaN streak) are thrown away at "
            "fit end while the rollback is unconfirmed"),
-    Mutant("snapshots", "snap-end-divergence-not-restored", RESPONDER,
+    Mutant("snapshots", "snap-end-divergence-not-restored", FINAL_WEIGHTS,
            "if recovery.unconfirmed_rollbacks > 0 and diverging:",
            "if False:",
            "a fit ending while the loss runs away again after an unconfirmed rollback keeps the diverging weights"),
@@ -659,8 +664,8 @@ MUTANTS: list[Mutant] = [
            "optimizer.found_inf = skip", "pass",
            "lagged: a fused optimizer is not told to skip on the device: the bad step is applied"),
     Mutant("sync", "sync-rollback-keeps-step-under-way", STEP,
-           "return current and (self.recovery.stopped or rolled_back and not self.recovery.kept_step)",
-           "return current and self.recovery.stopped",
+           "return outcome, current and (done.stopped or done.rolled_back and not done.kept_step)",
+           "return outcome, current and done.stopped",
            "lagged: a rollback read one step late lets the step under way apply gradients of the discarded weights"),
     Mutant("sync", "sync-no-flush-at-train-end", CALLBACK,
            "-> None:\n        self._flow.flush(trainer, pl_module)", "-> None:\n        pass",
@@ -677,7 +682,7 @@ MUTANTS: list[Mutant] = [
            "b.copy_(torch.where(skip.to(b.device).bool(), b, self._backup[n]))",
            "lagged: the device buffer undo restores BatchNorm statistics of healthy steps and keeps a skipped one's"),
     Mutant("sync", "sync-metrics-not-settled", STEP,
-           "self.recovery.settle_metrics(skipped=flagged)", "self.recovery.settle_metrics(skipped=False)",
+           "p.recovery.settle_metrics(skipped=flagged)", "p.recovery.settle_metrics(skipped=False)",
            "lagged: a device-skipped step's list states and update counts stay in the user's metrics"),
 
     # ---------------------------------------------------------------------------------------------- compat
@@ -711,10 +716,11 @@ MUTANTS: list[Mutant] = [
     Mutant("compat", "compat-user-anomaly-mode-dropped", DIAGNOSER,
            "torch.autograd.set_detect_anomaly(*before)", "torch.autograd.set_detect_anomaly(False)",
            "a diagnosis turns the user's own anomaly mode (Trainer(detect_anomaly=True)) off for the rest of the fit"),
-    Mutant("detection", "det-weights-not-read-on-incident", RESPONDER,
-           'ctx.param_findings = self._weight_findings(pl_module, event.kind == "parameter", record)',
-           "ctx.param_findings = []",
-           "a NaN weight read by the forward is reported as a loss incident and skipped, not named and rolled back"),
+    Mutant("detection", "det-weights-not-read-on-incident", INCIDENT,
+           "record, evidence, look=look, look_at_inputs=check_inputs,",
+           "record, evidence, look=Look.NOTHING, look_at_inputs=check_inputs,",
+           "a NaN weight read by the forward is reported as a loss incident and skipped, not named and rolled back "
+           "(since issue 25 incident.nonfinite_step says which weights Responder._look looks at)"),
     Mutant("detection", "det-weights-not-checked-every-step", EVIDENCE,
            "return self.check.parameters and not (self.check.loss and self.check.gradients)", "return False",
            "with check.loss or check.gradients off, a bad update is not caught at the next step"),
@@ -723,19 +729,19 @@ MUTANTS: list[Mutant] = [
     # (cited in its breaks text), without reading the tests.
     # ------------------------------------------------------------------ sync: check.sync lagged / auto
     Mutant("sync", "doc-lagged-event-step-number", RESPONDER,
-           "return NaNEvent(step=record.step, epoch=record.epoch,",
-           "return NaNEvent(step=trainer.global_step, epoch=record.epoch,",
+           "return At.of(record, whereabouts(trainer))",
+           "return At(trainer.global_step, record.epoch, record.batch_idx, record.log_step, whereabouts(trainer))",
            "docs/performance.md (check.sync table): a lagged step is judged one step later 'with the step's own "
            "number, epoch and batches'; here its event carries the step number of the step that read the flags "
            "(one too many)"),
-    Mutant("sync", "doc-lagged-replays-next-window", RESPONDER,
-           '        window = record.window\n'
-           "        ctx = self._context(trainer, pl_module, event, record, window=window,",
-           '        window = self.evidence.window\n'
-           "        ctx = self._context(trainer, pl_module, event, record, window=window,",
+    Mutant("sync", "doc-lagged-replays-next-window", STEP,
+           "record.window = record.window.copy()  # the evidence's window is the next step's by the time it is "
+           "judged",
+           "pass",
            "docs/performance.md: a lagged step is judged 'with its own ... batches': here its replay and input "
            "findings look at the batches of the step under way instead (a NaN input of the lagged step is not "
-           "named, kind is not 'input')"),
+           "named, kind is not 'input'); since issue 25 the incident reads record.window, so the bug is the staged "
+           "record keeping the live window (StepFlow._stage) instead of its copy"),
     Mutant("sync", "doc-lagged-found-inf-not-set", AMP,
            "        optimizer.found_inf = skip\n        return True", "        return True",
            "docs/performance.md: with lagged reads a bad step is skipped on the device ('the skip flag is the "
@@ -747,35 +753,35 @@ MUTANTS: list[Mutant] = [
            "docs/performance.md: lagged clipping (clip.max_norm, adaptive, a clip spike) is 'compared on the "
            "device with the same limit: the same gradients, bitwise'; given bare grad tensors "
            "clip_grads_with_norm_ silently clips nothing"),
-    Mutant("sync", "doc-lagged-event-lrs-of-next-step", RESPONDER,
+    Mutant("sync", "doc-lagged-event-lrs-of-next-step", INCIDENT,
            'event.details["lr"] = [float(lr) for lr in record.lrs]',
            'event.details["lr"] = [float(g["lr"]) for g in record.optimizer.param_groups]',
            "docs/performance.md: a lagged step is judged one step later with its own step's evidence; here "
            "details.lr of its incident holds the learning rates at the read (after a per-step scheduler moved "
            "them), not those the bad step ran with"),
     Mutant("sync", "doc-lagged-metrics-not-undone-on-device", STEP,
-           "self.recovery.undo_metrics_where(staged.skip)", "pass",
+           "p.recovery.undo_metrics_where(staged.skip)", "pass",
            "docs/performance.md: a lagged bad step's 'user's metric states' are 'restored on the device "
            "(torch.where on the skip flag)'; here a torchmetrics state keeps the skipped step's update"),
     Mutant("sync", "doc-lagged-buffers-not-undone-on-device", STEP,
-           "self.recovery.undo_buffers_where(staged.skip)", "pass",
+           "p.recovery.undo_buffers_where(staged.skip)", "pass",
            "docs/performance.md: a lagged bad step's 'buffer writes (BatchNorm) ... restored on the device'; here "
            "BatchNorm running statistics keep the skipped step's batch"),
     Mutant("sync", "doc-lagged-weights-not-marked", STEP,
-           "        self.evidence.after_step(pl_module)  # read with the next step's flags\n"
+           "        p.evidence.after_step(pl_module)  # read with the next step's flags\n"
            "        self._unread = staged",
            "        self._unread = staged",
            "docs/recovery.md (snapshots): 'never from poisoned state: the pending parameter flag is read "
            "first'; in lagged mode the weights a step left are not marked changed, so a non-finite weight no "
            "forward reads (Adam eps=0) is kept by the next snapshot / not found at validation start"),
     Mutant("sync", "doc-lagged-keeps-step-after-applied", STEP,
-           "keep = current and pristine and not applied", "keep = current and pristine",
+           "keep_step=current and not applied)", "keep_step=current)",
            "docs/performance.md: a lagged rollback happens 'before the next step's update: that step goes ahead "
            "when no update was applied since the snapshot ..., else it is skipped too'; here a step whose "
            "gradients were taken on the applied bad update goes ahead on the restored weights"),
     Mutant("sync", "doc-lagged-snapshot-one-step-late", STEP,
-           "if self.recovery.snapshot_due(ahead=1) and not self.recovery.stopped:",
-           "if self.recovery.snapshot_due() and not self.recovery.stopped:",
+           "if p.recovery.snapshot_due(ahead=1) and not p.recovery.stopped:",
+           "if p.recovery.snapshot_due() and not p.recovery.stopped:",
            "docs/performance.md: 'a due snapshot reads them at once' and docs/recovery.md: a snapshot every "
            "recovery.snapshot_every healthy steps; here lagged snapshots come one step late (not at the steps "
            "the eager mode takes them)"),
@@ -800,8 +806,8 @@ MUTANTS: list[Mutant] = [
            "acts on its own step in lagged mode): here a lagged skip_step spike is applied on the device while "
            "the event says skip_step"),
     Mutant("sync", "doc-lagged-applied-step-not-rolled-back", RESPONDER,
-           "            self.recovery.step_was_applied(plan)",
-           "            pass",
+           "p.recovery.step_was_applied(plan)",
+           "pass",
            "docs/performance.md: 'non-fused optimizers without a GradScaler: the bad step is applied and rolled "
            "back to the newest snapshot when read'; here it is applied and kept"),
     Mutant("sync", "doc-lagged-applied-step-gives-up-late", LADDER,
@@ -834,15 +840,15 @@ MUTANTS: list[Mutant] = [
            'named = [p["rank"] for p in gathered]',
            "docs/distributed.md: 'details.ranks lists the ranks with evidence'; here every rank"),
     Mutant("ranks", "doc-ranks-lagged-local-vector", RESPONDER,
-           "extra = share_incident(self.sync, event, extra, record.local,",
-           "extra = share_incident(self.sync, event, extra, None,",
+           "account = share_incident(p.ranks, event, extra, record.local if record else None,",
+           "account = share_incident(p.ranks, event, extra, None,",
            "docs/distributed.md + performance.md: with lagged reads the event names the rank whose own flags "
            "were set at the incident's step; here the rank flags of the step under way (the last reduced "
            "vector) are used, so the wrong rank (or none) is named",
-           harmless="equivalent (judged after the 2d475bd run, where it survived): only StepEvidence.vector calls "
-                    "Ranks.reduce, and in a lagged fit no reduce runs between a step's _stage and its read "
-                    "(_judge_late runs before the next _stage; every flush judges the step just staged), so "
-                    "sync.last_local is late.local itself"),
+           harmless="equivalent (judged after the 2d475bd run, where it survived; still so after issue 25): only "
+                    "StepEvidence.vector calls Ranks.reduce, and in a lagged fit no reduce runs between a step's "
+                    "_stage and its read (_judge_late runs before the next _stage; every flush judges the step "
+                    "just staged), so ranks.last_local is record.local itself"),
     Mutant("ranks", "doc-ranks-flags-not-reduced", RANKS,
            "dist.all_reduce(out[summed], group=self.group)",
            'dist.all_reduce(out[SCHEMA.index["loss"]:SCHEMA.index["loss"] + 1], group=self.group)',
@@ -906,11 +912,12 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: a snapshot is never taken from poisoned state; here the fused weight flag read "
            "before a snapshot (and every step with check.loss/gradients off) leaves sparse buffers out"),
     # ------------------------------------------------------------------ diagnosis rules and their order
-    Mutant("diagnosis", "doc-diag-inputs-off-ignored", RESPONDER,
-           '        elif cfg.check.inputs != "off":',
-           "        else:",
+    Mutant("diagnosis", "doc-diag-inputs-off-ignored", INCIDENT,
+           "look_at_inputs=check_inputs, diagnose=True,",
+           "look_at_inputs=True, diagnose=True,",
            "docs/diagnosis.md (kind): refined to 'input when non-finite values are found in the step's batch "
-           "(unless check.inputs: 'off')'; here check.inputs: off still looks at the batch and says input"),
+           "(unless check.inputs: 'off')'; here check.inputs: off still looks at the batch and says input (the "
+           "step incident's builder ignores its check_inputs; diag-inputs-off-ignored drops it at the caller)"),
     Mutant("diagnosis", "doc-diag-backward-op-beats-initialization", RULES,
            '    if cause is None and (found == "backward_op" or data_explained):',
            '    if found == "backward_op" or data_explained:',
@@ -953,11 +960,12 @@ MUTANTS: list[Mutant] = [
            'ctx.replay = (self.cfg.mode != "off" and self.counters["replays"] < self.cfg.max_replays)',
            "docs/diagnosis.md + distributed.md: under manual optimization incidents are not replayed ('running "
            "training_step again would step the optimizers')"),
-    Mutant("diagnosis", "doc-diag-buffer-kind-any", RESPONDER,
-           'if all(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):',
-           'if any(f["name"] in _buffer_names(pl_module) for f in ctx.param_findings):',
-           "docs/diagnosis.md (kind): 'buffer when every non-finite tensor found is a buffer'; here one "
-           "non-finite buffer among non-finite parameters makes the event a buffer event"),
+    Mutant("diagnosis", "doc-diag-buffer-kind-any", INCIDENT,
+           'return "buffer" if all(f["name"] in buffers for f in param_findings) else "parameter"',
+           'return "buffer" if any(f["name"] in buffers for f in param_findings) else "parameter"',
+           "docs/diagnosis.md (kind): 'buffer when every non-finite tensor found is a buffer'; here one non-finite "
+           "buffer among non-finite parameters makes the event a buffer event (since issue 25 incident.kind_of "
+           "decides the kind of every incident)"),
     Mutant("diagnosis", "doc-diag-loss-before-activation", VECTOR,
            '    Field("activation_bad", "sum", kind="activation", '
            'help="a module output was non-finite (check.activations)"),\n'
@@ -999,19 +1007,19 @@ MUTANTS: list[Mutant] = [
            "        self.latched = self.latched or bool(self.above)", "        pass",
            "docs/recovery.md: 'One event per episode' (an event of either rule silences the other meanwhile); "
            "here a growth event is followed by a far-above event for the same episode"),
-    Mutant("divergence", "doc-div-rollback-to-newest", RESPONDER,
-           'rollback_before=evidence.get("onset_step")',
+    Mutant("divergence", "doc-div-rollback-to-newest", INCIDENT,
+           'rollback_before=found.get("onset_step")',
            "rollback_before=None",
            "docs/recovery.md: 'a divergence goes back to the newest snapshot taken at or before the step where "
            "the growth began'; here to the newest snapshot, even one taken during the growth"),
     Mutant("divergence", "doc-div-snapshot-while-growing", STEP,
-           "and not self.clipper.diverging() and not self.divergence.growing():",
-           "and not self.clipper.diverging():",
+           "and not p.clipper.diverging() and not p.divergence.growing():",
+           "and not p.clipper.diverging():",
            "docs/recovery.md: 'snapshots are deferred while the loss grows g-fold twice in a row, or stays far "
            "above its first value'"),
-    Mutant("divergence", "doc-div-watch-not-in-snapshots", CALLBACK,
-           '                                              "divergence": self._divergence})',
-           "                                              })",
+    Mutant("divergence", "doc-div-watch-not-in-snapshots", PARTS,
+           ', "divergence": divergence})',
+           "})",
            "docs/recovery.md: the divergence statistics 'are part of every snapshot, and are restored by a "
            "rollback, so statistics gathered while a run diverged cannot blind the checks afterwards'"),
     # ------------------------------------------------------------------ learning-rate cuts
@@ -1089,9 +1097,9 @@ MUTANTS: list[Mutant] = [
            "if len(norms) > steps and growth_streak(norms, growth) >= 1:",
            "docs/recovery.md: a spike is exploding_gradient only when the gradient norm grew at each of the last "
            "check.divergence_steps steps; here one large norm (a hard batch) is enough"),
-    Mutant("spikes", "doc-spike-clip-to-threshold", RESPONDER,
-           "response.clip_to = self.clipper.zclip.mean",
-           "response.clip_to = self.clipper.zclip.threshold()",
+    Mutant("spikes", "doc-spike-clip-to-threshold", STEP,
+           "clip_to=p.clipper.zclip.mean,",
+           "clip_to=p.clipper.zclip.threshold(),",
            "docs/recovery.md (spike_action clip): 'this step's gradient is clipped to the mean of healthy norms'"),
     # ------------------------------------------------------------------ clipping
     Mutant("clipping", "doc-clip-persists-after-11", CLIPPING,
@@ -1135,7 +1143,7 @@ MUTANTS: list[Mutant] = [
            "here the input cause's entry says its weights may be broken, so a fit ending on skipped bad inputs "
            "whose batch cannot be rerun (anomaly.mode: off) is rolled back to the newest snapshot (was: only "
            "skipped bad inputs leave nothing to restore, and one input among loss incidents did)"),
-    Mutant("checkpoint", "doc-end-param-rollback-restored", RESPONDER,
+    Mutant("checkpoint", "doc-end-param-rollback-restored", FINAL_WEIGHTS,
            "if recovery.incidents_in_a_row > 0 and incidents:",
            "if (recovery.incidents_in_a_row > 0 or recovery.unconfirmed_rollbacks > 0) and incidents:",
            "docs/recovery.md (end of fit, rewritten by issue 20): 'the healthy steps after a rollback are good "
@@ -1200,11 +1208,9 @@ MUTANTS: list[Mutant] = [
            "docs/distributed.md: fused optimizers' gradients, 'which Lightning leaves scaled at "
            "on_before_optimizer_step, are unscaled by the guard before it checks or clips them'"),
     # ------------------------------------------------------------------ accumulation, manual optimization, metrics
-    Mutant("detection", "doc-accum-input-finding-micro-batch", RESPONDER,
-           'elif cfg.check.inputs != "off":\n'
-           "            ctx.input_findings = [dict(f, micro_batch=i)",
-           'elif cfg.check.inputs != "off":\n'
-           "            ctx.input_findings = [dict(f, micro_batch=0)",
+    Mutant("detection", "doc-accum-input-finding-micro-batch", EVIDENCE,
+           "batch = [dict(f, micro_batch=i) for i, (b, _) in enumerate(batches)",
+           "batch = [dict(f, micro_batch=0) for i, (b, _) in enumerate(batches)",
            "docs/distributed.md (gradient accumulation): 'input findings name it (details.inputs[i].micro_batch)'"),
     Mutant("detection", "doc-accum-inputs-always-last-only", EVIDENCE,
            "self._input_bad = flag if self._input_bad is None else self._input_bad | flag",
@@ -1242,8 +1248,8 @@ MUTANTS: list[Mutant] = [
            "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
            "last known-good state (the newest snapshot)"),
     Mutant("ladder", "doc-giveup-steps-continue", STEP,
-           "if self.recovery.stopped or self.recovery.skipping_batches or skip_now:",
-           "if self.recovery.skipping_batches or skip_now:",
+           "if p.recovery.stopped or p.recovery.skipping_batches or skip_now:",
+           "if p.recovery.skipping_batches or skip_now:",
            "docs/recovery.md: after giving up with on_give_up: stop 'the guard skips any remaining step'"),
     Mutant("ladder", "doc-giveup-snapshot-off-params", LADDER,
            "if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:",
