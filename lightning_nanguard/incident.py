@@ -23,7 +23,7 @@ from .events import KINDS, NaNEvent
 from .record import StepRecord, UpdateStage, Window
 from .recover.ladder import Plan
 
-__all__ = ["Act", "At", "Evidence", "Incident", "Look", "Planning", "Response", "Skip", "kind_of",
+__all__ = ["Act", "At", "Evidence", "Incident", "Look", "Planning", "Response", "NOTHING_DONE", "Skip", "kind_of",
            "nonfinite_step", "divergence", "spike", "persistent_clipping", "bad_weights", "replicas_drifted",
            "fit_start", "after_stop", "unfinished", "anomaly_error", "SPIKES_BEFORE_LR_CUT"]
 
@@ -119,9 +119,10 @@ class Incident:
     stop_message: str = ""  # Act.STOP: what the error or the screen says
 
 
-@dataclass
+@dataclass(frozen=True)
 class Response:
-    """What :meth:`.Responder.respond` (or :meth:`.Responder.finish`) did about an incident."""
+    """What :meth:`.Responder.respond` (or :meth:`.Responder.finish`) did about an incident; :data:`NOTHING_DONE`
+    for a step without one (frozen: shared by every healthy step, no allocation on the hot path)."""
 
     skipped: bool = False  # the step's update does not land
     queued: bool = False  # its plan is carried out at the step's end (finish)
@@ -134,6 +135,9 @@ class Response:
         return Response(self.skipped or other.skipped, self.queued or other.queued,
                         self.rolled_back or other.rolled_back, other.kept_step if other.rolled_back else self.kept_step,
                         self.stopped or other.stopped, other.clip_to if other.clip_to is not None else self.clip_to)
+
+
+NOTHING_DONE = Response()
 
 
 def kind_of(base: str, param_findings: Sequence[dict] = (), buffers: Collection[str] = (),

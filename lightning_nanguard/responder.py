@@ -8,6 +8,7 @@ done. Nothing here runs while training is healthy.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 from . import incident as incidents
@@ -17,7 +18,7 @@ from .detect.placement import whereabouts
 from .diagnose.context import IncidentContext
 from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
 from .events import NaNEvent
-from .incident import Act, At, Incident, Look, Planning, Response, kind_of
+from .incident import NOTHING_DONE, Act, At, Incident, Look, Planning, Response, kind_of
 from .parts import Parts
 from .record import StepRecord, Window
 from .recover.ladder import Plan
@@ -79,7 +80,7 @@ class Responder:
         """End of the step: carry out the queued plans. ``keep_step``: the current step's gradients were taken on the
         weights the judged step left (see :meth:`.Recovery.rollback`)."""
         queued, self._queued = self._queued, []
-        response = Response()
+        response = NOTHING_DONE
         for item in queued:
             response = response.merge(self._conclude(trainer, pl_module, item, keep_step))
         return response
@@ -145,11 +146,11 @@ class Responder:
         late: the plan rolls it back), and clip: this step (a loss spike's ``clip_to``), or the steps after a step
         incident (the plan's ``arm_clip``)."""
         p, event, record = self.parts, incident.event, incident.record
-        response = Response(queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
+        skipped = False
         if incident.skip is not None and record is not None:
-            response.skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,
-                                                            undo_buffers=incident.skip.undo_buffers)
-            if response.skipped:
+            skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,
+                                                   undo_buffers=incident.skip.undo_buffers)
+            if skipped:
                 event.add_action("skip_step")
             elif incident.skip.applied_rolls_back and plan is not None:  # too late to skip: undo it
                 p.recovery.step_was_applied(plan)
@@ -158,7 +159,7 @@ class Responder:
             event.add_action("clip")
         if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():
             event.add_action("clip")
-        return response
+        return Response(skipped=skipped, queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
 
     # ----------------------------------------------------------------------------------------------- acting
 
@@ -179,7 +180,8 @@ class Responder:
             self._record(trainer, event, ctx, account.extra)
         else:  # Act.STOP: nothing known-good exists
             p.recovery.stop()
-            self.left_nonfinite = response.stopped = True
+            self.left_nonfinite = True
+            response = replace(response, stopped=True)
             self._record(trainer, event, ctx, account.extra)
             stop_or_raise(trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
                           f"{event.suggestion} Report: {p.recorder.report_path(event)}")
@@ -220,8 +222,7 @@ class Responder:
         elif message is not None:
             act_on_suspect_hardware(trainer, p.recovery, cfg.on_suspect_hardware,
                                     f"NaNGuard at step {event.step}: {message} Report: {report}")
-        response.stopped = p.recovery.stopped
-        return response
+        return replace(response, stopped=p.recovery.stopped)
 
     def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> Response:
         """Fit end: restore the newest known-good snapshot, record what was restored (the incident's

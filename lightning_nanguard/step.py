@@ -32,7 +32,7 @@ from .detect.read_mode import choose_read_mode
 from .detect.vector import SCHEMA
 from .detect.verdict import Outcome, classify, device_skipped, skip_flag
 from .diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
-from .incident import SPIKES_BEFORE_LR_CUT, Incident, Response
+from .incident import NOTHING_DONE, SPIKES_BEFORE_LR_CUT, Incident, Response
 from .parts import Parts
 from .record import StepRecord, UpdateStage
 from .recover.checkpoint import optimizer_state_nonfinite
@@ -56,7 +56,7 @@ class StepFlow:
     def __init__(self, parts: Parts, responder: Responder) -> None:
         self.parts, self.responder = parts, responder
         self.outcome: Optional[Outcome] = None
-        self.response = Response()  # what the incidents of the current step did (its queued plans: end())
+        self.response = NOTHING_DONE  # what the incidents of the current step did (its queued plans: end())
         self.lagged = False
         self._unread: Optional[StepRecord] = None  # the lagged step whose flags are not read yet
         self._staged: Optional[StepRecord] = None  # the lagged step now running (until its batch ends)
@@ -160,7 +160,7 @@ class StepFlow:
         if outcome is Outcome.HEALTHY:
             return self._healthy(trainer, pl_module, record, loss, spike_z)
         if outcome is not Outcome.INCIDENT:
-            return outcome, Response()
+            return outcome, NOTHING_DONE
         if record.update is UpdateStage.ON_HOST:  # its bad forward's buffer writes, before anything reads the weights
             p.recovery.undo_buffers()  # (judged late, the device undid them where it skipped the step)
         found = incidents.nonfinite_step(
@@ -175,7 +175,7 @@ class StepFlow:
                  loss: Optional[float], spike_z: Optional[float]) -> tuple[Outcome, Response]:
         """A step with finite evidence: its divergence and loss spike (:meth:`_finite_incidents`), then clipping
         (and clipping that persists)."""
-        p, response = self.parts, Response()
+        p, response = self.parts, NOTHING_DONE
         for found in self._finite_incidents(trainer, pl_module, record, loss, spike_z):
             response = response.merge(self.responder.respond(trainer, pl_module, found))
             if response.queued:  # skipped; the rollback and LR cut follow at the end of the step
@@ -271,7 +271,7 @@ class StepFlow:
         micro-batch of gradient accumulation (no optimizer step yet)."""
         p = self.parts
         outcome, self.outcome = self.outcome, None
-        response, self.response = self.response, Response()
+        response, self.response = self.response, NOTHING_DONE
         if outcome is None:
             return False
         p.evidence.step_end()

@@ -352,9 +352,9 @@ MUTANTS: list[Mutant] = [
            "LossWatch(cfg.check.spike_action, cfg.check.spike_z, 50)",
            "check.spike_warmup is ignored (always 50)"),
     Mutant("spikes", "spike-skip-step-not-skipped", RESPONDER,
-           "response.skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,",
-           "response.skipped = incident.skip.mirrored and incident.skip.undo_buffers and record.update is "
-           "UpdateStage.ON_HOST and p.recovery.count_skip() is None or p.recovery.keep_from_landing(record, "
+           "skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,",
+           "skipped = incident.skip.mirrored and incident.skip.undo_buffers and record.update.value == "
+           "\"on_host\" and p.recovery.count_skip() is None or p.recovery.keep_from_landing(record, "
            "mirrored=incident.skip.mirrored,",
            "check.spike_action: skip_step records (and counts) a skip but the optimizer still steps (eager: the "
            "host skip is Recovery.keep_from_landing since issue 25, called from Responder._skip_and_clip; a spike "
