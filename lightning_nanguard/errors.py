@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "NaNGuardError", "SnapshotWriteWarning", "SinkWriteWarning"]
+__all__ = ["ConfigError", "NaNGuardError", "SnapshotWriteWarning", "SnapshotReadWarning", "SinkWriteWarning"]
 
 
 class ConfigError(ValueError):
@@ -17,7 +17,14 @@ class NaNGuardError(RuntimeError):
 
 class SnapshotWriteWarning(RuntimeWarning):
     """A snapshot could not be written (``recovery.snapshot: disk``): no file was left behind; the newest such
-    snapshot is kept in host memory instead (a rollback target), older ones are not. Warned once per fit."""
+    snapshot is kept in host memory instead (a rollback target of last resort, after every snapshot on disk that
+    verifies), older ones are not. Warned once per fit."""
+
+
+class SnapshotReadWarning(RuntimeWarning):
+    """A snapshot was refused when read back (missing, truncated, another file, not what was written, or refused by
+    torch's restricted loader): it is never a rollback target again, and the rollback falls back to the next older
+    snapshot that verifies. Warned once per refused snapshot."""
 
 
 class SinkWriteWarning(RuntimeWarning):

@@ -231,13 +231,16 @@ class Responder:
         restored = p.recovery.restore_newest(trainer, pl_module, p.overflow.overflows)
         p.evidence.weights.refresh()
         assert incident.conclude is not None
-        stop = incident.conclude(event, restored, p.recovery.why_nothing_to_restore() if restored is None else "")
+        if restored.refused:
+            event.details["refused"] = [r.to_dict() for r in restored.refused]
+        stop = incident.conclude(event, restored.step,
+                                 p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
         self._record(trainer, event, self._context(trainer, pl_module, incident), "")
         if stop:
             self.left_nonfinite = True
             stop_or_raise(trainer, p.config.recovery.on_give_up,
                           f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
-        return Response(rolled_back=restored is not None, stopped=stop)
+        return Response(rolled_back=restored.snapshot is not None, stopped=stop)
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)

@@ -54,18 +54,33 @@ class AfterRollback(models.SnapshotSpy):
                                   models.training_state(trainer, pl_module)))
 
 
-class SlowToPickle:
-    """A user object in the module's state that takes ``delay`` seconds to pickle (torch.save calls __reduce__)."""
+class UserObject:
+    """A user object in the module's state (``get_extra_state``): kept in the run's memory, never pickled into a
+    snapshot file (the file names it instead, so that torch's restricted loader reads the file)."""
 
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
+    def __init__(self, step: int) -> None:
+        self.step = step
 
-    def __deepcopy__(self, memo: dict) -> "SlowToPickle":
-        return SlowToPickle(self.delay)
+    def __deepcopy__(self, memo: dict) -> "UserObject":  # (a snapshot keeps a copy of it in memory)
+        return UserObject(self.step)
 
     def __reduce__(self) -> tuple:
-        time.sleep(self.delay)
-        return SlowToPickle, (self.delay,)
+        raise AssertionError("a snapshot file never pickles a user's object")
+
+
+def slow_disk(monkeypatch: Any, delays: dict[int, float]) -> None:
+    """The snapshot of step ``s`` takes ``delays[s]`` seconds to reach the disk (its temporary file's fsync, on the
+    snapshot thread: a slow or busy disk)."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        for step, delay in delays.items():
+            if name.endswith(f"snapshot-step{step}.pt.tmp"):
+                time.sleep(delay)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)  # (the OS, not torch: the writer thread calls os.fsync)
 
 
 class ExtraState(models.Regression):
@@ -89,12 +104,13 @@ def _disk_guard(tmp_path: Any, **recovery: Any) -> NaNGuard:
 # ------------------------------------------------------------------------------------------ the disk writer
 
 
-def test_a_rollback_waits_for_the_disk_write_in_flight_and_restores_bitwise(tmp_path, fit_steps):
+def test_a_rollback_waits_for_the_disk_write_in_flight_and_restores_bitwise(tmp_path, fit_steps, monkeypatch):
     """The snapshot of step 4 takes 0.5 s to write; the step after it poisons a weight and the guard rolls back
     at once: the rollback waits for that write, then restores its state bitwise."""
     guard = _disk_guard(tmp_path, snapshot_every=2)
     spy = AfterRollback(guard)
-    model = ExtraState(lambda step: SlowToPickle(0.5 if step == 4 else 0.0))
+    slow_disk(monkeypatch, {4: 0.5})
+    model = ExtraState(UserObject)
     fit_steps(model, [FaultInjector(Fault("parameter", steps=[4])), guard, spy], steps=8)
     assert guard.counters["rollbacks"] == 1
     (restored, state), = spy.restored
@@ -105,34 +121,36 @@ def test_a_rollback_waits_for_the_disk_write_in_flight_and_restores_bitwise(tmp_
 
 
 def test_a_failed_disk_write_is_reported_leaves_no_file_and_is_never_a_target(tmp_path, fit_steps):
-    """The module state of step 4 cannot be pickled (a lambda in its extra state): that write fails, is reported
-    (a SnapshotWriteWarning, ``snapshots.failures``), leaves no file, and the rollback goes to step 2 instead."""
+    """The file of step 4 cannot be written (a folder in the way of its temporary name): that write fails, is
+    reported (a SnapshotWriteWarning, ``snapshots.failures``), leaves no file, and the rollback goes to step 2, the
+    newest snapshot on disk that verifies (step 4's host copy is a target of last resort only)."""
     guard = _disk_guard(tmp_path, snapshot_every=2, max_skips=3)
     spy = AfterRollback(guard)
-    model = ExtraState(lambda step: (lambda: step) if step == 4 else {"step": step})
+    (tmp_path / "snaps" / "snapshot-step4.pt.tmp").mkdir(parents=True)
+    model = ExtraState(lambda step: {"step": step})
     with pytest.warns(SnapshotWriteWarning, match="snapshot at step 4 not written"):
         fit_steps(model, [FaultInjector(Fault("loss", steps=[5, 6, 7, 8])), guard, spy], steps=10)
-    assert [f["step"] for f in guard.snapshots.failures] == [4]
-    assert "pickle" in guard.snapshots.failures[0]["error"].lower()
+    assert [(f["step"], f["error"]) for f in guard.snapshots.failures] == [(4, "Is a directory")]
     (restored, state), = spy.restored
     assert restored == 2 and _same(state["module"], spy.states[2]["module"])  # not the failed snapshot of step 4
     files = sorted(p.name for p in (tmp_path / "snaps").iterdir())
-    assert "snapshot-step4.pt" not in files and not [f for f in files if f.endswith(".tmp")]
-    assert all(s.step != 4 for s in guard.snapshots.ring)
+    assert "snapshot-step4.pt" not in files and [f for f in files if f.endswith(".tmp")] == ["snapshot-step4.pt.tmp"]
+    assert (tmp_path / "snaps" / "snapshot-step4.pt.tmp").is_dir()  # the obstacle, left alone
 
 
-def test_the_end_of_fit_waits_for_the_last_disk_write(tmp_path, fit_steps):
+def test_the_end_of_fit_waits_for_the_last_disk_write(tmp_path, fit_steps, monkeypatch):
     """A fit that ends while its last snapshot is being written leaves it whole on disk (the end of fit waits for
     the writer, whose thread then ends); a single process keeps whole snapshots (no sharding)."""
     guard = _disk_guard(tmp_path, snapshot_every=3, keep_snapshots=2)
     spy = models.SnapshotSpy(guard)
-    fit_steps(ExtraState(lambda step: SlowToPickle(0.3 if step == 6 else 0.0)), [guard, spy], steps=6)
+    slow_disk(monkeypatch, {6: 0.3})
+    fit_steps(ExtraState(UserObject), [guard, spy], steps=6)
     store = guard.snapshots
     assert [s.step for s in store.ring] == [3, 6] and not store.collective and store.failures == []
     assert not store.writer.running  # its thread ended with the fit
     for snap in store.ring:
         assert snap.write is None and snap.nbytes == snap.total_nbytes > 0
-        on_disk = torch.load(tmp_path / "snaps" / f"snapshot-step{snap.step}.pt", weights_only=False)
+        on_disk = torch.load(tmp_path / "snaps" / f"snapshot-step{snap.step}.pt", weights_only=True)
         assert _same(on_disk["module"], spy.states[snap.step]["module"])
         assert _same(on_disk["optimizers"], spy.states[snap.step]["optimizers"])
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == ["snapshot-step3.pt", "snapshot-step6.pt"]
@@ -174,15 +192,16 @@ class FailsAt(ExtraState):
         return super().training_step(batch, batch_idx)
 
 
-def test_an_exception_waits_for_the_disk_write_in_flight_and_propagates(tmp_path, fit_steps):
+def test_an_exception_waits_for_the_disk_write_in_flight_and_propagates(tmp_path, fit_steps, monkeypatch):
     """The fit raises one step after a snapshot that takes 0.3 s to write: the user's error propagates unchanged,
     and the snapshot is on disk, whole, with the writer thread ended."""
     guard = _disk_guard(tmp_path, snapshot_every=2)
     spy = models.SnapshotSpy(guard)
     with pytest.raises(RuntimeError, match="the user's own error"):
-        fit_steps(FailsAt(lambda step: SlowToPickle(0.3 if step == 4 else 0.0), fail=5), [guard, spy], steps=8)
+        slow_disk(monkeypatch, {4: 0.3})
+        fit_steps(FailsAt(UserObject, fail=5), [guard, spy], steps=8)
     assert not guard.snapshots.writer.running and guard.snapshots.newest.step == 4
-    on_disk = torch.load(tmp_path / "snaps" / "snapshot-step4.pt", weights_only=False)
+    on_disk = torch.load(tmp_path / "snaps" / "snapshot-step4.pt", weights_only=True)
     assert _same(on_disk["module"], spy.states[4]["module"])
     assert _same(on_disk["optimizers"], spy.states[4]["optimizers"])
     assert not list((tmp_path / "snaps").glob("*.tmp"))

@@ -27,7 +27,8 @@ from .ladder import Plan, RecoveryLadder
 from .lr import common_ratio, current_lrs, reference_lrs, scale_lr
 from .metrics import MetricUndo
 from .sharded import ShardedStore
-from .snapshots import Norms, Snapshot, SnapshotStore, as_live, make_store
+from .snapshots import Norms, Restored, SnapshotStore, as_live, make_store
+from .verify import REASONS, Refused
 from .undo import BufferUndo, skip_step
 
 if TYPE_CHECKING:
@@ -149,6 +150,10 @@ class Recovery:
         """Why there is no snapshot to restore, in words (for a give-up that restored nothing)."""
         if self.cfg.snapshot == "off" or self.store is None:
             return "recovery.snapshot is 'off'"
+        refused = self.store.refused
+        if refused:
+            return ("every snapshot left was refused when read back (" + "; ".join(
+                f"step {r.step}: {REASONS[r.reason]}" for r in refused[-3:]) + ")")
         failures = self.store.failures
         if failures:
             return f"no snapshot could be kept: {len(failures)} snapshot write(s) failed ({failures[-1]['error']})"
@@ -324,23 +329,33 @@ class Recovery:
     def reference_norms(self, step: int, norms: Norms) -> Optional[tuple[int, dict[str, float]]]:
         """``(snapshot step, {name: 2-norm})`` of the module tensors of the newest snapshot taken at or before
         ``step`` (the weights from before a divergence began), or None (incident time only: it reads a copy)."""
-        snap = self.store.newest_before(step) if self.store is not None else None
-        if snap is None or self.store is None:
-            return None
-        found = self.store.module_norms(snap, norms)
-        return None if found is None else (snap.step, found)
+        store = self.store
+        while store is not None and (snap := store.newest_before(step)) is not None:
+            try:
+                found = store.module_norms(snap, norms)
+            except Refused as exc:  # refused for good: the next older one
+                store.refuse(snap, exc)
+                continue
+            return None if found is None else (snap.step, found)
+        return None
 
     def rollback(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", scaler_overflows: int,
-                 keep_step: bool = False) -> Snapshot:
-        """Restore the newest snapshot, then re-apply the LR cuts made since it was taken. ``keep_step``: a
-        lagged rollback before the current step's update, whose gradients were taken on the snapshot's
-        parameters (:attr:`pristine`): keep them and the buffers its forward wrote, so the step goes ahead."""
-        assert self.store is not None and self.store.newest is not None
+                 keep_step: bool = False) -> Restored:
+        """Restore the newest snapshot that verifies (:meth:`.SnapshotStore.restore_newest`: those that do not are
+        refused, and nothing of them reaches the fit), then re-apply the LR cuts made since it was taken. Nothing
+        changes when none verifies (``restored.snapshot`` is None). ``keep_step``: a lagged rollback before the
+        current step's update, whose gradients were taken on the newest snapshot's parameters (:attr:`pristine`):
+        keep them and the buffers its forward wrote, so the step goes ahead (not when an older one is restored)."""
+        assert self.store is not None
+        newest = self.store.newest
         keep_step = keep_step and self.pristine  # else a step was applied since: other weights
-        snap = self.store.newest
         written = self.buffers.written() if keep_step and self.buffers is not None else {}
-        self.store.restore(snap, trainer, pl_module, scaler_overflows)
-        if written and self.buffers is not None:
+        restored = self.store.restore_newest(trainer, pl_module, scaler_overflows)
+        snap = restored.snapshot
+        if snap is None:
+            return restored
+        keep_step = keep_step and snap is newest
+        if keep_step and written and self.buffers is not None:
             self.buffers.put_back(written)
         for name, obj in self.statistics.items():
             if name in snap.meta:
@@ -355,7 +370,7 @@ class Recovery:
         self.healthy_since_snapshot = 0
         self.pristine = True
         self.counters.add("rollbacks")
-        return snap
+        return restored
 
     @contextmanager
     def newest_weights(self, pl_module: "pl.LightningModule") -> Iterator[Optional[int]]:
@@ -363,28 +378,30 @@ class Recovery:
         None, and nothing changed, without one); its own are put back after it. Optimizers are not touched."""
         if self.store is not None:
             self.store.settle()
-        if not self.store or self.store.newest is None:
+        snap, module, _ = self.store.newest_module() if self.store else (None, None, [])
+        if snap is None or module is None:
             yield None
             return
         own = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         # (sharded: the snapshot's local shards, put back into the live DTensors)
-        load_module_state(pl_module, as_live(self.store.load_module(self.store.newest), pl_module.state_dict()))
+        load_module_state(pl_module, as_live(module, pl_module.state_dict()))
         try:
-            yield self.store.newest.step
+            yield snap.step
         finally:
             load_module_state(pl_module, own)
 
     def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                       scaler_overflows: int = 0) -> Optional[int]:
-        """Roll back to the newest snapshot (fit ends while recovery is unfinished); returns its step, or None
-        without one."""
+                       scaler_overflows: int = 0) -> Restored:
+        """Roll back to the newest snapshot that verifies (fit ends while recovery is unfinished); what was restored
+        (nothing without a snapshot)."""
         if self.store is not None:
             self.store.settle()
         if not self.store or self.store.newest is None:
-            return None
-        snap = self.rollback(trainer, pl_module, scaler_overflows)
-        self._ladder.restored()
-        return snap.step
+            return Restored()
+        restored = self.rollback(trainer, pl_module, scaler_overflows)
+        if restored.snapshot is not None:
+            self._ladder.restored()
+        return restored
 
     # ---------------------------------------------------------------------------------------- carry it out
 
@@ -415,13 +432,8 @@ class Recovery:
             self.store.settle()  # a snapshot whose write failed is no target (every rank agrees)
         if plan.give_up:
             self.stop()
-            if self.store:
-                snap = self.rollback(trainer, pl_module, scaler_overflows)
-                done.rolled_back = True
-                done.details["restored_step"] = snap.step
-            else:
-                done.details["restored_step"] = None
-                done.details["not_restored"] = self.why_nothing_to_restore()
+            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored(),
+                           action=False)
             done.details["reasons"] = plan.reasons  # why it gave up
             return done
         if plan.rollback and self.store:
@@ -432,11 +444,11 @@ class Recovery:
                     and self.store.newest.step > plan.rollback_before:
                 self.store.drop_newest()  # taken after the divergence began: not known-good
             further = plan.go_further_back or len(self.store) < dropped
-            snap = self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
-            done.rolled_back, done.kept_step = True, self.kept_step
-            done.actions.append("rollback")
-            done.details["restored_step"] = snap.step
-            if plan.skip_batches:
+            restored = self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
+            self._restored(done, restored, action=True)
+            if restored.snapshot is None:
+                done.actions.append("warn")  # nothing verified: the ladder goes on with the weights it has
+            elif plan.skip_batches:
                 self.skip_batches_left = plan.skip_batches
                 done.actions.append("skip_batches")
                 done.details["skip_batches"] = plan.skip_batches
@@ -446,6 +458,19 @@ class Recovery:
             done.details.update(cut.details)
         done.details["reasons"] = plan.reasons
         return done
+
+    def _restored(self, done: Applied, restored: Restored, action: bool) -> None:
+        """Say in ``done`` what a rollback restored (``restored_step``; the ``refused`` snapshots, and why nothing
+        was restored: ``not_restored``); ``action``: a restore is the ``rollback`` action (a give-up's is not)."""
+        done.details["restored_step"] = restored.step
+        if restored.refused:
+            done.details["refused"] = [r.to_dict() for r in restored.refused]
+        if restored.snapshot is None:
+            done.details["not_restored"] = self.why_nothing_to_restore()
+            return
+        done.rolled_back, done.kept_step = True, self.kept_step
+        if action:
+            done.actions.append("rollback")
 
     # ---------------------------------------------------------------------------------------- persistence
 

@@ -22,12 +22,19 @@ read the same snapshots in the same order, as the guard's incident path does (it
 The diagnosis reads an older snapshot's module weights only through their 2-norms (:meth:`ShardedStore.module_norms`):
 :meth:`ShardedStore.prepare_norms`, called on every rank before an incident's diagnosis, has each rank compute the
 norms of the module tensors it owns and one ``all_reduce`` of a float64 vector shares them, once per snapshot.
+
+Before any of a snapshot's bytes move, the ranks agree that every share of it verifies (:meth:`ShardedStore._agree`):
+each rank checks its own shares of the candidates against their seals (:mod:`.verify`), and one ``all_reduce`` of
+an int32 matrix (candidates x ranks: why each rank refused each, 0 where it did not) tells every rank the same
+answer. A snapshot refused on any rank is refused on every rank, and a rollback restores the newest snapshot whose
+every share verified everywhere: no rank ever holds a mix of two snapshots, and none starts a broadcast another
+rank would not join.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,9 +43,12 @@ from torch import Tensor
 from ..dtensors import local
 from ..layouts import is_strided, nbytes
 from ..tree import flatten, iter_leaves, slot, unflatten
-from .snapshots import Norms, Snapshot, SnapshotStore, load_training_state, training_state
+from .snapshots import Norms, Refusal, Restored, Snapshot, SnapshotStore, load_training_state, training_state
+from .verify import REASONS, Refused
 
 __all__ = ["ShardPlan", "ShardedStore", "EVERY_RANK", "BUCKET_BYTES"]
+
+_CODES = list(REASONS)  # a refusal's reason as a number for the agreement (its index + 1; 0: verified)
 
 EVERY_RANK = -1  # the owner of a tensor that every rank keeps
 BUCKET_BYTES = 16 * 2**20  # the largest broadcast of a rebuild or restore (a larger tensor is split across buckets)
@@ -125,8 +135,10 @@ class ShardedStore(SnapshotStore):
         self.world_size, self.rank = int(world_size), int(rank)
         self.bucket_bytes = int(bucket_bytes)
         self.failures = inner.failures  # one list: the inner store reports its failed writes there
+        self.writer = None  # the inner store's thread seals and writes the shares
         self._layout_key: Any = None
         self._layout: Optional[_Layout] = None
+        self._ready: Optional[tuple[Snapshot, dict[int, Tensor]]] = None  # shares just agreed on (first_verified)
 
     @property
     def waits(self) -> int:
@@ -156,9 +168,9 @@ class ShardedStore(SnapshotStore):
         snap.nbytes = share.nbytes
         snap.total_nbytes = sum(nbytes(t) for t in live)
 
-    def _forget(self, snap: Snapshot) -> None:
+    def _forget(self, snap: Snapshot, keep_file: bool = False) -> None:
         if snap.share is not None:
-            self.inner._forget(snap.share)
+            self.inner._forget(snap.share, keep_file)
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -175,12 +187,79 @@ class ShardedStore(SnapshotStore):
         return unflatten(module, self._rebuild(snap, wanted))
 
     def restore(self, snap: Snapshot, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> None:
-        """Load ``snap`` back into the fit in place (a collective): every tensor of the snapshot goes, bucket by
+        """Load ``snap`` back into the fit in place (a collective), once every rank's share of it verified (else
+        :class:`~.verify.Refused` on every rank, nothing touched): every tensor of the snapshot goes, bucket by
         bucket as its owner broadcasts it, straight into the live tensor at its place (:meth:`load_into`), so no
         rank ever holds a whole state beside its own; then the usual loads (:func:`~.snapshots.load_training_state`)
         put the structure back, reading the live tensors themselves (no copy: an optimizer's state keeps them)."""
         state = self.load_into(snap, training_state(trainer, pl_module))
         load_training_state(trainer, pl_module, state, scaler_overflows)
+
+    def restore_newest(self, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> Restored:
+        """:meth:`restore` the newest snapshot whose every share verified on every rank (one agreement over all of
+        :meth:`targets`, then the in-place restore of that one)."""
+        snap, state, refused = self.first_verified(
+            self.targets(), lambda s: self.load_into(s, training_state(trainer, pl_module)))
+        if snap is not None:
+            load_training_state(trainer, pl_module, state, scaler_overflows)
+        return Restored(snap, tuple(refused))
+
+    def first_verified(self, candidates: Sequence[Snapshot], read: Callable[[Snapshot], Any]
+                       ) -> tuple[Optional[Snapshot], Any, list[Refusal]]:
+        """The newest of ``candidates`` whose every share verified on every rank (one agreement, :meth:`_agree`, for
+        all of them), ``read`` of it (from the shares just verified), and the candidates refused."""
+        views, refused = self._agree(list(candidates))
+        chosen = next((s for s in candidates if s in views), None)
+        if chosen is None:
+            return None, None, refused
+        self._ready = (chosen, views[chosen])
+        try:
+            return chosen, read(chosen), refused
+        finally:
+            self._ready = None
+
+    def _agree(self, snaps: list[Snapshot]) -> tuple[dict[Snapshot, dict[int, Tensor]], list[Refusal]]:
+        """This rank's verified shares of each of ``snaps`` that every rank verified, and the refusals of the others
+        (refused on every rank alike: :meth:`~.snapshots.SnapshotStore.refuse`). One ``all_reduce`` (incident path)."""
+        views, own, codes = self._verify_own(snaps)
+        if snaps:
+            summed = codes.to(self._device())
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # each rank wrote its own column only
+            codes = summed.cpu()
+        return views, self._decide(snaps, views, own, codes)
+
+    def _verify_own(self, snaps: list[Snapshot]) -> tuple[dict[Snapshot, dict[int, Tensor]], dict[Snapshot, Refused],
+                                                          Tensor]:
+        """This rank's shares of ``snaps`` checked against their seals (no collective): the verified ones by flat
+        index, the refusals, and their codes in this rank's column of a ``(len(snaps), world)`` int32 matrix (the
+        reason's number, 0 where it verified)."""
+        codes = torch.zeros(len(snaps), self.world_size, dtype=torch.int32)
+        views: dict[Snapshot, dict[int, Tensor]] = {}
+        own: dict[Snapshot, Refused] = {}
+        for k, snap in enumerate(snaps):
+            try:
+                if snap.failed or snap.share is None:
+                    raise Refused("not_written", snap.failed or "")
+                views[snap] = dict(zip(snap.plan.mine, self.inner.view(snap.share)))
+            except Refused as exc:
+                own[snap] = exc
+                codes[k, self.rank] = _CODES.index(exc.reason) + 1
+        return views, own, codes
+
+    def _decide(self, snaps: list[Snapshot], views: dict[Snapshot, dict[int, Tensor]], own: dict[Snapshot, Refused],
+                codes: Tensor) -> list[Refusal]:
+        """Refuse, on every rank alike, each of ``snaps`` some rank refused (``codes``: every rank's column, summed
+        across ranks), dropping it from ``views``; the refusals."""
+        refused = []
+        for k, snap in enumerate(snaps):
+            ranks = [r for r in range(self.world_size) if int(codes[k, r])]
+            if not ranks:
+                continue
+            views.pop(snap, None)
+            first = _CODES[int(codes[k, ranks[0]]) - 1]  # the lowest failing rank's reason: the same on every rank
+            why = own.get(snap) or Refused("other_rank", f"rank {ranks[0]}: {REASONS[first]}")
+            refused.append(self.refuse(snap, why, ranks, reason=first))
+        return refused
 
     def load_into(self, snap: Snapshot, live: Any) -> Any:
         """The whole state of ``snap`` on every rank (a collective), written into ``live`` (the state it is loaded
@@ -202,13 +281,16 @@ class ShardedStore(SnapshotStore):
         return unflatten(snap.skeleton, self._rebuild(snap, range(len(layout.shapes)), targets))
 
     def _own(self, snap: Snapshot) -> dict[int, Tensor]:
-        """This rank's share of ``snap`` by flat index, as its store reads it (:meth:`~.snapshots.SnapshotStore.view`:
-        possibly the store's own buffers, to be copied from at once)."""
-        if snap.failed:
-            raise RuntimeError(f"the snapshot of step {snap.step} was not kept ({snap.failed})")
-        assert snap.share is not None
-        layout: _Layout = snap.plan
-        return dict(zip(layout.mine, self.inner.view(snap.share)))
+        """This rank's share of ``snap`` by flat index, verified (:meth:`~.snapshots.SnapshotStore.view`: possibly the
+        store's own buffers, to be copied from at once), once every rank's share verified (:meth:`_agree`: a
+        collective, unless :meth:`first_verified` just agreed on it); :class:`~.verify.Refused` on every rank if not."""
+        if self._ready is not None and self._ready[0] is snap:
+            return self._ready[1]
+        views, refused = self._agree([snap])
+        if snap not in views:
+            refusal = refused[0]
+            raise Refused(refusal.reason, refusal.detail, recorded=refusal)
+        return views[snap]
 
     def _rebuild(self, snap: Snapshot, wanted: Sequence[int],
                  targets: Optional[Sequence[Optional[Tensor]]] = None) -> list[Optional[Tensor]]:
@@ -286,14 +368,17 @@ class ShardedStore(SnapshotStore):
     # --------------------------------------------------------------------------------- norms for the diagnosis
 
     def prepare_norms(self, norms: Norms) -> None:
-        """Every snapshot of the ring gets the 2-norms of its module's floating tensors: each rank computes those of
-        the tensors it owns, into one float64 vector with zeros elsewhere, and one ``all_reduce`` (a sum: exact)
-        completes it on every rank. Nothing when every snapshot has them already (the same on every rank: the ring
-        is, once :meth:`settle` has dropped the snapshots some rank could not keep)."""
+        """Every snapshot of the ring gets the 2-norms of its module's floating tensors: each rank checks its shares
+        against their seals and computes the norms of the tensors it owns, into one float64 vector with zeros
+        elsewhere, followed by its column of the refusal codes (:meth:`_verify_own`), and one ``all_reduce`` (a sum:
+        exact) completes both on every rank; a snapshot some rank refused is refused on every rank and gets no norms.
+        Nothing when every snapshot has them already (the same on every rank: the ring is, once :meth:`settle` has
+        dropped the snapshots some rank could not keep)."""
         self.settle()
         need = [s for s in self.ring if s.norms is None]
         if not need:
             return
+        views, own, codes = self._verify_own(need)
         entries: list[tuple[int, str, int]] = []  # (snapshot, name, flat index): the same list on every rank
         for k, snap in enumerate(need):
             layout: _Layout = snap.plan
@@ -301,20 +386,24 @@ class ShardedStore(SnapshotStore):
                 i = slot(leaf)
                 if i is not None and layout.dtypes[i].is_floating_point and layout.plan.owners[i] != EVERY_RANK:
                     entries.append((k, name, i))
-        values = torch.zeros(len(entries), dtype=torch.float64)
+        values = torch.zeros(len(entries) + codes.numel(), dtype=torch.float64)
+        values[len(entries):] = codes.reshape(-1).double()
         for k, snap in enumerate(need):
             mine = [(j, i) for j, (kk, _, i) in enumerate(entries) if kk == k and snap.plan.plan.owners[i] == self.rank]
-            if mine:
-                own = self._own(snap)
-                for (j, _), value in zip(mine, norms(own[i] for _, i in mine)):
+            if mine and snap in views:
+                for (j, _), value in zip(mine, norms(views[snap][i] for _, i in mine)):
                     values[j] = value
         values = values.to(self._device())
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        found = values.tolist()
+        summed = values.cpu()
+        self._decide(need, views, own, summed[len(entries):].round().to(torch.int32).reshape(codes.shape))
+        found = summed[:len(entries)].tolist()
         for snap in need:
-            snap.norms = {}
+            if snap in views:
+                snap.norms = {}
         for (k, name, _), value in zip(entries, found):
-            need[k].norms[name] = value  # type: ignore[index]  # a dict: set just above
+            if need[k] in views:
+                need[k].norms[name] = value  # type: ignore[index]  # a dict: set just above
 
     def module_norms(self, snap: Snapshot, norms: Norms) -> Optional[dict[str, float]]:
         """The norms :meth:`prepare_norms` gathered (None if it was not called for ``snap``: never a collective

@@ -9,41 +9,54 @@ and the GradScaler); :func:`load_training_state` puts it back. A :class:`Snapsho
   memory filled on a side stream that the host never waits for on a healthy step: :mod:`.device_copy`);
 - :class:`DiskStore`: one atomically written file per snapshot (``torch.save``, ``fsync``, rename), written by a
   background thread (:mod:`.writer`) from a host copy taken on the step like the memory store's; when the disk
-  cannot hold a snapshot, the newest such one stays in host memory (still a rollback target);
+  cannot hold a snapshot, the newest such one stays in host memory (a rollback target of last resort);
 - :class:`~.sharded.ShardedStore`: under a replicated strategy (DDP), each rank keeps only its share of every
   snapshot, in a memory or disk store, and a rollback puts every rank's share back into the live tensors in place.
 
-A new store implements ``_keep``, ``load`` and ``_forget`` (and ``view``, to be read without a copy).
+Every snapshot is sealed when it is kept (:mod:`.verify`: a SHA-256 digest of its tensors, taken on the snapshot
+thread, held in the run's memory) and checked against its seal at every read, before a byte of it reaches the
+model: a snapshot that fails (missing, truncated, another file, other bytes, refused by torch's restricted loader)
+is refused (:meth:`SnapshotStore.refuse`: warned once, never a target again), and a rollback
+(:meth:`SnapshotStore.restore_newest`) restores the next older one that verifies.
+
+A new store implements ``_keep``, ``_read`` and ``_forget``.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import warnings
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..detect.amp import grad_scaler
 from ..dtensors import is_dtensor, like, local
-from ..errors import SnapshotWriteWarning
+from ..errors import SnapshotReadWarning, SnapshotWriteWarning
 from ..layouts import copy_to_cpu, is_strided, load_module_state, nbytes
 from ..tree import flatten, slot, unflatten
 from .device_copy import DeviceCopy
+from .verify import REASONS, Refused, Seal, check, packed, seal, unpack
 from .writer import SnapshotWriter, Write, why_not_written, write_atomic
 
 __all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state", "as_live",
-           "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms"]
+           "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms", "Refusal", "Restored"]
 
 
 def training_state(trainer: Any, pl_module: Any) -> dict[str, Any]:
-    """The live state a snapshot keeps: module, optimizers, LR schedulers and grad scaler (tensors not copied)."""
+    """The live state a snapshot keeps: module, optimizers, LR schedulers and grad scaler (tensors not copied).
+
+    A store flattens it (:func:`~..tree.flatten`): the tensors are copied and sealed, the rest (the skeleton: plain
+    containers, numbers and strings, plus whatever object a user's ``get_extra_state`` returns) stays in the run's
+    memory. A disk snapshot's file holds the tensors and the plain part only (:func:`~.verify.packed`), so that
+    torch's restricted loader reads it: nothing in a snapshot file is ever unpickled as code."""
     scaler = grad_scaler(trainer)
     return {
         "module": pl_module.state_dict(),
@@ -96,10 +109,10 @@ def load_training_state(trainer: Any, pl_module: Any, state: dict[str, Any], sca
 Norms = Callable[[Iterable[Tensor]], list[float]]  # tensors -> their 2-norms (the diagnosis' own function)
 
 
-@dataclass
+@dataclass(eq=False)
 class Snapshot:
-    """Known-good training state at ``step``: where its tensors are (the store's business) and the guard's meta
-    (the LR scale of its time, the running statistics that belong to it)."""
+    """Known-good training state at ``step``: where its tensors are (the store's business), their seal, and the
+    guard's meta (the LR scale of its time, the running statistics that belong to it). Compared by identity."""
 
     step: int
     skeleton: Any = None
@@ -108,12 +121,48 @@ class Snapshot:
     meta: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0  # the bytes this process holds for it (its share under a ShardedStore)
     total_nbytes: int = 0  # the bytes of the whole state
-    write: Optional[Write] = None  # its file, while a DiskStore's writer thread may still be writing it
+    write: Optional[Write] = None  # its seal (and file), while the snapshot thread may still be at work on it
+    seal: Optional[Seal] = None  # the digest of its tensors, taken when it was kept (:mod:`.verify`)
+    size: Optional[int] = None  # DiskStore: the size its file was written at
     failed: Optional[str] = None  # why it could not be kept (a failed write): never a rollback target
     share: Optional["Snapshot"] = None  # ShardedStore: this rank's share, kept by the inner store
     norms: Optional[dict[str, float]] = None  # 2-norms of the module's floating tensors, once computed
     plan: Any = None  # ShardedStore: which rank keeps which tensor
     in_memory: bool = False  # DiskStore: the disk could not hold it; its tensors are kept in host memory instead
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A snapshot refused when read back: its step, why (``reason``, a key of :data:`~.verify.REASONS`, and what was
+    found), its file, and under a sharded store the ranks whose share failed."""
+
+    step: int
+    reason: str
+    detail: str = ""
+    path: Optional[str] = None
+    ranks: Optional[tuple[int, ...]] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """For an event's ``details.refused``: the same on every rank (the detail and the file are each rank's own,
+        in its warning)."""
+        out: dict[str, Any] = {"step": self.step, "reason": self.reason, "why": REASONS[self.reason]}
+        if self.ranks is not None:
+            out["ranks"] = list(self.ranks)
+        elif self.path is not None:
+            out["file"] = self.path
+        return out
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a rollback restored: the snapshot (None: nothing verified), and the ones refused on the way."""
+
+    snapshot: Optional[Snapshot] = None
+    refused: tuple[Refusal, ...] = ()
+
+    @property
+    def step(self) -> Optional[int]:
+        return None if self.snapshot is None else self.snapshot.step
 
 
 def written_by_forward(skeleton: Any, names: Optional[Iterable[str]]) -> Optional[set[int]]:
@@ -135,6 +184,8 @@ class SnapshotStore:
             per fit, the count said at its end); one kept in host memory instead (``in_memory``) is still a rollback
             target until a newer one takes its place, any other never is.
         waits: reads that had to wait for a write still in flight.
+        refused: every snapshot refused when read back this fit (:meth:`refuse`), oldest first.
+        writer: the snapshot thread (:mod:`.writer`) that seals every snapshot and writes a disk store's files.
         collective: reading a snapshot is a collective (:class:`~.sharded.ShardedStore`): every rank must make
             the same reads (``load``, ``restore``, ``settle``, ``prepare_norms``) in the same order.
     """
@@ -150,6 +201,8 @@ class SnapshotStore:
         self._warned = False  # a failed write is warned once per fit (the count comes at its end)
         self._waits = 0
         self._copier: Optional[DeviceCopy] = None  # device-to-host copies on a side stream (CUDA only)
+        self.refused: list[Refusal] = []
+        self.writer: Optional[SnapshotWriter] = SnapshotWriter()
 
     def __len__(self) -> int:
         return len(self.ring)
@@ -165,6 +218,13 @@ class SnapshotStore:
     def newest_before(self, step: int) -> Optional[Snapshot]:
         """The newest snapshot taken at or before ``step`` that was kept (not failed), or None."""
         return next((snap for snap in reversed(self.ring) if snap.step <= step and not snap.failed), None)
+
+    def targets(self, before: Optional[int] = None) -> list[Snapshot]:
+        """The snapshots a rollback may restore, in the order it tries them: the kept ones newest first, then the
+        one held in host memory because the disk refused it (a last resort: :class:`DiskStore`); ``before``: only
+        those taken at or before that step."""
+        kept = [s for s in reversed(self.ring) if not s.failed and (before is None or s.step <= before)]
+        return [s for s in kept if not s.in_memory] + [s for s in kept if s.in_memory]
 
     def capture(self, trainer: Any, pl_module: Any, step: int, meta: dict[str, Any]) -> Snapshot:
         """Keep the fit's state now (:func:`training_state`) as the newest snapshot, evicting the oldest."""
@@ -185,14 +245,62 @@ class SnapshotStore:
             self._forget(old)
             self._spare.append(old)
         snap = self._spare.pop() if self._spare else Snapshot(step=step)
-        snap.step, snap.meta, snap.failed, snap.norms = step, dict(meta), None, None
+        snap.step, snap.meta, snap.failed, snap.norms, snap.seal = step, dict(meta), None, None, None
         self._keep(snap, skeleton, live, first)
         self.ring.append(snap)
         return snap
 
     def restore(self, snap: Snapshot, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> None:
-        """Load ``snap`` back into the fit (module, optimizers, schedulers, scaler: :func:`load_training_state`)."""
+        """Load ``snap`` back into the fit (module, optimizers, schedulers, scaler: :func:`load_training_state`), once
+        it is verified; raises :class:`~.verify.Refused` (nothing loaded) if it is not."""
         load_training_state(trainer, pl_module, self.load(snap), scaler_overflows)
+
+    def restore_newest(self, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> Restored:
+        """Restore the first of :meth:`targets` that verifies, refusing each one before it that does not (nothing of
+        a refused snapshot reaches the fit); :attr:`Restored.snapshot` is None when none verified."""
+        snap, state, refused = self.first_verified(self.targets(), self.load)
+        if snap is not None:
+            load_training_state(trainer, pl_module, state, scaler_overflows)
+        return Restored(snap, tuple(refused))
+
+    def newest_module(self) -> tuple[Optional[Snapshot], Optional[dict[str, Any]], list[Refusal]]:
+        """The module state dict (fresh tensors) of the first of :meth:`targets` that verifies, that snapshot, and
+        the ones refused on the way."""
+        return self.first_verified(self.targets(), self.load_module)
+
+    def first_verified(self, candidates: Sequence[Snapshot], read: Callable[[Snapshot], Any]
+                       ) -> tuple[Optional[Snapshot], Any, list[Refusal]]:
+        """``(snapshot, read(snapshot), refused)`` for the first of ``candidates`` that ``read`` (a verified read)
+        does not refuse; every one refused before it is refused for good (:meth:`refuse`)."""
+        refused: list[Refusal] = []
+        for snap in candidates:
+            try:
+                return snap, read(snap), refused
+            except Refused as exc:
+                refused.append(self.refuse(snap, exc))
+        return None, None, refused
+
+    def refuse(self, snap: Snapshot, exc: Refused, ranks: Optional[Sequence[int]] = None,
+               reason: Optional[str] = None) -> Refusal:
+        """``snap`` failed its check (``exc``; under a sharded store on ``ranks``, ``reason`` the one every rank
+        records): warned once, recorded in :attr:`refused`, and out of the ring for good (its file, if any, is left
+        where it is, to be looked at). A refusal already recorded is returned as it is."""
+        if isinstance(exc.recorded, Refusal):
+            return exc.recorded
+        path = None if snap.path is None else str(snap.path)
+        refusal = Refusal(snap.step, reason or exc.reason, exc.detail, path, None if ranks is None else tuple(ranks))
+        exc.recorded = refusal
+        self.refused.append(refusal)
+        if any(s is snap for s in self.ring):
+            self.ring.remove(snap)
+            self._forget(snap, keep_file=True)
+            self._spare.append(snap)
+        where = f" ({path})" if path else " (host memory)"
+        warnings.warn(f"[nanguard] the snapshot of step {snap.step} is refused{where}: {exc}. It is never restored "
+                      "(nothing of it reached the model) and is no rollback target again; a rollback falls back to "
+                      "the next older snapshot that verifies (guard.snapshots.refused).", SnapshotReadWarning,
+                      stacklevel=3)
+        return refusal
 
     def drop_newest(self) -> None:
         """Forget the newest snapshot (it did not lead to recovery); keeps at least one."""
@@ -201,8 +309,19 @@ class SnapshotStore:
             self._forget(snap)
             self._spare.append(snap)
 
+    def load(self, snap: Snapshot) -> Any:
+        """The snapshot's state as fresh tensors (never aliasing the snapshot), verified against its seal; raises
+        :class:`~.verify.Refused` (nothing read) if it does not verify."""
+        return unflatten(snap.skeleton, self._read(snap, copy=True))
+
+    def view(self, snap: Snapshot) -> list[Tensor]:
+        """The snapshot's tensors in :func:`~..tree.flatten` order, verified (:class:`~.verify.Refused` if not), to be
+        read at once and not kept: they may be the store's own buffers (no copy), which the next :meth:`take`
+        overwrites."""
+        return self._read(snap, copy=False)
+
     def load_module(self, snap: Snapshot) -> dict[str, Any]:
-        """The module state dict of ``snap`` (fresh tensors)."""
+        """The module state dict of ``snap`` (fresh tensors, verified)."""
         return self.load(snap)["module"]
 
     def prepare_norms(self, norms: Norms) -> None:
@@ -213,7 +332,8 @@ class SnapshotStore:
 
     def module_norms(self, snap: Snapshot, norms: Norms) -> Optional[dict[str, float]]:
         """2-norms of the floating module tensors of ``snap`` by name (computed once per snapshot with
-        ``norms``), or None where they cannot be had without a collective."""
+        ``norms``, from a verified read: :class:`~.verify.Refused` if it does not verify), or None where they cannot
+        be had without a collective."""
         if snap.norms is None:
             module = self.load_module(snap)
             named = [(n, t) for n, t in module.items() if isinstance(t, Tensor) and is_strided(t)
@@ -229,14 +349,43 @@ class SnapshotStore:
             self._check(snap, wait=False)
 
     def flush(self) -> None:
-        """Wait for every copy and write in flight, and report the ones that failed."""
+        """Wait for every copy, seal and write in flight, and report the ones that failed."""
         if self._copier is not None:
             self._copier.wait()
         for snap in list(self.ring):
             self._check(snap, wait=True)
+        if self.writer is not None:
+            self.writer.drain()  # the deletions of evicted files too
+
+    def _done(self, snap: Snapshot, wait: bool) -> Optional[Write]:
+        """``snap``'s work on the snapshot thread once it is done (waited for with ``wait``; counted in :attr:`waits`
+        if it had to), its seal taken into ``snap``; None while it runs, or when there was none."""
+        write = snap.write
+        if write is None:
+            return None
+        if wait and write.wait():
+            self._waits += 1
+        if not write.done:
+            return None
+        snap.write, snap.seal = None, write.seal
+        return write
 
     def _check(self, snap: Snapshot, wait: bool) -> None:
-        """Is ``snap``'s write done (waited for with ``wait``)? Then report it if it failed (a store that writes)."""
+        """Is ``snap``'s seal (and write) done (waited for with ``wait``)? Then take its seal, and report its write if
+        it failed (a store that writes)."""
+        self._done(snap, wait)
+
+    def _seal_later(self, snap: Snapshot, tensors: list[Tensor], event: Optional[Any]) -> None:
+        """Seal ``tensors`` (``snap``'s host copy; after the device ``event`` of its copies, if any) on the snapshot
+        thread; without one, here."""
+        copier = self._copier
+        before = (lambda: copier.backend.synchronize(event)) if event is not None and copier is not None else None
+        if self.writer is None:
+            if before is not None:
+                before()
+            snap.seal = seal(tensors)
+            return
+        snap.write = self.writer.submit(None, before=before, seal=lambda: seal(tensors))
 
     def settle(self) -> None:
         """Before a snapshot is chosen as a rollback target: :meth:`flush`, then drop the snapshots that could not
@@ -245,8 +394,10 @@ class SnapshotStore:
         self._drop_failed()
 
     def close(self) -> None:
-        """End of fit (or an exception): :meth:`flush`, and end the writer thread."""
+        """End of fit (or an exception): :meth:`flush`, and end the snapshot thread."""
         self.flush()
+        if self.writer is not None:
+            self.writer.close()
 
     def before_optimizer_step(self) -> None:
         """An optimizer step is about to write the weights and its state: it waits, on the device, for the copies
@@ -269,20 +420,25 @@ class SnapshotStore:
         if self._warned:
             return
         self._warned = True
-        what = ("it is kept in host memory instead, as a rollback target (only the newest snapshot the disk refused "
-                "is kept so)" if in_memory else "no file was left, and it is no rollback target")
+        what = ("it is kept in host memory instead, as a rollback target of last resort (after every snapshot on "
+                "disk that verifies; only the newest snapshot the disk refused is kept so)" if in_memory else
+                "no file was left, and it is no rollback target")
         warnings.warn(f"[nanguard] snapshot at step {snap.step} not written: {error} ({path}); {what}. Training goes "
                       "on, later snapshots try the disk again; the count is said at the end of fit "
                       "(guard.snapshots.failures). Said once per fit.", SnapshotWriteWarning, stacklevel=3)
 
     def failure_summary(self) -> Optional[str]:
-        """One line on the snapshots not written this fit (None: none)."""
-        if not self.failures:
-            return None
-        held = any(f["in_memory"] for f in self.failures)
-        last = self.failures[-1]
-        return (f"[nanguard] {len(self.failures)} snapshot(s) not written this fit (the last at step {last['step']}: "
-                f"{last['error']}){'; the newest of them is kept in host memory instead' if held else ''}")
+        """One line on the snapshots not written or refused this fit (None: none)."""
+        said = []
+        if self.failures:
+            held = any(f["in_memory"] for f in self.failures)
+            last = self.failures[-1]
+            said.append(f"{len(self.failures)} snapshot(s) not written this fit (the last at step {last['step']}: "
+                        f"{last['error']}){'; the newest of them is kept in host memory instead' if held else ''}")
+        if self.refused:
+            said.append(f"{len(self.refused)} snapshot(s) refused when read back (steps "
+                        f"{', '.join(str(r.step) for r in self.refused)}: guard.snapshots.refused)")
+        return "[nanguard] " + "; ".join(said) if said else None
 
     def _host_copy(self, buffers: list[Tensor], live: list[Tensor],
                    first: Optional[set[int]]) -> tuple[list[Tensor], Optional[Any]]:
@@ -311,31 +467,40 @@ class SnapshotStore:
             self._copier = DeviceCopy()
         return buffers, self._copier.start(early, late)
 
+    def _in_memory(self, snap: Snapshot, copy: bool) -> list[Tensor]:
+        """``snap``'s host copy (``snap.tensors``; cloned with ``copy``), verified against its seal (the copy itself,
+        so that what is returned is what was checked)."""
+        if self._copier is not None:
+            self._copier.wait()
+        self._check(snap, wait=True)
+        tensors = [t.clone() for t in snap.tensors] if copy else list(snap.tensors)
+        check(snap.seal, tensors)
+        return tensors
+
     # ------------------------------------------------------------------------- what an implementation does
 
     def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
         """Copy the tensors ``live`` of a state flattened into ``skeleton`` (:func:`~..tree.flatten`) into ``snap``
-        (set ``snap.nbytes`` and ``snap.total_nbytes``); ``first``: see :meth:`_host_copy`."""
+        (set ``snap.nbytes`` and ``snap.total_nbytes``) and have them sealed; ``first``: see :meth:`_host_copy`."""
         raise NotImplementedError
 
-    def load(self, snap: Snapshot) -> Any:
-        """The snapshot's state as fresh tensors (never aliasing the snapshot)."""
+    def _read(self, snap: Snapshot, copy: bool) -> list[Tensor]:
+        """The snapshot's tensors in :func:`~..tree.flatten` order, verified against its seal (:class:`~.verify.Refused`
+        if they are not those it was kept with); fresh ones with ``copy``, else possibly the store's own."""
         raise NotImplementedError
 
-    def view(self, snap: Snapshot) -> list[Tensor]:
-        """The snapshot's tensors in :func:`~..tree.flatten` order, to be read at once and not kept: they may be the
-        store's own buffers (no copy), which the next :meth:`take` overwrites."""
-        return flatten(self.load(snap))[1]
-
-    def _forget(self, snap: Snapshot) -> None:
-        """``snap`` leaves the ring (its buffers may be reused by the next :meth:`_keep`)."""
+    def _forget(self, snap: Snapshot, keep_file: bool = False) -> None:
+        """``snap`` leaves the ring (its buffers may be reused by the next :meth:`_keep`: its seal is waited for);
+        ``keep_file``: a store that writes files leaves its file (a refused snapshot's)."""
+        self._check(snap, wait=True)
 
 
 class MemoryStore(SnapshotStore):
     """Snapshots in preallocated CPU memory.
 
-    Taking a snapshot copies into buffers allocated on first use (``copy_``, no allocation in steady state);
-    restoring clones again, so neither the live objects nor the snapshot alias each other. Sparse tensors (a
+    Taking a snapshot copies into buffers allocated on first use (``copy_``, no allocation in steady state) and
+    hands them to the snapshot thread to be sealed; restoring clones again and checks the clones against the seal
+    (host memory flips bits too), so neither the live objects nor the snapshot alias each other. Sparse tensors (a
     graph's adjacency buffer) are copied in their own layout. From CUDA the buffers are pinned and filled on a
     side stream (:mod:`.device_copy`); a read waits for the copies.
     """
@@ -344,18 +509,12 @@ class MemoryStore(SnapshotStore):
 
     def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
         snap.skeleton = skeleton
-        snap.tensors, _ = self._host_copy(snap.tensors, live, first)
+        snap.tensors, event = self._host_copy(snap.tensors, live, first)
         snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in snap.tensors)
+        self._seal_later(snap, list(snap.tensors), event)
 
-    def load(self, snap: Snapshot) -> Any:
-        if self._copier is not None:
-            self._copier.wait()
-        return unflatten(snap.skeleton, snap.tensors, clone=True)
-
-    def view(self, snap: Snapshot) -> list[Tensor]:
-        if self._copier is not None:
-            self._copier.wait()
-        return list(snap.tensors)
+    def _read(self, snap: Snapshot, copy: bool) -> list[Tensor]:
+        return self._in_memory(snap, copy)
 
 
 _SNAPSHOT_FILE = re.compile(r"snapshot-step\d+\.pt(\.tmp)?")
@@ -370,16 +529,23 @@ class _Staging:
         self.snap: Optional[Snapshot] = None  # the snapshot being written from them
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 class DiskStore(SnapshotStore):
     """Snapshots as files in ``directory``: written to a temporary name, fsynced, then renamed.
 
     The step copies the state into preallocated host buffers (as :class:`MemoryStore` does) and hands them to a
-    writer thread (:class:`~.writer.SnapshotWriter`), which saves, fsyncs and renames the file while training
-    goes on. ``depth`` sets of buffers bound the writes in flight: a snapshot due while they are all being
+    writer thread (:class:`~.writer.SnapshotWriter`), which seals them, saves, fsyncs and renames the file while
+    training goes on. ``depth`` sets of buffers bound the writes in flight: a snapshot due while they are all being
     written waits for the oldest. Reading a snapshot whose write is in flight waits for it (:attr:`waits`); a
     failed write leaves no file, is reported (:class:`~..errors.SnapshotWriteWarning`, :attr:`failures`) and is
-    never a rollback target. ``background=False`` writes on the step, from the live tensors (the behaviour before
-    the writer thread).
+    never a rollback target, unless the disk refused it: then it is held in host memory, a target of last resort.
+    A file is read with torch's restricted loader (``weights_only=True``), and only once its size, its header (the
+    format, its step) and its tensors' digest are those written. ``background=False`` writes on the step, from
+    the live tensors (the behaviour before the writer thread).
     """
 
     mode = "disk"
@@ -390,7 +556,8 @@ class DiskStore(SnapshotStore):
         if directory is None:
             raise ValueError("disk snapshots need a directory")
         self.directory = Path(directory)
-        self.writer: Optional[SnapshotWriter] = SnapshotWriter() if background else None
+        if not background:
+            self.writer = None
         self._staging = [_Staging() for _ in range(max(1, depth))]
         self._turn = 0
         self._held: list[Snapshot] = []  # the snapshot the disk refused that is kept in host memory (the newest)
@@ -415,19 +582,23 @@ class DiskStore(SnapshotStore):
 
     def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
         snap.path = path = self.directory / f"snapshot-step{snap.step}.pt"
-        snap.write, snap.in_memory, snap.skeleton, snap.tensors = None, False, skeleton, []
+        snap.write, snap.in_memory, snap.skeleton, snap.tensors, snap.size = None, False, skeleton, [], None
+        step = snap.step
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             if self.writer is None:
-                write_atomic(unflatten(skeleton, live), path)
-                snap.nbytes = snap.total_nbytes = path.stat().st_size
+                snap.seal = seal([t.cpu() for t in live])
+                snap.size = write_atomic(packed(skeleton, live, step), path)
+                snap.nbytes = snap.total_nbytes = snap.size
                 return
         except OSError as exc:  # the folder cannot be made (a file in its way), or the disk is full: keep it in memory
-            tensors, _ = self._host_copy([], live, first)
+            tensors, event = self._host_copy([], live, first)
             snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in tensors)
+            if snap.seal is None:
+                self._seal_later(snap, tensors, event)
             self._hold(snap, tensors, why_not_written(exc))
             return
-        except Exception as exc:  # noqa: BLE001  (written on the step: state that cannot be pickled; no target)
+        except Exception as exc:  # noqa: BLE001  (written on the step: state that cannot be saved; no target)
             self._report(snap, path, why_not_written(exc))
             return
         staging = self._staging[self._turn]
@@ -443,7 +614,8 @@ class DiskStore(SnapshotStore):
         snap.tensors = tensors  # until its write is done (kept in memory if the disk refuses it)
         copier = self._copier
         before = (lambda: copier.backend.synchronize(event)) if event is not None and copier is not None else None
-        snap.write = staging.write = self.writer.submit(path, lambda: unflatten(skeleton, tensors), before)
+        snap.write = staging.write = self.writer.submit(
+            path, lambda: packed(skeleton, tensors, step), before, seal=lambda: seal(tensors))
         staging.snap = snap
 
     def _hold(self, snap: Snapshot, tensors: list[Tensor], error: str) -> None:
@@ -458,38 +630,46 @@ class DiskStore(SnapshotStore):
                 staging.tensors, staging.snap = [], None
         self._report(snap, snap.path, error, in_memory=True)
 
-    def _readable(self, snap: Snapshot) -> bool:
-        """Wait for ``snap``'s write; whether it is held in host memory (a write the disk refused) rather than in
-        its file. Raises if it was not kept at all."""
+    def _read(self, snap: Snapshot, copy: bool) -> list[Tensor]:
+        """Its host copy where the disk refused it; else its file, read with torch's restricted loader (mapped from
+        the disk without ``copy``: read as it is used, not copied into memory first), once its size and header are
+        those written; its tensors checked against its seal either way."""
         self._check(snap, wait=True)
         if snap.failed:
-            raise RuntimeError(f"the snapshot of step {snap.step} was not written ({snap.failed})")
-        if snap.in_memory and self._copier is not None:
-            self._copier.wait()
-        return snap.in_memory
-
-    def load(self, snap: Snapshot) -> Any:
-        if self._readable(snap):
-            return unflatten(snap.skeleton, snap.tensors, clone=True)
+            raise Refused("not_written", snap.failed)
+        if snap.in_memory:
+            return self._in_memory(snap, copy)
         assert snap.path is not None
-        return torch.load(snap.path, map_location="cpu", weights_only=False)
-
-    def view(self, snap: Snapshot) -> list[Tensor]:
-        """The file's tensors mapped from the disk (``mmap``: read as they are used, not copied into memory first);
-        the host copy of one the disk refused."""
-        if self._readable(snap):
-            return list(snap.tensors)
-        assert snap.path is not None
+        path = snap.path
         try:
-            return flatten(torch.load(snap.path, map_location="cpu", weights_only=False, mmap=True))[1]
-        except RuntimeError:  # not a zip file (an older format): read whole
-            return SnapshotStore.view(self, snap)
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise Refused("missing", f"no file at {path}") from None
+        except OSError as exc:
+            raise Refused("unreadable", why_not_written(exc)) from None
+        if snap.size is not None and size != snap.size:
+            raise Refused("truncated", f"{size} bytes, written as {snap.size}")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's own warnings about a file that is not ours
+                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=not copy)
+        except pickle.UnpicklingError as exc:
+            if "weights only" in str(exc).lower():
+                raise Refused("restricted", _first_line(exc)) from None
+            raise Refused("unreadable", _first_line(exc)) from None
+        except FileNotFoundError:
+            raise Refused("missing", f"no file at {path}") from None
+        except Exception as exc:  # noqa: BLE001  (whatever the loader says of a file that is not what was written)
+            raise Refused("unreadable", _first_line(exc)) from None
+        tensors = unpack(obj, snap.step)
+        check(snap.seal, tensors)
+        return tensors
 
-    def _forget(self, snap: Snapshot) -> None:
+    def _forget(self, snap: Snapshot, keep_file: bool = False) -> None:
         # its write is done by now in practice (the oldest snapshot; the staging buffers wait for it anyway)
         self._check(snap, wait=True)
-        if snap.path is not None and not snap.failed and not snap.in_memory:  # a failed write left no file of ours
-            if self.writer is not None:
+        if snap.path is not None and not snap.failed and not snap.in_memory and not keep_file:
+            if self.writer is not None:  # (a failed write left no file of ours)
                 self.writer.remove(snap.path)  # freeing a large file's blocks: on the writer thread
             else:
                 snap.path.unlink(missing_ok=True)
@@ -498,31 +678,22 @@ class DiskStore(SnapshotStore):
         snap.path, snap.tensors, snap.in_memory = None, [], False
 
     def _check(self, snap: Snapshot, wait: bool) -> None:
-        """Done with ``snap``'s write (waiting for it with ``wait``)? Then report a failure and forget it: a disk
-        that refused it leaves it in host memory (:meth:`_hold`), any other failure leaves no rollback target."""
-        write = snap.write
+        """Done with ``snap``'s write (waiting for it with ``wait``)? Then take its seal and size, report a failure
+        and forget it: a disk that refused it leaves it in host memory (:meth:`_hold`), any other failure leaves no
+        rollback target."""
+        write = self._done(snap, wait)
         if write is None:
             return
-        if wait and write.wait():
-            self._waits += 1
-        if write.done:
-            snap.write = None
-            if write.error is not None and not snap.failed:
-                if write.disk_error:
-                    self._hold(snap, snap.tensors, write.error)
-                    return
-                self._report(snap, write.path, write.error)
+        snap.size = write.size if write.path is not None else snap.size
+        if write.error is not None and not snap.failed:
+            if write.path is None:  # a seal alone (of a snapshot held in memory): it has none
+                return
+            if write.disk_error:
+                self._hold(snap, snap.tensors, write.error)
+                return
+            self._report(snap, write.path, write.error)
+        if not snap.in_memory:
             snap.tensors = []  # written (or failed otherwise): the staging buffers are the staging's again
-
-    def flush(self) -> None:
-        super().flush()
-        if self.writer is not None:
-            self.writer.drain()  # the deletions of evicted files too
-
-    def close(self) -> None:
-        self.flush()
-        if self.writer is not None:
-            self.writer.close()
 
 
 def make_store(mode: str, keep: int, directory: Optional[Path] = None) -> SnapshotStore:

@@ -1,10 +1,11 @@
-"""Snapshot files written off the training thread: one writer thread, atomic files.
+"""Snapshot work off the training thread: one snapshot thread that seals snapshots and writes atomic files.
 
 :func:`write_atomic` is how a snapshot file is written (``torch.save`` to a temporary name, ``fsync``, rename):
 a reader finds the whole file or none, and a failed write removes its temporary file. :class:`SnapshotWriter`
-runs such writes, and the deletion of evicted snapshots' files, on one background thread, in the order they were
-submitted; each write is a :class:`Write` that the training thread can wait for (a rollback to that snapshot, the
-end of fit) and that says why it failed.
+runs, on one background thread and in the order they were submitted, each snapshot's seal (its digest,
+:func:`~.verify.seal`: every store's, memory ones included), its file where it has one, and the deletion of
+evicted snapshots' files; each is a :class:`Write` that the training thread can wait for (a read of that
+snapshot, the end of fit) and that says why it failed.
 """
 
 from __future__ import annotations
@@ -17,20 +18,25 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .verify import Seal
+
 __all__ = ["Write", "SnapshotWriter", "write_atomic", "why_not_written"]
 
 
-def write_atomic(obj: Any, path: Path) -> None:
+def write_atomic(obj: Any, path: Path) -> int:
     """``torch.save(obj)`` to ``path``: a temporary file, fsynced, then renamed; on failure the temporary file is
     removed and the error raised (``path`` is never half written). Saved through a Python file object, so that a
-    full disk raises the OS's own ``OSError`` (ENOSPC), not torch's ``basic_ios::clear: iostream error``."""
+    full disk raises the OS's own ``OSError`` (ENOSPC), not torch's ``basic_ios::clear: iostream error``. Returns
+    the file's size."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as fh:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
+            size = fh.tell()
         os.replace(tmp, path)
+        return size
     except BaseException:
         try:
             tmp.unlink(missing_ok=True)
@@ -48,12 +54,14 @@ def why_not_written(exc: BaseException) -> str:
 
 
 class Write:
-    """One file being written by a :class:`SnapshotWriter`."""
+    """One snapshot being sealed, and written to ``path`` where it has one, by a :class:`SnapshotWriter`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Optional[Path]) -> None:
         self.path = path
         self.error: Optional[str] = None  # why it failed, once done: the OS's words, or "PicklingError: ..."
         self.disk_error = False  # it failed on the disk (an OSError: full, not writable, a file in the way)
+        self.seal: Optional[Seal] = None  # its digest, once taken (before the file is written)
+        self.size: Optional[int] = None  # the size of the file written
         self._done = threading.Event()
 
     @property
@@ -69,12 +77,13 @@ class Write:
 
 
 class SnapshotWriter:
-    """One background thread writing snapshot files in the order they were submitted.
+    """One background thread sealing snapshots and writing their files, in the order they were submitted.
 
-    ``submit`` hands over ``build`` (called on the writer thread: what to save; it must read only memory the
-    training thread leaves alone until the write is done), ``before`` (e.g. wait for the device copies it reads)
-    and ``after`` (called whatever happened). The thread starts with the first write and ends at :meth:`close`
-    (a later write starts it again).
+    ``submit`` hands over ``before`` (e.g. wait for the device copies the rest reads), ``seal`` (the snapshot's
+    digest, taken first), ``build`` (what to save to ``path``; none without a path) and ``after`` (called whatever
+    happened), all called on the writer thread: they must read only memory the training thread leaves alone until
+    the write is done. The thread starts with the first write and ends at :meth:`close` (a later write starts it
+    again).
     """
 
     def __init__(self) -> None:
@@ -86,10 +95,11 @@ class SnapshotWriter:
         """The writer thread is alive (between the first write and :meth:`close`)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, path: Path, build: Callable[[], Any], before: Optional[Callable[[], None]] = None,
-               after: Optional[Callable[[], None]] = None) -> Write:
+    def submit(self, path: Optional[Path], build: Optional[Callable[[], Any]] = None,
+               before: Optional[Callable[[], None]] = None, after: Optional[Callable[[], None]] = None,
+               seal: Optional[Callable[[], Seal]] = None) -> Write:
         write = Write(path)
-        self._put((write, build, before, after))
+        self._put((write, build, before, after, seal))
         return write
 
     def remove(self, path: Path) -> None:
@@ -116,11 +126,14 @@ class SnapshotWriter:
                     pass
                 self._queue.task_done()
                 continue
-            write, build, before, after = job
+            write, build, before, after, seal = job
             try:
                 if before is not None:
                     before()
-                write_atomic(build(), write.path)
+                if seal is not None:
+                    write.seal = seal()
+                if write.path is not None and build is not None:
+                    write.size = write_atomic(build(), write.path)
             except BaseException as exc:  # noqa: BLE001  (reported by the training thread; never half a file)
                 write.error, write.disk_error = why_not_written(exc), isinstance(exc, OSError)
             finally:
