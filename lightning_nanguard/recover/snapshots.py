@@ -534,6 +534,21 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+def _unreadable(path: Path, written: Optional[int], exc: BaseException) -> Refused:
+    """Why torch's restricted loader could not read the snapshot file ``path`` (written at ``written`` bytes):
+    refused by that loader (a pickle of anything but tensors and plain data: it runs no code), cut short, or
+    unreadable otherwise."""
+    if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+        return Refused("restricted", _first_line(exc))
+    try:
+        size: Optional[int] = os.stat(path).st_size
+    except OSError:
+        size = None
+    if written is not None and size is not None and size < written:
+        return Refused("truncated", f"{size} bytes, written as {written}")
+    return Refused("unreadable", _first_line(exc))
+
+
 class DiskStore(SnapshotStore):
     """Snapshots as files in ``directory``: written to a temporary name, fsynced, then renamed.
 
@@ -543,8 +558,8 @@ class DiskStore(SnapshotStore):
     written waits for the oldest. Reading a snapshot whose write is in flight waits for it (:attr:`waits`); a
     failed write leaves no file, is reported (:class:`~..errors.SnapshotWriteWarning`, :attr:`failures`) and is
     never a rollback target, unless the disk refused it: then it is held in host memory, a target of last resort.
-    A file is read with torch's restricted loader (``weights_only=True``), and only once its size, its header (the
-    format, its step) and its tensors' digest are those written. ``background=False`` writes on the step, from
+    A file is read with torch's restricted loader (``weights_only=True``), and used only once its header (the format,
+    its step) and its tensors' digest are those written. ``background=False`` writes on the step, from
     the live tensors (the behaviour before the writer thread).
     """
 
@@ -632,8 +647,8 @@ class DiskStore(SnapshotStore):
 
     def _read(self, snap: Snapshot, copy: bool) -> list[Tensor]:
         """Its host copy where the disk refused it; else its file, read with torch's restricted loader (mapped from
-        the disk without ``copy``: read as it is used, not copied into memory first), once its size and header are
-        those written; its tensors checked against its seal either way."""
+        the disk without ``copy``: read as it is used, not copied into memory first), whose header must be its own;
+        its tensors checked against its seal either way."""
         self._check(snap, wait=True)
         if snap.failed:
             raise Refused("not_written", snap.failed)
@@ -642,25 +657,13 @@ class DiskStore(SnapshotStore):
         assert snap.path is not None
         path = snap.path
         try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise Refused("missing", f"no file at {path}") from None
-        except OSError as exc:
-            raise Refused("unreadable", why_not_written(exc)) from None
-        if snap.size is not None and size != snap.size:
-            raise Refused("truncated", f"{size} bytes, written as {snap.size}")
-        try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch's own warnings about a file that is not ours
                 obj = torch.load(path, map_location="cpu", weights_only=True, mmap=not copy)
-        except pickle.UnpicklingError as exc:
-            if "weights only" in str(exc).lower():
-                raise Refused("restricted", _first_line(exc)) from None
-            raise Refused("unreadable", _first_line(exc)) from None
         except FileNotFoundError:
             raise Refused("missing", f"no file at {path}") from None
         except Exception as exc:  # noqa: BLE001  (whatever the loader says of a file that is not what was written)
-            raise Refused("unreadable", _first_line(exc)) from None
+            raise _unreadable(path, snap.size, exc) from None
         tensors = unpack(obj, snap.step)
         check(snap.seal, tensors)
         return tensors

@@ -38,7 +38,7 @@ FORMAT = 1  # the layout of a snapshot file (``"nanguard": {"format": 1, ...}``)
 REASONS: dict[str, str] = {
     "not_written": "its write failed",
     "missing": "its file is missing",
-    "truncated": "its file is not the size it was written at",
+    "truncated": "its file is shorter than it was written",
     "unreadable": "its file cannot be read as a snapshot",
     "restricted": "torch's restricted loader (weights_only=True) refused its file: it holds more than tensors and "
                   "plain data, which the guard never writes",
