@@ -231,8 +231,9 @@ class Responder:
         restored = p.recovery.restore_newest(trainer, pl_module, p.overflow.overflows)
         p.evidence.weights.refresh()
         assert incident.conclude is not None
-        if restored.refused:
-            event.details["refused"] = [r.to_dict() for r in restored.refused]
+        refused = p.recovery.refusals_untold()
+        if refused:
+            event.details["refused"] = refused
         stop = incident.conclude(event, restored.step,
                                  p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
         self._record(trainer, event, self._context(trainer, pl_module, incident), "")

@@ -7,10 +7,8 @@ Nothing in a snapshot file ever runs as code; the stores add no host read to a h
 from __future__ import annotations
 
 import pickle
-import shutil
 import sys
 import warnings
-import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,6 +24,7 @@ from lightning_nanguard.recover.verify import REASONS
 from lightning_nanguard.testing import Fault, FaultInjector
 
 from . import models
+from .tampering import FAULTS, deleted
 from .test_sync_modes import HostReads
 
 STEPS = 24
@@ -46,58 +45,6 @@ class Fused(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=0.01, fused=True)
-
-
-class Evil:
-    """Unpickling it creates ``marker``: the code a writer of the log folder could plant in a snapshot file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return (open, (str(self.marker), "w"))
-
-
-def code_carrying_pickle(path: Path, marker: Path) -> None:
-    path.write_bytes(pickle.dumps(Evil(marker)))
-
-
-def flipped_byte(path: Path, marker: Path) -> None:
-    """One byte flipped in the middle of the first weight's data (the zip member ``.../data/0``)."""
-    with zipfile.ZipFile(path) as zf:
-        info = next(i for i in zf.infolist() if i.filename.endswith("/data/0"))
-    with open(path, "r+b") as fh:
-        fh.seek(info.header_offset + 26)
-        name_len, extra_len = int.from_bytes(fh.read(2), "little"), int.from_bytes(fh.read(2), "little")
-        at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-        fh.seek(at)
-        byte = fh.read(1)
-        fh.seek(at)
-        fh.write(bytes([byte[0] ^ 0x10]))
-
-
-def truncated(path: Path, marker: Path) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-
-
-def deleted(path: Path, marker: Path) -> None:
-    path.unlink()
-
-
-def swapped(path: Path, marker: Path) -> None:
-    """Replaced by the file of the snapshot before it (another step: 5 steps older)."""
-    older = path.with_name(f"snapshot-step{int(path.stem.removeprefix('snapshot-step')) - 5}.pt")
-    shutil.copyfile(older, path)
-
-
-FAULTS: dict[str, tuple[Callable[[Path, Path], None], str]] = {  # name: (tampering, the reason it is refused for)
-    "pickle": (code_carrying_pickle, "restricted"),
-    "flipped_byte": (flipped_byte, "digest"),
-    "truncated": (truncated, "truncated"),
-    "deleted": (deleted, "missing"),
-    "swapped": (swapped, "swapped"),
-}
 
 
 class Tamper(pl.Callback):
@@ -283,3 +230,60 @@ def test_healthy_fits_read_nothing_on_the_host_for_their_snapshots(fit, monkeypa
         assert g.counters["snapshots"] >= 6 and g.snapshots.refused == [] and g.events == []
         assert all(s.seal is not None and s.seal.nbytes > 0 for s in g.snapshots.ring)
     assert reads.reads == []
+
+
+# ------------------------------------------------------------------------------------------- sharded (DDP)
+
+DDP_SCRIPT = Path(__file__).parent / "ddp_scripts" / "ddp_tampered.py"
+
+
+@pytest.fixture(scope="module")
+def tampered_ddp(tmp_path_factory) -> list[dict]:
+    """One spawned 2-rank run (~15-30 s on two cores) holding every fit of tests/ddp_scripts/ddp_tampered.py."""
+    import os
+    import subprocess
+
+    out = tmp_path_factory.mktemp("tampered-ddp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run([sys.executable, str(DDP_SCRIPT), str(out)], env=env, cwd=str(out), capture_output=True,
+                          text=True, timeout=600)  # a rank left waiting in a collective fails here
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"tampered-rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.parametrize("fault", [*FAULTS, "memory_bit"])
+def test_a_share_refused_on_rank_1_alone_makes_both_ranks_restore_the_same_older_snapshot(tampered_ddp, fault):
+    """Rank 1's share of the step-15 snapshot is tampered with (or, in host memory, one bit of it flips): both ranks
+    refuse step 15 (its reason and rank 1 named alike in every rank's event), restore step 10 instead, bitwise the
+    state the unsharded probe kept at step 10, and stay equal; the reference fit restores step 15; no code ran."""
+    reason = "digest" if fault == "memory_bit" else FAULTS[fault][1]
+    ref = [r["reference"] for r in tampered_ddp]
+    runs = [r[fault] for r in tampered_ddp]
+    assert [a[0] for a in ref[0]["after"]] == [15] and not tampered_ddp[0]["code_ran"]
+    assert runs[0]["events"] == runs[1]["events"]  # the same decisions and details on both ranks
+    step, kind, actions, restored, refused = runs[0]["events"][-1]
+    assert (step, restored) == (18, 10) and "rollback" in actions
+    assert refused == [{"step": 15, "reason": reason, "why": REASONS[reason], "ranks": [1]}]
+    for r, base in zip(runs, ref):
+        assert r["sharded"] and r["global_step"] == STEPS and r["refused"] == [(15, reason, (1,))]
+        (after_step, after), = r["after"]
+        assert after_step == 10 and same_state(after, base["states"][10])  # bitwise the genuine snapshot of step 10
+        assert len(r["warned"]) == 1 and "snapshot of step 15 is refused" in r["warned"][0]
+    assert same_state(runs[0]["after"][0][1], runs[1]["after"][0][1])  # no rank holds a mix of two snapshots
+    assert all(torch.equal(a, b) for a, b in zip(runs[0]["final"], runs[1]["final"]))
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_sharded_verification_adds_no_collective_to_healthy_steps(tampered_ddp):
+    """A healthy sharded fit with disk snapshots: the guard's collectives are the step's one all_reduce (12 numbers)
+    and the replicas' agreement before each snapshot (4), then the train-end weight check (1): nothing for sealing
+    or verifying."""
+    for r in tampered_ddp:
+        healthy = r["healthy"]
+        sizes = [n for name, n in healthy["calls"] if name == "all_reduce"]
+        assert sizes.count(12) == STEPS and sizes.count(4) == healthy["snapshots"], sizes
+        assert set(sizes) == {12, 4, 1} and sizes.count(1) == 1, sizes

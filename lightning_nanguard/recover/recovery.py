@@ -92,6 +92,7 @@ class Recovery:
         self.metrics: Optional[MetricUndo] = None
         self.pristine = True
         self.kept_step = False
+        self._refusals_told = 0  # how many of the store's refused snapshots an event has named
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -104,6 +105,7 @@ class Recovery:
         self.buffers = BufferUndo(pl_module)
         self.metrics = MetricUndo(pl_module)
         self.store = None
+        self._refusals_told = 0
         if cfg.snapshot != "off":
             directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"
             world = int(getattr(trainer, "world_size", 1) or 1)
@@ -459,12 +461,21 @@ class Recovery:
         done.details["reasons"] = plan.reasons
         return done
 
+    def refusals_untold(self) -> list[dict[str, Any]]:
+        """The snapshots refused since an event last named them (by this rollback, or before it: by the diagnosis'
+        reads), for an event's ``details.refused``; each is named once."""
+        if self.store is None:
+            return []
+        untold, self._refusals_told = self.store.refused[self._refusals_told:], len(self.store.refused)
+        return [r.to_dict() for r in untold]
+
     def _restored(self, done: Applied, restored: Restored, action: bool) -> None:
         """Say in ``done`` what a rollback restored (``restored_step``; the ``refused`` snapshots, and why nothing
         was restored: ``not_restored``); ``action``: a restore is the ``rollback`` action (a give-up's is not)."""
         done.details["restored_step"] = restored.step
-        if restored.refused:
-            done.details["refused"] = [r.to_dict() for r in restored.refused]
+        refused = self.refusals_untold()
+        if refused:
+            done.details["refused"] = refused
         if restored.snapshot is None:
             done.details["not_restored"] = self.why_nothing_to_restore()
             return

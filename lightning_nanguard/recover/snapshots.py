@@ -534,6 +534,23 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+def _restricted_load(path: Path, written: Optional[int], mmap: bool) -> Any:
+    """``torch.load`` of a snapshot file with torch's restricted loader (``weights_only=True``: it rebuilds tensors
+    and plain data, and refuses anything else without running it), mapped from the disk with ``mmap``; a file it
+    cannot read is :class:`~.verify.Refused` with why (:func:`_unreadable`). A file that cannot be mapped (not one
+    of torch's zip files) is read once more without mapping, for the restricted loader's own verdict."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own warnings about a file that is not ours
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise Refused("missing", f"no file at {path}") from None
+    except Exception as exc:  # noqa: BLE001  (whatever the loader says of a file that is not what was written)
+        if mmap and not isinstance(exc, pickle.UnpicklingError):
+            return _restricted_load(path, written, mmap=False)
+        raise _unreadable(path, written, exc) from None
+
+
 def _unreadable(path: Path, written: Optional[int], exc: BaseException) -> Refused:
     """Why torch's restricted loader could not read the snapshot file ``path`` (written at ``written`` bytes):
     refused by that loader (a pickle of anything but tensors and plain data: it runs no code), cut short, or
@@ -656,15 +673,7 @@ class DiskStore(SnapshotStore):
             return self._in_memory(snap, copy)
         assert snap.path is not None
         path = snap.path
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch's own warnings about a file that is not ours
-                obj = torch.load(path, map_location="cpu", weights_only=True, mmap=not copy)
-        except FileNotFoundError:
-            raise Refused("missing", f"no file at {path}") from None
-        except Exception as exc:  # noqa: BLE001  (whatever the loader says of a file that is not what was written)
-            raise _unreadable(path, snap.size, exc) from None
-        tensors = unpack(obj, snap.step)
+        tensors = unpack(_restricted_load(path, snap.size, mmap=not copy), snap.step)
         check(snap.seal, tensors)
         return tensors
 
