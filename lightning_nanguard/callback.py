@@ -281,6 +281,9 @@ class NaNGuardBase:
             say(trainer, summary)
         self._stop_hooks()
         self._recorder.flush()
+        written = self._recorder.failure_summary()
+        if written:
+            say(trainer, written)
 
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # a lagged step's list states and update counts are settled when its flags are read: read the epoch's last

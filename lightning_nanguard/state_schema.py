@@ -252,8 +252,14 @@ _REMEDY = ("To go on: {first}resume from another checkpoint, or delete {source} 
 
 def check_state(state: Mapping[str, Any], source: str = "checkpoint['callbacks']['NaNGuard']") -> Checked:
     """Check every known section of ``state`` (the current layout; :func:`check_version` first); see the module
-    docstring for which keys raise and which are reset."""
+    docstring for which keys raise and which are reset. A state holding none of them (a version key alone) is no
+    state a guard wrote: it raises too, rather than resume every decision from its default."""
     out = dict(state)
+    if not any(name in out for name in (*DECISIONS, *STATISTICS)):
+        held = ", ".join(sorted(map(str, out))) or "nothing"
+        raise NaNGuardError(f"{_where(source)}: holds no section of a guard state (only {held}); expected "
+                            f"{', '.join(dict.fromkeys((*DECISIONS, *STATISTICS)))}. "
+                            + _REMEDY.format(source=source, first=""))
     for name, check in DECISIONS.items():
         if name in out:
             try:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import LoggingConfig
+from ..console import say
 from ..counters import Counters
 from ..errors import SinkWriteWarning
 from ..events import KINDS, NaNEvent
@@ -65,7 +66,8 @@ class Recorder:
 
     A sink's failed write never reaches the fit: it is warned once per sink per fit
     (:class:`~lightning_nanguard.errors.SinkWriteWarning`: which sink, where, the OS's words, what the guard still
-    does), the event stays in :attr:`events` and the other sinks, and the next event tries that sink again.
+    does), the event stays in :attr:`events` and the other sinks, and the next event tries that sink again; the end
+    of fit counts the refused writes of every sink (:meth:`failure_summary`).
 
     Attributes:
         events: every event of this fit, in order (``guard.events``).
@@ -100,7 +102,9 @@ class Recorder:
         self._continue_numbering(trainer)
 
     def _continue_numbering(self, trainer: Any) -> None:
-        """Number after the highest event already on disk (rank 0 reads; every rank numbers alike)."""
+        """Number after the highest event already on disk (rank 0 reads; every rank numbers alike). A resumed fit
+        whose folder holds events numbered after its checkpoint's last (a run that went on past its checkpoint, then
+        crashed) says where its numbering goes on, and why."""
         found = 0
         if self._jsonl is not None:
             found = highest_index(self._jsonl.path)
@@ -108,7 +112,11 @@ class Recorder:
             found = max(found, highest_report(self._reports.directory))
         if int(getattr(trainer, "world_size", 1) or 1) > 1:
             found = int(trainer.strategy.broadcast(found, src=0))
-        self._index = max(self._index, found)
+        saved, self._index = self._index, max(self._index, found)
+        if saved and found > saved:
+            say(trainer, f"[nanguard] the checkpoint's last event is number {saved}, and {self.out_dir} already holds "
+                         f"events up to number {found} (written after that checkpoint by the run it resumes): this "
+                         f"fit numbers its events from {found + 1}")
 
     def default_sinks(self, trainer: Any) -> list[Sink]:
         assert self.out_dir is not None
@@ -148,18 +156,20 @@ class Recorder:
                 self._warn(sink, exc)
 
     def _warn(self, sink: Sink, exc: Exception) -> None:
-        where = getattr(sink, "where", "")
-        if isinstance(exc, OSError):
-            where = exc.filename if exc.filename else where
-            reason = exc.strerror or str(exc)
-        else:
-            reason = f"{type(exc).__name__}: {exc}"
-        others = [_name(s) for s in self.sinks if s is not sink]
+        where, reason = _where_and_why(sink, exc)
+        others = [_name(s) for s in self.sinks if s is not sink and _name(s) not in self.failed_writes]
         also = f" and in {', '.join(others)}" if others else ""
         retry = getattr(sink, "retry", "later events try again")
         warnings.warn(f"[nanguard] {_name(sink)} could not be written ({where}: {reason}). Training and recovery go "
-                      f"on: every event stays in guard.events{also}; {retry}. Said once per fit.",
-                      SinkWriteWarning, stacklevel=2)
+                      f"on: every event stays in guard.events{also}; {retry}. Said once per fit (the refused writes "
+                      "are counted at its end).", SinkWriteWarning, stacklevel=2)
+
+    def failure_summary(self) -> Optional[str]:
+        """One line on the writes the sinks refused this fit (None: none)."""
+        if not self.failed_writes:
+            return None
+        counts = ", ".join(f"{name} {n}" for name, n in self.failed_writes.items())
+        return f"[nanguard] writes refused this fit: {counts} (every event is in guard.events)"
 
     def record(self, event: NaNEvent, text: ReportText, scalars: Callable[[], dict[str, float]]) -> None:
         """Number ``event``, count it, keep it and write it to every sink; ``text`` goes into its incident
@@ -196,3 +206,11 @@ class Recorder:
 def _name(sink: Any) -> str:
     """What a sink is called in a warning (a sink of the user's own may have no ``name``)."""
     return str(getattr(sink, "name", type(sink).__name__))
+
+
+def _where_and_why(sink: Any, exc: BaseException) -> tuple[str, str]:
+    """Where a sink's write failed (the file the OS names, else the sink's place) and why, in the OS's words."""
+    where = str(getattr(sink, "where", ""))
+    if isinstance(exc, OSError):
+        return (os.fsdecode(exc.filename) if exc.filename else where), (exc.strerror or str(exc))
+    return where, f"{type(exc).__name__}: {exc}"

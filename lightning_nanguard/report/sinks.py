@@ -19,6 +19,7 @@ goes on with the other sinks.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -133,6 +134,17 @@ def _writer(logger: Any) -> Any:
     return experiment if hasattr(experiment, "add_scalar") and hasattr(experiment, "add_text") else None
 
 
+def _check_folder(writer: Any) -> None:
+    """Raise ``NotADirectoryError`` (naming it) if the folder a TensorBoard writer writes into is no folder any more
+    (removed, or a file in its place). Writing there anyway would break the writer for good: its background thread
+    dies and keeps the error, which the logger's own next write or its ``finalize`` at the end of fit re-raises,
+    out of ``fit``. A writer that does not say where it writes is not checked."""
+    get_logdir = getattr(writer, "get_logdir", None)
+    folder = get_logdir() if callable(get_logdir) else None
+    if isinstance(folder, (str, os.PathLike)) and "://" not in str(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fspath(folder))
+
+
 class LoggerSink:
     """Writes guard scalars and events through every Lightning logger, at explicit steps."""
 
@@ -151,6 +163,7 @@ class LoggerSink:
         self.scalars(scalars, step)
         for writer in self._writers:
             if writer is not None:
+                _check_folder(writer)
                 writer.add_text(f"{self.prefix}incident/{event.kind}", event.markdown(), global_step=step)
         self.flush()
 
@@ -159,6 +172,7 @@ class LoggerSink:
         values = {self.prefix + name: value for name, value in values.items()}
         for logger, writer in zip(self.loggers, self._writers):
             if writer is not None:
+                _check_folder(writer)
                 for tag, value in values.items():
                     writer.add_scalar(tag, value, global_step=step)
             else:
@@ -167,6 +181,7 @@ class LoggerSink:
     def flush(self) -> None:
         for logger, writer in zip(self.loggers, self._writers):
             if writer is not None and hasattr(writer, "flush"):
+                _check_folder(writer)
                 writer.flush()
             elif writer is None and hasattr(logger, "save"):
                 logger.save()
@@ -224,14 +239,19 @@ class ReportSink:
             except FileExistsError:
                 n += 1
         try:
-            view = memoryview(body)
-            while view:
-                view = view[os.write(fd, view):]
-        except OSError:
-            os.close(fd)
-            path.unlink(missing_ok=True)  # no empty or half report
-            raise
-        os.close(fd)
+            try:
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)  # a disk that takes the bytes and refuses them later (ENOSPC, a quota) says so here
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            try:
+                path.unlink(missing_ok=True)  # no empty or half report
+            except OSError:
+                pass
+            raise OSError(exc.errno, exc.strerror, str(path)) from None  # the report it refused, by name
         self.written[event.index] = path
         if self._kept_first < self.first:
             self._kept_first += 1
