@@ -199,6 +199,7 @@ NOT_THRESHOLDS: dict[str, str] = {
     "lightning_nanguard.detect.replicas.FLOAT32_EXACT": "the largest integer float32 holds exactly (arithmetic)",
     "lightning_nanguard.recover.sharded.EVERY_RANK": "a sentinel owner rank",
     "lightning_nanguard.recover.sharded.BUCKET_BYTES": "the largest broadcast of a sharded restore (memory)",
+    "lightning_nanguard.recover.verify.FORMAT": "the layout version of a disk snapshot file's header",
     "lightning_nanguard.report.cli.MAX_LINE": "`nanguard report`: the longest line read as an event",
     "lightning_nanguard.report.cli.MAX_DEPTH": "`nanguard report`: the deepest JSON read as an event",
     "lightning_nanguard.report.cli.MAX_CELL": "`nanguard report`: characters of a table cell",

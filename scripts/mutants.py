@@ -72,6 +72,8 @@ FIND = PKG + "detect/find.py"
 DYNAMICS = PKG + "diagnose/dynamics.py"
 CLI = PKG + "report/cli.py"
 STATE_SCHEMA = PKG + "state_schema.py"
+VERIFY = PKG + "recover/verify.py"  # the seal and the read-side checks (issue 34)
+SHARDED = PKG + "recover/sharded.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------ detection
@@ -183,10 +185,8 @@ MUTANTS: list[Mutant] = [
            "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up, non-finite weights at fit "
            "start and after a stop share endings.stop_or_raise now)"),
     Mutant("ladder", "lad-give-up-restores-nothing", RECOVERY,
-           'if self.store:\n'
-           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
-           'if False:\n'
-           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
+           "self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored(),",
+           "self.rollback(trainer, pl_module, scaler_overflows) if False else Restored(),",
            "giving up leaves the last (bad) weights instead of restoring the last known-good state"),
     Mutant("ladder", "lad-param-without-snapshot-continues", LADDER,
            "or not can_roll_back and weights:",
@@ -194,11 +194,9 @@ MUTANTS: list[Mutant] = [
            "non-finite parameters with no snapshot (snapshot: off) do not give up: training goes on with NaN"),
 
     # ------------------------------------------------------------------------------------------ snapshots
-    Mutant("snapshots", "snap-rollback-to-oldest", RECOVERY,
-           'snap = self.store.newest\n'
-           "        written =",
-           'snap = self.store.ring[0]\n'
-           "        written =",
+    Mutant("snapshots", "snap-rollback-to-oldest", SNAPSHOTS,
+           "kept = [s for s in reversed(self.ring) if not s.failed",
+           "kept = [s for s in self.ring if not s.failed",
            "a rollback loads the oldest snapshot instead of the newest"),
     Mutant("snapshots", "snap-optimizer-not-restored", SNAPSHOTS,
            "opt.load_state_dict(opt_state)",
@@ -215,8 +213,8 @@ MUTANTS: list[Mutant] = [
            "if name in snap.meta:", "if False:",
            "a rollback keeps the norm/loss statistics polluted by the divergence"),
     Mutant("snapshots", "snap-restore-aliases", SNAPSHOTS,
-           "            self._copier.wait()\n        return unflatten(snap.skeleton, snap.tensors, clone=True)",
-           "            self._copier.wait()\n        return unflatten(snap.skeleton, snap.tensors, clone=False)",
+           "tensors = [t.clone() for t in snap.tensors] if copy else list(snap.tensors)",
+           "tensors = list(snap.tensors)",
            "restoring aliases the snapshot's tensors: training after a rollback overwrites the snapshot"),
     Mutant("snapshots", "snap-further-back-not-dropped", RECOVERY,
            "if plan.go_further_back:\n                self.store.drop_newest()",
@@ -424,7 +422,7 @@ MUTANTS: list[Mutant] = [
 
     # -------------------------------------------------------------------------------------------- events
     Mutant("events", "ev-no-fsync", SINKS,
-           "os.fsync(fd)", "pass",
+           "os.fsync(fd)\n            except OSError:", "pass\n            except OSError:",
            "events.jsonl lines are not fsynced (lost on power failure)"),
     Mutant("events", "ev-torn-line-kept", SINKS,
            "os.ftruncate(fd, start)  # never leave half a line", "pass  # never leave half a line",
@@ -1241,10 +1239,8 @@ MUTANTS: list[Mutant] = [
            "happened'; here a list state (CatMetric, AUROC inputs) keeps the skipped batch"),
     # ------------------------------------------------------------------ give up
     Mutant("ladder", "doc-giveup-no-restore", RECOVERY,
-           '            if self.store:\n'
-           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
-           '            if False:\n'
-           "                snap = self.rollback(trainer, pl_module, scaler_overflows)",
+           "            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if self.store else",
+           "            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if False else",
            "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
            "last known-good state (the newest snapshot)"),
     Mutant("ladder", "doc-giveup-steps-continue", STEP,
@@ -1269,8 +1265,8 @@ MUTANTS: list[Mutant] = [
            "docs/events.md: 'Every other logger (CSVLogger, W&B, MLflow, ...) gets the scalars through "
            "logger.log_metrics(values, step=...)'"),
     Mutant("events", "doc-events-jsonl-no-fsync", SINKS,
-           "                    view = view[os.write(fd, view):]\n                os.fsync(fd)",
-           "                    view = view[os.write(fd, view):]",
+           "                    view = view[os.write(fd, view):]\n                os.fsync(fd)\n            except",
+           "                    view = view[os.write(fd, view):]\n            except",
            "README / docs/events.md / configuration.md: events.jsonl lines are 'flushed and fsynced as each "
            "event is recorded'"),
     Mutant("events", "doc-events-reports-key-ignored", RECORDER,
@@ -1318,4 +1314,39 @@ MUTANTS: list[Mutant] = [
            'directory = out_dir / "snapshots"',
            "docs/configuration.md / recovery.md: disk snapshots go to recovery.snapshot_dir (default "
            "<log_dir>/nanguard/snapshots); here the key is read but ignored"),
+    # ------------------------------------------------------------------ issue 34: trust nothing read back
+    Mutant("snapshots", "trust-digest-not-compared", VERIFY,
+           "    if seal(tensors).digest != expected.digest:", "    if False:",
+           "docs/recovery.md: every read checks the tensors' SHA-256 against the seal; here a flipped byte or bit "
+           "is restored as good"),
+    Mutant("snapshots", "trust-full-unpickler", SNAPSHOTS,
+           "weights_only=True, mmap=mmap)", "weights_only=False, mmap=mmap)",
+           "docs/recovery.md: snapshot files are read with torch's restricted loader; here a planted pickle runs "
+           "its code in the training process"),
+    Mutant("snapshots", "trust-swapped-step-accepted", VERIFY,
+           '    if meta.get("step") != step:', "    if False:",
+           "docs/recovery.md: a file must carry its own step; here an older snapshot's file (same shapes, same "
+           "digest as its own seal would say for it) is only caught by the digest"),
+    Mutant("snapshots", "trust-refused-stays-in-ring", SNAPSHOTS,
+           "        if any(s is snap for s in self.ring):\n            self.ring.remove(snap)",
+           "        if False:\n            self.ring.remove(snap)",
+           "docs/recovery.md: a refused snapshot is never a target again; here it stays in the ring"),
+    Mutant("snapshots", "trust-held-copy-first", SNAPSHOTS,
+           "return [s for s in kept if not s.in_memory] + [s for s in kept if s.in_memory]", "return kept",
+           "docs/recovery.md: a snapshot the disk refused is a target of last resort; here its host copy is "
+           "restored before the older snapshot on disk"),
+    Mutant("snapshots", "trust-ranks-do-not-agree", SHARDED,
+           "            dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # each rank wrote its own column only",
+           "            pass",
+           "docs/recovery.md: under DDP every rank refuses a snapshot one rank's share failed; here ranks decide "
+           "alone (rank 1 falls back, rank 0 broadcasts from the newest: a mix of two snapshots, or a hang)"),
+    Mutant("events", "trust-tensorboard-folder-unchecked", SINKS,
+           "and \"://\" not in str(folder) and not os.path.isdir(folder):",
+           "and False:",
+           "docs/recovery.md: the guard writes nothing into a TensorBoard writer whose folder is gone; here its "
+           "write kills the writer and Lightning's finalize raises out of fit"),
+    Mutant("checkpoint", "trust-empty-state-accepted", STATE_SCHEMA,
+           "    if not any(name in out for name in (*DECISIONS, *STATISTICS)):", "    if False:",
+           "docs/recovery.md: a guard state holding no section is refused; here every decision resumes from its "
+           "default, silently"),
 ]

@@ -25,6 +25,8 @@ from lightning_nanguard.testing import Fault, FaultInjector
 
 from . import models
 from .tampering import FAULTS, deleted
+from .test_snapshot_stores import AfterRollback
+from .test_snapshot_stores import _same as same_state
 from .test_sync_modes import HostReads
 
 STEPS = 24
@@ -62,32 +64,6 @@ class Tamper(pl.Callback):
         for snap in list(reversed(store.ring))[: self.count]:
             self.fault(snap.path, self.marker)
         self.done = True
-
-
-class AfterRollback(models.SnapshotSpy):
-    """``states`` as :class:`~.models.SnapshotSpy`; ``restored``: (restored step, state) right after each rollback."""
-
-    def __init__(self, guard: NaNGuard) -> None:
-        super().__init__(guard)
-        self.rollbacks, self.restored = 0, []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        super().on_train_batch_end(trainer, pl_module, *args)
-        if self.guard.counters["rollbacks"] != self.rollbacks:
-            self.rollbacks = self.guard.counters["rollbacks"]
-            self.restored.append((self.guard.events[-1].details["restored_step"],
-                                  models.training_state(trainer, pl_module)))
-
-
-def _tensors(state: Any) -> list[torch.Tensor]:
-    from lightning_nanguard.tree import flatten
-
-    return flatten(state)[1]
-
-
-def same_state(a: Any, b: Any) -> bool:
-    ta, tb = _tensors(a), _tensors(b)
-    return len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
 
 
 def guarded_fit(root: Path, sync: str, snapshot: str = "disk", fault: Optional[Fault] = None,
