@@ -69,6 +69,7 @@ from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
 from . import domain, dynamics, replay
 from .context import IncidentContext
+from .culprit import RUNAWAY_CAUSES, runaway_culprit
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT", "GRAD_NORM_Z", "EXTREME_FEATURE_RATIO"]
 
@@ -108,6 +109,11 @@ def diagnose(ctx: IncidentContext) -> str:
         cause = "optimizer" if ctx.grads_were_finite else "unknown"
     else:
         cause, frames_text = _cause_of_step(ctx)
+        if ev.culprit is None and cause in RUNAWAY_CAUSES:  # the module that ran away (weights, gradient flow)
+            found = runaway_culprit(ctx, _onset(ctx)[0])
+            if found is not None:
+                ev.culprit = found["module"]
+                details["runaway"] = found
     cause = _persisting_overflows(ctx, cause)
     ev.cause = cause
     ev.suggestion = suggest(ev, cause or "unknown")
@@ -142,7 +148,7 @@ def _cause_of_step(ctx: IncidentContext) -> tuple[Optional[str], str]:
         ctx.replayed = True
         cause = _cause_from_replay(ctx, result)
         frames_text = result.frames_text
-        rows = result.forward_rows
+        rows = ctx.replay_rows = result.forward_rows
     elif (not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause
           and ctx.previous.cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
         cause = _reused(ctx, ctx.previous)
