@@ -95,6 +95,9 @@ class Parts:
         values = {"incidents": float(counts["incidents"]), "skipped_steps": float(counts["skipped_steps"]),
                   "rollbacks": float(counts["rollbacks"]), "lr_scale": float(self.recovery.lr_scale),
                   "grad_norm": float(self.clipper.last_norm)}
+        threshold = self.clipper.threshold()
+        if threshold is not None:  # beside the gradient norm on the guard's TensorBoard dashboard
+            values["clip_threshold"] = float(threshold)
         scaler = grad_scaler(trainer)
         if scaler is not None:
             scale = self.overflow.scale  # read with the step's flags: no extra sync

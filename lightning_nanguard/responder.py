@@ -46,6 +46,7 @@ class Responder:
         self._queued: list[Queued] = []
         self.last_incident: Optional[tuple[NaNEvent, Window]] = None
         self.left_nonfinite = False
+        self._pictured = 0  # events of this fit that keep their gradient-flow window (logging.max_reports)
 
     def take_last_incident(self) -> Optional[tuple[NaNEvent, Window]]:
         """The newest step incident and its window, forgotten here (the end of fit reruns it once)."""
@@ -241,6 +242,9 @@ class Responder:
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)
+        if ctx.flow is not None and self._pictured < self.parts.config.logging.max_reports:
+            event.flow = ctx.flow.for_event(event.step, event.culprit, ctx.replay_rows).to_dict()
+            self._pictured += 1
         self.parts.recorder.record(event, text, lambda: self.parts.scalars(trainer))
 
     # ------------------------------------------------------------------------------------- outside a step

@@ -288,6 +288,27 @@ class Flow:
         except (KeyError, TypeError, ValueError, struct.error) as err:
             raise ValueError(f"a malformed gradient-flow window: {err}") from None
 
+    def for_event(self, step: int, culprit: Optional[str], replay_rows: Sequence[dict] = ()) -> "Flow":
+        """This window as an event at ``step`` keeps it: the step marked as the incident, the event's culprit, and
+        the replay's module calls (``replay_rows``) summed up per module (largest finite |output|, non-finite count)."""
+        marks = list(self.marks)
+        j = self.column(step)
+        if j is not None:
+            marks[j] = "i"
+        acts: dict[str, dict] = {}
+        for row in replay_rows:
+            name = str(row.get("module", ""))
+            if not name or name.startswith("<"):  # the LightningModule itself: the whole forward
+                continue
+            top = float(row.get("out_abs_max", math.nan))
+            entry = acts.setdefault(name, {"module": name, "abs_max": top, "nonfinite": 0})
+            entry["abs_max"] = max(entry["abs_max"], top) if math.isfinite(entry["abs_max"]) else top
+            entry["nonfinite"] += int(row.get("out_nonfinite", 0))
+        return Flow(modules=list(self.modules), steps=list(self.steps), norms=[list(r) for r in self.norms],
+                    loss=list(self.loss), grad_norm=list(self.grad_norm), threshold=list(self.threshold),
+                    marks="".join(marks), norm_type=self.norm_type, incident_step=step, culprit=culprit,
+                    activations=list(acts.values()))
+
     def column(self, step: int) -> Optional[int]:
         """The column of ``step`` (None: not in the window)."""
         try:
