@@ -223,8 +223,7 @@ def draw_flow(data: FlowData) -> Any:
     top.set_title(data.title, fontsize=9)
 
     grid = np.array(data.log_norms, dtype=float).reshape(rows, len(data.steps))
-    cmap = colormaps["viridis"].copy()
-    cmap.set_bad("#eeeeee")
+    cmap = colormaps["viridis"].with_extremes(bad="#eeeeee")
     image = heat.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap,
                         extent=(-0.5, len(data.steps) - 0.5, rows - 0.5, -0.5))
     if data.nonfinite:  # non-finite norms: a red cross, never a colour
