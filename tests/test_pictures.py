@@ -139,7 +139,7 @@ def test_a_divergence_names_the_module_that_ran_away_and_its_heatmap_shows_it_ri
     event = _event(runs["explosion"], "divergence")
     assert event.cause == "exploding_gradient" and event.culprit == "net.2"  # before the window: None
     assert event.details["runaway"]["module"] == "net.2"
-    assert f"| culprit | net.2 |" in event.markdown()
+    assert "| culprit | net.2 |" in event.markdown()
     data = flow_data(event.to_dict())
     assert data is not None and data.modules == ["net.0", "net.2", "net.4", "net.6"]
     assert data.culprit_row == 1 and data.steps[data.incident_col] == event.step

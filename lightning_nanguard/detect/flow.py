@@ -23,7 +23,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-__all__ = ["FlowWindow", "FlowWindows", "Flow", "fastest_growing", "module_of", "MARKS", "CULPRIT_GROWTH", "FLOW_VERSION"]
+__all__ = ["FlowWindow", "FlowWindows", "Flow", "fastest_growing", "module_of", "MARKS", "CULPRIT_GROWTH",
+           "FLOW_VERSION"]
 
 FLOW_VERSION = 1  # the stored window's format (Flow.to_dict)
 # what became of a step in the window, one letter each (Flow.marks)
@@ -86,7 +87,8 @@ class FlowWindow:
         only when the layout changes. The step's host facts follow with :meth:`judged`."""
         if not self.size or parts is None:
             return
-        key = (len(params), with_grads, id(params[0]) if params else 0, id(params[-1]) if params else 0)
+        key: tuple[int, ...] = (len(params), with_grads, id(params[0]) if params else 0,
+                                id(params[-1]) if params else 0)
         if with_grads != len(params):  # some parameters got no gradient: which ones is part of the layout
             key = key + tuple(id(p) for p in params if p.grad is not None)
         if key != self._key or self._ring is None or self._ring.device != parts.device:
@@ -251,7 +253,8 @@ class Flow:
         flat = [v for row in self.norms for v in row]
         out: dict[str, Any] = {
             "version": FLOW_VERSION, "modules": list(self.modules), "first_step": self.steps[0] if self.steps else 0,
-            "n_steps": len(self.steps), "steps": _steps_text(self.steps), "norms": _pack(flat), "loss": _pack(self.loss),
+            "n_steps": len(self.steps), "steps": _steps_text(self.steps), "norms": _pack(flat),
+            "loss": _pack(self.loss),
             "grad_norm": _pack(self.grad_norm), "threshold": _pack(self.threshold), "marks": self.marks,
             "norm_type": "inf" if math.isinf(self.norm_type) else self.norm_type,
             "incident_step": self.incident_step, "culprit": self.culprit}

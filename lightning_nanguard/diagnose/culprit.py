@@ -2,7 +2,8 @@
 module to look at first, from data the guard already holds.
 
 1. The weights: a module whose parameters grew :data:`WEIGHT_CULPRIT_GROWTH` times (or more) since the newest
-   snapshot from before the onset of the growth, the most of any module, is the culprit (``by: weights``). A module
+   snapshot from before the onset of the growth, the most of any module, is the culprit (``by: weights``,
+   ``since_step``: that snapshot's step). A module
    whose own weights run away makes the gradients of every module *below* it grow faster than its own (they are
    multiplied by its weights in backward), so the gradient norms alone would name its neighbour.
 2. Else the gradient-flow window (:func:`~..detect.flow.fastest_growing`): the module whose gradient norms grew the
@@ -67,5 +68,6 @@ def _by_weights(ctx: IncidentContext, onset: Optional[int]) -> Optional[dict[str
     best = growth[0]
     if best[0] < WEIGHT_CULPRIT_GROWTH:
         return None
-    return {"module": best[1], "by": "weights", "growth": best[0], "weight_norm_before": best[2],
-            "weight_norm_now": best[3], "since_step": step, "runner_up": growth[1][0] if len(growth) > 1 else None}
+    # only what does not depend on when the step was read: judged one step late (check.sync: lagged), the weights
+    # already hold its update, so their growth is larger by one step's worth
+    return {"module": best[1], "by": "weights", "since_step": step}
