@@ -165,7 +165,7 @@ def test_a_nan_input_marks_its_step_non_finite_in_both_pictures(runs):
     assert {c for _, c in data.nonfinite} == {data.incident_col}  # every module's gradient at that step: NaN
     assert all(math.isnan(data.log_norms[r][data.incident_col]) for r in range(len(data.modules)))
     where = where_data(event.to_dict())
-    assert where is not None and all(not math.isfinite(v) for v in where.grad_at_step)
+    assert where is not None and all(v is not None and not math.isfinite(v) for v in where.grad_at_step)
     assert all(math.isfinite(v) and v > 0 for v in where.grad_healthy)  # their healthy scale from the window
     files = sorted(p.name for p in runs["nan"].report_dir.glob("*.png"))
     assert files == [f"incident-0001-step{event.step}-gradient_flow.png", f"incident-0001-step{event.step}-"

@@ -57,6 +57,7 @@ class FlowWindow:
         self.names: list[str] = []
         self.powers = False
         self._ring: Any = None  # (size, tensors) float32 on the device
+        self._rows: list[Any] = []  # its rows (views)
         self._key: tuple = ()
         self._count = 0  # rows written since the layout was set
         self._steps: list[int] = [-1] * self.size
@@ -94,7 +95,7 @@ class FlowWindow:
         if key != self._key or self._ring is None or self._ring.device != parts.device:
             self._new_layout(key, [p for p in params if p.grad is not None], parts, names, powers)
         slot = self._count % self.size
-        self._ring[slot].copy_(parts)
+        self._rows[slot].copy_(parts)  # (the rows' views made once: one kernel, no indexing per step)
         old = self._steps[slot]
         if self._slot.get(old) == slot:
             del self._slot[old]
@@ -110,6 +111,7 @@ class FlowWindow:
         self._key, self.powers, self._count = key, powers, 0
         self.names = [names(p) for p in params]
         self._ring = torch.full((self.size, int(parts.numel())), math.nan, dtype=torch.float32, device=parts.device)
+        self._rows = list(self._ring.unbind(0))
         self._steps = [-1] * self.size
         self._marks = ["?"] * self.size
         self._slot = {}

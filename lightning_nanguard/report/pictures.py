@@ -68,13 +68,13 @@ class FlowData:
 @dataclass
 class WhereData:
     """Where it broke, per module (model order): the replay's largest finite |output| (``act_abs_max``; NaN: not in the
-    replay) and its non-finite count, and the gradient norm at the bad step (``grad_at_step``: NaN/Inf as they were)
-    against the healthy median of the window (``grad_healthy``)."""
+    replay) and its non-finite count, and the gradient norm at the bad step (``grad_at_step``: NaN/Inf as they were;
+    None: a module without parameters of its own) against the healthy median of the window (``grad_healthy``)."""
 
     modules: list[str]
     act_abs_max: list[float]
     act_nonfinite: list[int]
-    grad_at_step: list[float]
+    grad_at_step: list[Optional[float]]
     grad_healthy: list[float]
     culprit_row: Optional[int]
     title: str
@@ -149,12 +149,14 @@ def where_data(event: dict[str, Any]) -> Optional[WhereData]:
     j = flow.column(int(event.get("step", -1)))
     if j is None and not acts:
         return None
-    modules = list(flow.modules) + [m for m in acts if m not in flow.modules]
+    # model order: the replay's calls (modules without parameters too), then the window's modules it did not record
+    modules = list(acts) + [m for m in flow.modules if m not in acts] if acts else list(flow.modules)
     healthy_cols = [c for c, m in enumerate(flow.marks) if m == "h"]
-    grad_at, healthy = [], []
+    grad_at: list[Optional[float]] = []
+    healthy = []
     for name in modules:
         row = flow.norms[flow.modules.index(name)] if name in flow.modules else None
-        grad_at.append(row[j] if row is not None and j is not None else math.nan)
+        grad_at.append(row[j] if row is not None and j is not None else None)  # None: no gradient of its own
         values = sorted(row[c] for c in healthy_cols if math.isfinite(row[c])) if row is not None else []
         healthy.append(values[len(values) // 2] if values else math.nan)
     return WhereData(modules=modules,
@@ -267,8 +269,9 @@ def draw_where(data: WhereData) -> Any:
     axes = fig.subplots(1, 2, sharey=True) if replayed else [fig.subplots(1, 1)]
     y = np.arange(rows)
 
-    def bars(ax: Any, values: list[float], bad: list[bool], color: str, also: Sequence[float] = ()) -> None:
-        finite = [v if math.isfinite(v) and v > 0 else np.nan for v in values]
+    def bars(ax: Any, values: Sequence[Optional[float]], bad: list[bool], color: str,
+             also: Sequence[float] = ()) -> None:
+        finite = [v if v is not None and math.isfinite(v) and v > 0 else np.nan for v in values]
         ax.barh(y, finite, color=color, height=0.6)
         known = [v for v in list(finite) + list(also) if math.isfinite(v) and v > 0]
         low = min(known) / 10 if known else 1e-3
@@ -278,8 +281,8 @@ def draw_where(data: WhereData) -> Any:
         for i, (v, b) in enumerate(zip(values, bad)):
             if b:  # non-finite: a red cell with its name across the row (never a bar of zero)
                 ax.axhspan(i - 0.4, i + 0.4, color="#d62728", alpha=0.15, lw=0)
-                ax.text(math.sqrt(low * top), i, "NaN" if math.isnan(v) else "Inf" if v > 0 else "non-finite",
-                        color="#d62728", fontsize=8, va="center", ha="center", fontweight="bold")
+                word = "NaN" if v is None or math.isnan(v) else "Inf" if v > 0 else "-Inf"
+                ax.text(low * 1.3, i, word, color="#d62728", fontsize=8, va="center", ha="left", fontweight="bold")
         ax.tick_params(labelsize=7)
 
     if replayed:
@@ -288,11 +291,11 @@ def draw_where(data: WhereData) -> Any:
         bars(left, [math.nan if b else v for v, b in zip(data.act_abs_max, act_bad)], act_bad, "#9467bd")
         for i, (v, b) in enumerate(zip(data.act_abs_max, act_bad)):
             if not b and math.isnan(v):
-                left.text(left.get_xlim()[0], i, " not reached in the replay", fontsize=6, va="center",
-                          color="#7f7f7f")
+                left.text(left.get_xlim()[0], i, " not recorded: after the first non-finite output", fontsize=6,
+                          va="center", color="#7f7f7f")
         left.set_title("largest |output| in the replay (finite values; red: non-finite)", fontsize=8)
     right = axes[-1]
-    grad_bad = [not math.isfinite(v) for v in data.grad_at_step]
+    grad_bad = [v is not None and not math.isfinite(v) for v in data.grad_at_step]
     healthy = [v if math.isfinite(v) and v > 0 else math.nan for v in data.grad_healthy]
     bars(right, data.grad_at_step, grad_bad, "#1f77b4", healthy)
     right.scatter(healthy, y, marker="|", s=160, color="#2ca02c", lw=2.5, label="healthy median (window)", zorder=3)
