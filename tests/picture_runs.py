@@ -50,6 +50,36 @@ class NaNInputMLP(ExplodingMLP):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
 
 
+class GrowingLastLayer(pl.LightningModule):
+    """The issue's measured case: a 4-layer MLP whose last Linear's weights grow 1.6x per step from step 20 (before the
+    gradient-flow window, four divergence events with culprit None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32),
+                                 nn.ReLU(), nn.Linear(32, 1))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step >= 20:
+            with torch.no_grad():
+                self.net[6].weight.mul_(1.6)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def growing_last_layer(root: Path) -> tuple[Any, pl.LightningModule]:
+    pl.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 16, generator=g)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True) * 0.1), batch_size=32, shuffle=True)
+    return fit(root, "growing", GrowingLastLayer(), data, 40, NaNGuard())
+
+
 def _data(nan_step: Optional[int] = None) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1024, 8, generator=g)

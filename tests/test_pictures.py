@@ -157,6 +157,24 @@ def test_a_divergence_names_the_module_that_ran_away_and_its_heatmap_shows_it_ri
 
 
 @pytest.mark.slow
+def test_the_measured_case_names_the_layer_whose_weights_grow_and_marks_what_its_rollback_undid(tmp_path):
+    """The issue's measured case (the last Linear's weights grow 1.6x per step from step 20): every divergence named
+    culprit None. The gradients of the layers below it grow faster than its own (multiplied by its weights in
+    backward): the weights name it. The second event's window shows the steps the first one's rollback undid."""
+    guard, _ = picture_runs.growing_last_layer(tmp_path)
+    events = [e for e in guard.events if e.kind == "divergence"]
+    assert len(events) >= 2 and all(e.culprit == "net.6" for e in events), [(e.step, e.culprit) for e in events]
+    assert events[0].details["runaway"]["by"] == "weights"
+    first, second = events[0], events[1]
+    flow = Flow.from_dict(second.flow)
+    undone = [s for s, m in zip(flow.steps, flow.marks) if m == "r"]
+    assert undone == list(range(first.details["restored_step"] + 1, first.step))
+    assert flow.marks[flow.steps.index(first.step)] == "i" if first.step in flow.steps else True
+    grown = fastest_growing(Flow.from_dict(first.flow), first.details["divergence"].get("onset_step"))
+    assert grown is not None and grown["module"] != "net.6"  # the gradients alone would name its neighbour
+
+
+@pytest.mark.slow
 def test_a_nan_input_marks_its_step_non_finite_in_both_pictures(runs):
     event = _event(runs["nan"], "input")
     assert event.step == picture_runs.NAN_STEP

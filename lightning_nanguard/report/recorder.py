@@ -128,7 +128,7 @@ class Recorder:
         if cfg.reports or cfg.loggers and trainer.loggers:  # the incident pictures, and the TensorBoard dashboard
             sinks.append(PictureSink(trainer, trainer.loggers if cfg.loggers else [],
                                      self.out_dir if cfg.reports else None,
-                                     prefix=f"nanguard/{self.name}/" if self.name else "nanguard/"))
+                                     prefix="nanguard/" + (f"{self.name}/" if self.name else "")))
         return sinks
 
     def report_path(self, event: NaNEvent) -> Path:
