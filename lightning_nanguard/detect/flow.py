@@ -23,8 +23,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-__all__ = ["FlowWindow", "FlowWindows", "Flow", "fastest_growing", "module_of", "MARKS", "CULPRIT_GROWTH",
-           "FLOW_VERSION"]
+__all__ = ["FlowWindow", "FlowWindows", "Flow", "fastest_growing", "module_of", "replay_outputs", "MARKS",
+           "CULPRIT_GROWTH", "FLOW_VERSION", "REPLAY_OUTPUTS"]
 
 FLOW_VERSION = 1  # the stored window's format (Flow.to_dict)
 # what became of a step in the window, one letter each (Flow.marks)
@@ -221,6 +221,24 @@ class FlowWindows:
         return sum(w.nbytes for w in self._windows.values())
 
 
+REPLAY_OUTPUTS = "replay_outputs"  # the event detail that carries them from the diagnosis to the window
+
+
+def replay_outputs(rows: Sequence[dict]) -> list[dict]:
+    """A replay's module calls (frame rows) summed up per module, in call order: the largest finite |output|
+    (``abs_max``) and the count of non-finite values (``nonfinite``); the LightningModule's own row is left out."""
+    acts: dict[str, dict] = {}
+    for row in rows:
+        name = str(row.get("module", ""))
+        if not name or name.startswith("<"):  # the LightningModule itself: the whole forward
+            continue
+        top = float(row.get("out_abs_max", math.nan))
+        entry = acts.setdefault(name, {"module": name, "abs_max": top, "nonfinite": 0})
+        entry["abs_max"] = max(entry["abs_max"], top) if math.isfinite(entry["abs_max"]) else top
+        entry["nonfinite"] += int(row.get("out_nonfinite", 0))
+    return list(acts.values())
+
+
 def _pack(values: Sequence[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
 
@@ -293,26 +311,18 @@ class Flow:
         except (KeyError, TypeError, ValueError, struct.error) as err:
             raise ValueError(f"a malformed gradient-flow window: {err}") from None
 
-    def for_event(self, step: int, culprit: Optional[str], replay_rows: Sequence[dict] = ()) -> "Flow":
+    def for_event(self, step: int, culprit: Optional[str], outputs: Sequence[dict] = ()) -> "Flow":
         """This window as an event at ``step`` keeps it: the step marked as the incident, the event's culprit, and
-        the replay's module calls (``replay_rows``) summed up per module (largest finite |output|, non-finite count)."""
+        the replay's ``outputs`` per module (:func:`replay_outputs`)."""
         marks = list(self.marks)
         j = self.column(step)
         if j is not None:
             marks[j] = "i"
-        acts: dict[str, dict] = {}
-        for row in replay_rows:
-            name = str(row.get("module", ""))
-            if not name or name.startswith("<"):  # the LightningModule itself: the whole forward
-                continue
-            top = float(row.get("out_abs_max", math.nan))
-            entry = acts.setdefault(name, {"module": name, "abs_max": top, "nonfinite": 0})
-            entry["abs_max"] = max(entry["abs_max"], top) if math.isfinite(entry["abs_max"]) else top
-            entry["nonfinite"] += int(row.get("out_nonfinite", 0))
+        acts = [dict(a) for a in outputs]
         return Flow(modules=list(self.modules), steps=list(self.steps), norms=[list(r) for r in self.norms],
                     loss=list(self.loss), grad_norm=list(self.grad_norm), threshold=list(self.threshold),
                     marks="".join(marks), norm_type=self.norm_type, incident_step=step, culprit=culprit,
-                    activations=list(acts.values()))
+                    activations=acts)
 
     def column(self, step: int) -> Optional[int]:
         """The column of ``step`` (None: not in the window)."""

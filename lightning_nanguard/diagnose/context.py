@@ -94,7 +94,6 @@ class IncidentContext:
     # what the diagnosis found, beside the event's details: the relative update of the LR rule (its safe LR)
     relative_update: Optional[dict] = None
     flow: Optional[Flow] = None  # the gradient-flow window up to the incident (logging.flow_window)
-    replay_rows: list[dict] = field(default_factory=list)  # the replay's module calls (their output statistics)
 
     @property
     def safe_factor(self) -> Optional[float]:

@@ -63,6 +63,7 @@ import torch
 from ..causes import suggest
 from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
+from ..detect.flow import REPLAY_OUTPUTS, replay_outputs
 from ..detect.spikes import history_zscore, norm_growth
 from ..events import NaNEvent
 from ..layouts import coo_parts, is_strided
@@ -148,7 +149,10 @@ def _cause_of_step(ctx: IncidentContext) -> tuple[Optional[str], str]:
         ctx.replayed = True
         cause = _cause_from_replay(ctx, result)
         frames_text = result.frames_text
-        rows = ctx.replay_rows = result.forward_rows
+        rows = result.forward_rows
+        # the replay's outputs per module, for the event's pictures: in the details, so that under DDP every rank
+        # keeps the account's (Responder._record moves them next to the gradient-flow window)
+        ev.details[REPLAY_OUTPUTS] = replay_outputs(rows)
     elif (not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause
           and ctx.previous.cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
         cause = _reused(ctx, ctx.previous)

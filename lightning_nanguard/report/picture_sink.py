@@ -141,9 +141,16 @@ class PictureSink:
         files: list[Path] = []
         for name, fig in figures(record).items():
             if self.directory is not None:
-                self.directory.mkdir(parents=True, exist_ok=True)
                 path = self.directory / f"incident-{record.get('index', 0):04d}-step{record.get('step')}-{name}.png"
-                path.write_bytes(png_bytes(fig))
+                data = png_bytes(fig)
+                for attempt in (1, 2):
+                    try:
+                        self.directory.mkdir(parents=True, exist_ok=True)
+                        path.write_bytes(data)
+                        break
+                    except FileNotFoundError:  # the folder was removed meanwhile: made again, once
+                        if attempt == 2:
+                            raise
                 files.append(path)
             if self.writers:
                 image = rgb_array(fig)
