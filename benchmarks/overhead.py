@@ -5,6 +5,7 @@ For a small transformer LM and an MLP, each of these runs the same seeded fit, i
   plain           pl.Trainer()
   clip=1.0        pl.Trainer(gradient_clip_val=1.0)
   NaNGuard()      the defaults
+  NaNGuard(flow_window=0)  the defaults without the gradient-flow window
   +activations    NaNGuard(check={"activations": "always"})  (n/a when the installed guard hooks nothing)
   detect_anomaly  pl.Trainer(detect_anomaly=True)
   naive hooks     a forward hook on every module calling torch.isfinite(out).all().item()
@@ -142,6 +143,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], Callable[[], Optional[list]]]] = {
     "plain": ({}, lambda: []),
     "clip=1.0": ({"gradient_clip_val": 1.0}, lambda: []),
     "NaNGuard()": ({}, lambda: [NaNGuard()]),
+    # the gradient-flow window off (logging.flow_window: 0): what the window costs, side by side
+    "NaNGuard(flow_window=0)": ({}, lambda: [NaNGuard(logging={"flow_window": 0})]),
     "+activations": ({}, lambda: (lambda g: None if g is None else [g])(_activations_guard())),
     "detect_anomaly": ({"detect_anomaly": True}, lambda: []),
     "naive hooks": ({}, lambda: [NaiveFiniteHooks()]),
@@ -163,7 +166,7 @@ def run_once(make_model: Callable[[], Any], data: Any, config: str, steps: int, 
     extra = callbacks()
     if extra is None:
         return None
-    if hooks is not None and config in ("NaNGuard()", "NaNGuard() before"):
+    if hooks is not None and config in ("NaNGuard()", "NaNGuard() before", "NaNGuard(flow_window=0)"):
         for name, times in timed_hooks(extra[0]).items():
             hooks.setdefault(name, []).append(times)
     timer = StepTimer()

@@ -5,7 +5,8 @@ loss=nan) and then with ``NaNGuard()`` defaults: the guard sees the loss running
 the learning rate as the cause, rolls back and cuts the LR before any value is non-finite (it is rescued). A
 third run turns that early warning off (``check.divergence: off``), so the loss does go NaN under the guard:
 the guard skips the NaN steps, rolls back and cuts the LR, and the run is rescued from the NaN itself. It
-prints what the guard did and where its logs are.
+prints what the guard did and where its logs are, ending with the incident pictures (PNG files, and the
+TensorBoard tabs that show them).
 
     python examples/demo.py [--out demo_logs]
 """
@@ -128,6 +129,14 @@ def main() -> None:
     print(f"\n   TensorBoard logs: {out}/   (tensorboard --logdir {out})")
     print("   events files:     " + ("\n                     ".join(str(e) for e in events) if events else "none"))
     print(f"   summary:          nanguard report {out}")
+    pictures = sorted(out.glob("guarded*/*/nanguard/*.png"))
+    if pictures:
+        print("   incident pictures: " + "\n                      ".join(str(p) for p in pictures))
+        print("   in TensorBoard:    the IMAGES tab (nanguard/incident/<kind>/gradient_flow and .../where_it_broke, "
+              "at each incident's step)\n                      and the CUSTOM SCALARS tab (NaNGuard: loss, gradient "
+              "norm and clip threshold, LR scale, incidents)")
+    else:
+        print("   incident pictures: off (matplotlib is not installed: pip install 'lightning-nanguard[plots]')")
 
     rescued = all(math.isfinite(v) and v < 10 * sane for v in (loss, nan_loss)) and nan_run.first_nan_step is not None
     print("\nRESCUED" if rescued else "\nNOT RESCUED")

@@ -241,6 +241,8 @@ class LoggingConfig(_Section):
     progress_bar: bool = _opt(True, "show incidents and LR scale in the progress bar (from the first incident or LR "
                                     "cut on)")
     verbose: bool = _opt(True, "print one line per event, with its cause and actions (rank 0)")
+    flow_window: int = _opt(256, "optimizer steps of per-tensor gradient norms kept on the device for the incident "
+                                 "pictures and the culprit of a divergence (0: off)", lo=0)
 
 
 SECTIONS: dict[str, type] = {

@@ -84,6 +84,9 @@ class NaNEvent:
     # the step Lightning logs the event's batch at (report.recorder.logger_step): where the loggers get it; not part
     # of the record (to_dict)
     log_step: Optional[int] = field(default=None, repr=False, compare=False)
+    # the gradient-flow window up to the event and the replay's module outputs (detect.flow.Flow.to_dict), kept with
+    # the first logging.max_reports events of a fit: what its pictures are drawn from, then and later
+    flow: Optional[dict[str, Any]] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -11,6 +11,7 @@ from .counters import Counters
 from .detect.amp import OverflowWatch, grad_scaler
 from .detect.divergence import DivergenceWatch
 from .detect.evidence import StepEvidence
+from .detect.flow import Flow, FlowWindows
 from .detect.ranks import Ranks
 from .detect.spikes import LossWatch
 from .diagnose import dynamics
@@ -42,6 +43,7 @@ class Parts:
     diagnoser: Diagnoser
     recorder: Recorder
     ranks: Ranks = field(default_factory=Ranks)
+    flow: FlowWindows = field(default_factory=lambda: FlowWindows(0))  # the gradient-flow windows
 
     @classmethod
     def build(cls, cfg: NaNGuardConfig, name: Optional[str]) -> "Parts":
@@ -55,7 +57,8 @@ class Parts:
             "zclip": clipper.zclip, "loss_stats": losses.detector, "divergence": divergence})
         return cls(cfg, counters, StepEvidence(cfg.check, keep_rng=cfg.anomaly.mode != "off"), clipper, losses,
                    OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale), divergence, recovery,
-                   Diagnoser(cfg.anomaly, counters), Recorder(cfg.logging, counters, name))
+                   Diagnoser(cfg.anomaly, counters), Recorder(cfg.logging, counters, name),
+                   flow=FlowWindows(cfg.logging.flow_window, cfg.clip.norm_type))
 
     def history(self) -> History:
         """The guard's memory of the steps before an incident, for its diagnosis and report. Called on every rank at
@@ -66,7 +69,24 @@ class Parts:
         recovery.prepare_reference(dynamics.norms)
         return History(list(self.clipper.history), self.clipper.history_end, recovery.lr_cut_step,
                        list(self.losses.history), lambda step: recovery.reference_norms(step, dynamics.norms),
-                       self.config.clip.norm_type)
+                       self.config.clip.norm_type, self.flow_window())
+
+    def flow_window(self) -> Optional[Flow]:
+        """The gradient-flow window as it is now (:meth:`.FlowWindow.capture`: one read; sharded, one all-reduce, so
+        every rank calls it at the same point of an incident), with the steps that earlier rollbacks undid marked."""
+        window = self.flow.latest
+        flow = window.capture(self.ranks.reduce_powers if self.ranks.sharded else None) if window else None
+        if flow is None:
+            return None
+        marks = list(flow.marks)
+        for event in self.recorder.events:
+            restored = event.details.get("restored_step") if "rollback" in event.actions else None
+            if isinstance(restored, int):
+                for j, step in enumerate(flow.steps):
+                    if restored < step <= event.step and marks[j] in "h?o":
+                        marks[j] = "r"
+        flow.marks = "".join(marks)
+        return flow
 
     def scalars(self, trainer: "pl.Trainer") -> dict[str, float]:
         """The guard's scalars (tags below ``nanguard/``): counts, LR scale, the last gradient norm (and the
@@ -75,6 +95,9 @@ class Parts:
         values = {"incidents": float(counts["incidents"]), "skipped_steps": float(counts["skipped_steps"]),
                   "rollbacks": float(counts["rollbacks"]), "lr_scale": float(self.recovery.lr_scale),
                   "grad_norm": float(self.clipper.last_norm)}
+        threshold = self.clipper.threshold()
+        if threshold is not None:  # beside the gradient norm on the guard's TensorBoard dashboard
+            values["clip_threshold"] = float(threshold)
         scaler = grad_scaler(trainer)
         if scaler is not None:
             scale = self.overflow.scale  # read with the step's flags: no extra sync

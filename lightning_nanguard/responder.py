@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from . import incident as incidents
 from .account import Account, recompute_reduced_norm, share_incident
 from .causes import cause as cause_entry, suggest
+from .detect.flow import REPLAY_OUTPUTS
 from .detect.placement import whereabouts
 from .diagnose.context import IncidentContext
 from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
@@ -46,6 +47,7 @@ class Responder:
         self._queued: list[Queued] = []
         self.last_incident: Optional[tuple[NaNEvent, Window]] = None
         self.left_nonfinite = False
+        self._pictured = 0  # events of this fit that keep their gradient-flow window (logging.max_reports)
 
     def take_last_incident(self) -> Optional[tuple[NaNEvent, Window]]:
         """The newest step incident and its window, forgotten here (the end of fit reruns it once)."""
@@ -245,6 +247,10 @@ class Responder:
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)
+        outputs = event.details.pop(REPLAY_OUTPUTS, [])  # the replay's, of the account every rank adopted
+        if ctx.flow is not None and self._pictured < self.parts.config.logging.max_reports:
+            event.flow = ctx.flow.for_event(event.step, event.culprit, outputs).to_dict()
+            self._pictured += 1
         self.parts.recorder.record(event, text, lambda: self.parts.scalars(trainer))
 
     # ------------------------------------------------------------------------------------- outside a step

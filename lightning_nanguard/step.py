@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StepFlow"]
 
+_FLOW_MARKS = {Outcome.HEALTHY: "h", Outcome.INCIDENT: "i", Outcome.ROUTINE_OVERFLOW: "o"}
+
 
 class StepFlow:
     """The step's outcome (eager or lagged) and what follows it, over the parts of the guard.
@@ -68,6 +70,7 @@ class StepFlow:
         p.ranks = Ranks.for_trainer(trainer, p.config.clip.norm_type, check.replicas, check.replica_tolerance,
                                     exact=check.replica_compare == "exact")
         self.lagged, why = choose_read_mode(check.sync, trainer, pl_module)
+        p.flow.start(pl_module)
         if self.lagged and "cannot skip" in why and p.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
         if check.sync != "auto":  # the user chose a mode: say what they got, and why
@@ -102,7 +105,13 @@ class StepFlow:
         grads = [q.grad for q in params if q.grad is not None]
         # clipping needs the norm even where check.gradients is off (then it only clips, never detects)
         clipping = p.clipper.active or cfg.check.spike_action == "clip"
-        norm = p.ranks.grad_norm(grads) if grads and (cfg.check.gradients or clipping) else None  # sharded: local
+        norm = None
+        if grads and (cfg.check.gradients or clipping):  # sharded: local
+            if p.flow.enabled:  # the per-tensor norms the total is reduced from go into the window (no read)
+                norm, parts = p.ranks.grad_norms(grads)
+                p.flow.record(optimizer, trainer.global_step, params, len(grads), parts, p.ranks.sharded)
+            else:
+                norm = p.ranks.grad_norm(grads)
         device = params[0].device if params else torch.device("cpu")
         record = StepRecord(step=trainer.global_step, epoch=trainer.current_epoch, window=p.evidence.window,
                             lrs=[g["lr"] for g in optimizer.param_groups], loss_checked=p.evidence.loss_checked,
@@ -116,6 +125,7 @@ class StepFlow:
         # several processes: the flags were reduced over ranks, so everything below is identical on every rank
         record.norm = p.ranks.global_norm(norm, record.flags.grad_norm)
         self.outcome, self.response = self._judge(trainer, pl_module, record)
+        self._marked(record, self.outcome, self.response)
 
     def _stage(self, record: StepRecord, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any],
                grads: list[Tensor]) -> None:
@@ -151,6 +161,9 @@ class StepFlow:
         """The step's outcome from its flags, and what its incidents did on the host."""
         p = self.parts
         cfg, flags, loss = p.config, record.read_flags, record.loss
+        window = p.flow.window(record.optimizer)
+        if window is not None:  # what the host read of the step, beside its row of the gradient-flow window
+            window.judged(record.step, loss, flags.grad_norm, p.clipper.threshold(), "?")
         p.clipper.saw(flags.grad_norm)
         spike_z = None if flags.local_bad else p.losses.observe(loss)
         grads_bad = cfg.check.gradients and flags.grads_bad
@@ -170,6 +183,14 @@ class StepFlow:
         response = self.responder.respond(trainer, pl_module, found)
         p.evidence.judged(flags.grad_norm)
         return outcome, response
+
+    def _marked(self, record: StepRecord, outcome: Outcome, response: Response) -> None:
+        """What became of a judged step, in its gradient-flow window (:data:`~.detect.flow.MARKS`)."""
+        window = self.parts.flow.window(record.optimizer)
+        if window is not None:
+            skipped = response.skipped or outcome is Outcome.SKIPPED
+            window.mark(record.step, _FLOW_MARKS.get(outcome, "s" if skipped else "?") if not skipped or
+                        outcome is Outcome.INCIDENT else "s")
 
     def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord,
                  loss: Optional[float], spike_z: Optional[float]) -> tuple[Outcome, Response]:
@@ -240,6 +261,7 @@ class StepFlow:
         assert record is not None
         record.flags = flags = p.evidence.take()
         outcome, response = self._judge(trainer, pl_module, record)
+        self._marked(record, outcome, response)
         # what the device did with its skip flag: skipped where the optimizer honours it (under a GradScaler, also on
         # an overflow)
         flagged = device_skipped(flags, p.config.check.gradients, record.scaled, record.replica is not None,

@@ -44,6 +44,19 @@ _DIAGNOSIS = ("a diagnosis threshold: it decides which cause the event names (an
 # is not a key). Their values are read by import, so docs/configuration.md#constants cannot drift from the code;
 # tests/test_config.py checks that every module-level numeric constant of the package is here or in NOT_THRESHOLDS.
 CONSTANTS: list[tuple[str, str, str, str]] = [
+    ("lightning_nanguard.diagnose.culprit", "WEIGHT_CULPRIT_GROWTH",
+     "growth of a module's weight norm since the snapshot before a divergence's onset that names it the culprit "
+     "(the most grown module; `by: weights` in `details.runaway`)",
+     "healthy training moves a module's weight norm by a few percent over hundreds of steps; a runaway module's "
+     "grows by orders of magnitude: any factor between them separates the two"),
+    ("lightning_nanguard.detect.flow", "CULPRIT_GROWTH",
+     "growth of a module's gradient norm over the gradient-flow window (its newest level against its baseline) that "
+     "can name it the culprit of a divergence when no weights ran away (`by: gradients`)",
+     "a healthy module's gradient norm wanders within a factor of about 2 over a window; the window itself is "
+     "`logging.flow_window`"),
+    ("lightning_nanguard.report.picture_sink", "FLUSH_TIMEOUT",
+     "seconds the end of fit waits for incident pictures still being drawn (then they are dropped)",
+     "a picture takes well under a second; the bound only keeps a broken backend from holding the end of fit"),
     ("lightning_nanguard.incident", "SPIKES_BEFORE_LR_CUT",
      "loss spikes within `recovery.incident_window` steps that cut the LR, whatever `check.spike_action` says "
      "(unless `off`)",
@@ -191,6 +204,8 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
 ]
 # Module-level numeric constants of the package that are not thresholds of the guard's behaviour, and why.
 NOT_THRESHOLDS: dict[str, str] = {
+    "lightning_nanguard.detect.flow.FLOW_VERSION": "the format version of a stored gradient-flow window",
+    "lightning_nanguard.report.pictures._DPI": "the incident pictures' resolution (dots per inch)",
     "lightning_nanguard.callback._STATE_VERSION": "the format version of the guard's checkpoint state",
     "lightning_nanguard.state_schema._NEVER_RELEASED": "the format versions of the guard's checkpoint state that "
                                                        "no release wrote (refused on resume)",

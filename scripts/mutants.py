@@ -74,6 +74,9 @@ CLI = PKG + "report/cli.py"
 STATE_SCHEMA = PKG + "state_schema.py"
 VERIFY = PKG + "recover/verify.py"  # the seal and the read-side checks (issue 34)
 SHARDED = PKG + "recover/sharded.py"
+FLOW = PKG + "detect/flow.py"  # the gradient-flow window (issue 37)
+CULPRIT = PKG + "diagnose/culprit.py"
+PICTURE_SINK = PKG + "report/picture_sink.py"
 
 MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------------------------------ detection
@@ -1349,4 +1352,22 @@ MUTANTS: list[Mutant] = [
            "    if not any(name in out for name in (*DECISIONS, *STATISTICS)):", "    if False:",
            "docs/recovery.md: a guard state holding no section is refused; here every decision resumes from its "
            "default, silently"),
+    # ------------------------------------------------------------------ the incident pictures (issue 37)
+    Mutant("diagnosis", "flow-divergence-culprit-dropped", RULES,
+           "        if ev.culprit is None and cause in RUNAWAY_CAUSES:", "        if False:",
+           "issue 37: a divergence names the module that ran away as its culprit; here it names none again"),
+    Mutant("diagnosis", "flow-culprit-by-gradients-only", CULPRIT,
+           "    found = _by_weights(ctx, onset)\n", "    found = None\n",
+           "docs/events.md: a module whose weights run away is the culprit, not the module below it whose gradients "
+           "grew faster; here only the gradients count (the measured 4-layer MLP names net.4)"),
+    Mutant("events", "flow-ring-row-not-copied", FLOW,
+           "        self._rows[slot].copy_(parts)", "        pass",
+           "issue 37: each step's per-tensor norms go into the ring; here nothing does (NaN heatmaps)"),
+    Mutant("events", "flow-pictures-rolled-back-unmarked", FLOW,
+           "        marks = list(self.marks)\n        j = self.column(step)",
+           "        marks = list(self.marks.replace('r', 'h'))\n        j = self.column(step)",
+           "docs/events.md: the gradient-flow picture shades the steps a rollback undid; here they look healthy"),
+    Mutant("events", "flow-pictures-never-drawn", PICTURE_SINK,
+           "if self.available and event.flow is not None and", "if False and",
+           "issue 37: every event that kept its window is drawn into TensorBoard and as PNG files; here none is"),
 ]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with lightning-nanguard and its test and lint extras (ruff, mypy).
+# Set up a virtual environment with lightning-nanguard and its test, lint (ruff, mypy) and plots (matplotlib) extras.
 # Source it: `. scripts/setup.sh`. Environment overrides:
 #   VENV=path          where the venv lives (default: .venv)
 #   PYTHON=python3.11  interpreter used to create it
@@ -19,5 +19,5 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "[setup] installing $TORCH_SPEC"
     "$PY" -m pip install -q "$TORCH_SPEC"
 fi
-"$PY" -m pip install -q -e ".[test,lint]"
+"$PY" -m pip install -q -e ".[test,lint,plots]"
 echo "[setup] ready: $("$PY" -c 'import torch, pytorch_lightning as pl; print(f"torch {torch.__version__}, pytorch-lightning {pl.__version__}")')"

@@ -303,6 +303,8 @@ DOCUMENTED = [
     ("check.divergence_steps", "2.0", ConfigError),
     ("logging.max_reports", "0", ConfigError), ("logging.max_reports", "1", 1),
     ("logging.max_reports", "1.5", ConfigError), ("logging.max_reports", "true", ConfigError),
+    ("logging.flow_window", "-1", ConfigError), ("logging.flow_window", "0", 0),
+    ("logging.flow_window", "2.5", ConfigError),
     ("check.divergence_factor", "1.0", ConfigError), ("check.divergence_factor", "10", 10.0),
     ("check.divergence_factor", ".inf", ConfigError),
     ("check.divergence", "'off'", "off"), ("check.divergence", "warn", "warn"), ("check.divergence", "act", "act"),

@@ -416,9 +416,10 @@ CORPUS = [
          "numerically-stable-cross-entropy/", naive_softmax, "overflow", "training_step", "ExpBackward0",
          "DivBackward0 returned nan", suggestion="float32's max"),
     # expected before the run: (learning_rate, training_step, MseLossBackward0); the guard's divergence watch stops
-    # it at step 3, before anything is non-finite: a divergence event names no module and no op
+    # it at step 3, before anything is non-finite: a divergence event names no op, and as its culprit the module whose
+    # weights ran away since the snapshot before the onset (diagnose/culprit.py; its only module)
     Case("learning_rate_too_high", "https://github.com/neuralhydrology/neuralhydrology/issues/101", high_lr,
-         "learning_rate", None, None, "nothing in 8 steps (the loss runs away)", batch_size=32, steps=8,
+         "learning_rate", "linear", None, "nothing in 8 steps (the loss runs away)", batch_size=32, steps=8,
          suggestion="learning rate"),
     Case("nan_targets_masked_after_the_loss", "https://github.com/pytorch/pytorch/issues/121416", masked_targets,
          "input", None, None, "MseLossBackward0 returned nan", suggestion="samples"),

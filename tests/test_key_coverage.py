@@ -97,6 +97,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "logging.max_reports": [f"{RC}::test_max_reports_keeps_the_first_and_the_newest_report_files"],
     "logging.progress_bar": [f"{RC}::test_progress_bar_status_can_be_turned_off"],
     "logging.verbose": [f"{RC}::test_verbose_switch"],
+    "logging.flow_window": ["tests/test_pictures.py::test_a_window_of_zero_keeps_nothing_and_draws_no_flow"],
 }
 
 

@@ -16,7 +16,8 @@ from torch import Tensor
 from ..dtensors import local
 from ..layouts import is_strided, stored_values
 
-__all__ = ["nonfinite_flag", "any_nonfinite_flag", "dense_nonfinite_flag", "total_norm", "CPU_CHUNK"]
+__all__ = ["nonfinite_flag", "any_nonfinite_flag", "dense_nonfinite_flag", "total_norm", "total_norm_parts",
+           "CPU_CHUNK"]
 
 # CPU: tensors below this many elements are concatenated (bounded temporary copy: 4 MiB of float32)
 CPU_CHUNK = 1 << 20
@@ -90,23 +91,41 @@ def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     one device and dtype skips its per-tensor ``.to()`` calls (a dispatch each, every step). A sparse gradient
     counts with its coalesced values (torch's own norm functions refuse sparse tensors).
     """
+    return total_norm_parts(tensors, norm_type, parts=False)[0]
+
+
+def total_norm_parts(tensors: Sequence[Tensor], norm_type: float = 2.0,
+                     parts: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`total_norm` and the per-tensor norms it was reduced from (a 1-dim float32 device tensor, one per
+    tensor, in order: what the gradient-flow window keeps, :mod:`.flow`); None where there is no such stack (an
+    empty list, sparse tensors, an inf-norm over empty tensors). The total is bitwise :func:`total_norm`'s."""
     if math.isinf(norm_type):  # the inf-norm of an empty tensor is an error (an empty parameter's gradient)
-        tensors = [t for t in tensors if t.numel()]
+        kept = [t for t in tensors if t.numel()]
+        aligned = len(kept) == len(tensors)
+        tensors = kept
+    else:
+        aligned = True
     if not tensors:
-        return torch.zeros(())
+        return torch.zeros(()), None
     try:
-        return _total_norm(tensors, norm_type)
+        total, stacked = _total_norm(tensors, norm_type, parts)
+        return total, stacked if aligned else None
     except (NotImplementedError, RuntimeError):  # no cost to dense runs: sparse tensors raise in torch's norms
         if all(is_strided(t) for t in tensors):
             raise
     values = [v for v in (t if is_strided(t) else stored_values(t) for t in tensors) if v is not None]
-    return _total_norm(values, norm_type) if values else torch.zeros(())
+    return (_total_norm(values, norm_type, False)[0] if values else torch.zeros(())), None
 
 
-def _total_norm(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
+def _total_norm(tensors: Sequence[Tensor], norm_type: float, parts: bool) -> tuple[Tensor, Optional[Tensor]]:
     first = tensors[0]
     if all(t.device == first.device and t.dtype == first.dtype for t in tensors) and (
             first.device.type in ("cpu", "cuda")):
-        norms = torch._foreach_norm(list(tensors), norm_type)
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    return torch.nn.utils.get_total_norm(tensors, norm_type=norm_type, error_if_nonfinite=False, foreach=None)
+        stacked = torch.stack(torch._foreach_norm(list(tensors), norm_type))
+        return torch.linalg.vector_norm(stacked, norm_type), stacked
+    total = torch.nn.utils.get_total_norm(tensors, norm_type=norm_type, error_if_nonfinite=False, foreach=None)
+    if not parts:
+        return total, None
+    # mixed devices or dtypes (rare): the per-tensor norms once more, gathered on the total's device
+    return total, torch.stack([torch.linalg.vector_norm(t.detach(), norm_type).to(total.device, torch.float32)
+                               for t in tensors])

@@ -32,13 +32,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..dtensors import norm_share, reduced
-from .kernels import total_norm
+from .kernels import total_norm, total_norm_parts
 from .placement import local_tensor, replicates, shards_gradients
 from .replicas import (CHECKSUM_FIELDS, EPS32, REPLICA_FIELDS, _f32, bits_checksum, checksum_parts, checksum_primes,
                        checksum_weight, checksums_disagree, replicas_disagree, weights_checksum)
 from .vector import SCHEMA
 
-__all__ = ["Ranks", "local_norm_power"]
+__all__ = ["Ranks", "local_norm_power", "local_norm_powers"]
 
 
 def local_norm_power(grads: Sequence[Tensor], norm_type: float, world: int = 1) -> Tensor:
@@ -63,6 +63,30 @@ def local_norm_power(grads: Sequence[Tensor], norm_type: float, world: int = 1) 
     if any(share != 1.0 for _, share in shards):
         powers = powers * torch.tensor([share for _, share in shards], device=powers.device)
     return powers.sum()
+
+
+def local_norm_powers(grads: Sequence[Tensor], norm_type: float, world: int = 1) -> Optional[Tensor]:
+    """This rank's share of each gradient's ``sum |g|^p`` (``max |g|`` for the inf-norm), one per gradient of
+    ``grads`` that is not None, weighted as :func:`local_norm_power` weighs it (an empty shard: 0), as a 1-dim float32
+    tensor: what the gradient-flow window of a sharded run keeps (:mod:`.flow`). Summed over the tensors it is that
+    total; None without gradients, or for the inf-norm with an empty shard (its inf-norm is an error)."""
+    shards: list[Tensor] = []
+    shares: list[float] = []
+    for g in grads:
+        if g is None:
+            continue
+        g = reduced(g)
+        shares.append(1.0 if math.isinf(norm_type) else norm_share(g, world))
+        shards.append(local_tensor(g))
+    if not shards or math.isinf(norm_type) and any(t.numel() == 0 for t in shards):
+        return None
+    norms = torch.stack([n.float() for n in torch._foreach_norm(shards, norm_type)])
+    if math.isinf(norm_type):
+        return norms
+    powers = norms.pow(norm_type)
+    if any(share != 1.0 for share in shares):
+        powers = powers * torch.tensor(shares, device=powers.device)
+    return powers
 
 
 class Ranks:
@@ -211,6 +235,27 @@ class Ranks:
         if self.sharded:
             return local_norm_power(grads, self.norm_type, self.world_size)
         return total_norm(list(grads), self.norm_type)
+
+    def grad_norms(self, grads: Sequence[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+        """:meth:`grad_norm` and the per-tensor parts it was reduced from (the gradient-flow window's row): the
+        norms of ``grads``, or under sharding this rank's ``sum |g|^p`` shares (:func:`local_norm_powers`), which
+        sum to the local power :meth:`reduce` completes; None where there is no such row."""
+        if self.sharded:
+            powers = local_norm_powers(grads, self.norm_type, self.world_size)
+            if powers is None:
+                return local_norm_power(grads, self.norm_type, self.world_size), None
+            return (powers.max() if math.isinf(self.norm_type) else powers.sum()), powers
+        return total_norm_parts(list(grads), self.norm_type)
+
+    def reduce_powers(self, rows: Tensor) -> Tensor:
+        """Sharded: every rank's ``sum |g|^p`` shares of a gradient-flow window summed (the inf-norm: the max) over
+        ranks, one all-reduce; incident only, every rank at the same point. Otherwise ``rows`` as they are."""
+        if not self.sharded:
+            return rows
+        out = rows.clone()
+        op = dist.ReduceOp.MAX if math.isinf(self.norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(out, op=op, group=self.group)
+        return out
 
     def reduce(self, vec: Tensor) -> Tensor:
         """Agree on a step's evidence vector (:mod:`.vector`) across ranks with one all-reduce (SUM); no host

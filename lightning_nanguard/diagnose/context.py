@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..detect.flow import Flow
 from ..events import NaNEvent
 from ..record import Window
 from . import dynamics
@@ -46,6 +47,7 @@ class History:
     # the newest snapshot at or before a step: (its step, the 2-norms of its module tensors by name), or None
     reference: Optional[Callable[[int], Optional[tuple[int, dict[str, float]]]]] = None
     norm_type: float = 2.0  # clip.norm_type: a total gradient norm that overflows it is an incident too
+    flow: Optional[Flow] = None  # the gradient-flow window up to the incident (logging.flow_window)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class IncidentContext:
     agree: Optional[Callable[[bool], bool]] = None
     # what the diagnosis found, beside the event's details: the relative update of the LR rule (its safe LR)
     relative_update: Optional[dict] = None
+    flow: Optional[Flow] = None  # the gradient-flow window up to the incident (logging.flow_window)
 
     @property
     def safe_factor(self) -> Optional[float]:

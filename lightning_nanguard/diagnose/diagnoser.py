@@ -82,7 +82,7 @@ class Diagnoser:
             norm_history=past.norm_history, norm_history_end=past.norm_history_end, lr_cut_step=past.lr_cut_step,
             loss_history=past.loss_history, reference=past.reference, norm_type=past.norm_type,
             frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
-            agree=_agreement(trainer, pl_module))
+            agree=_agreement(trainer, pl_module), flow=past.flow)
 
     # ---------------------------------------------------------------------------------------- diagnosis
 

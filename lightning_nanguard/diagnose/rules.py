@@ -63,12 +63,14 @@ import torch
 from ..causes import suggest
 from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
+from ..detect.flow import REPLAY_OUTPUTS, replay_outputs
 from ..detect.spikes import history_zscore, norm_growth
 from ..events import NaNEvent
 from ..layouts import coo_parts, is_strided
 from ..tree import iter_tensors
 from . import domain, dynamics, replay
 from .context import IncidentContext
+from .culprit import RUNAWAY_CAUSES, runaway_culprit
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT", "GRAD_NORM_Z", "EXTREME_FEATURE_RATIO"]
 
@@ -108,6 +110,11 @@ def diagnose(ctx: IncidentContext) -> str:
         cause = "optimizer" if ctx.grads_were_finite else "unknown"
     else:
         cause, frames_text = _cause_of_step(ctx)
+        if ev.culprit is None and cause in RUNAWAY_CAUSES:  # the module that ran away (weights, gradient flow)
+            found = runaway_culprit(ctx, _onset(ctx)[0])
+            if found is not None:
+                ev.culprit = found["module"]
+                details["runaway"] = found
     cause = _persisting_overflows(ctx, cause)
     ev.cause = cause
     ev.suggestion = suggest(ev, cause or "unknown")
@@ -143,6 +150,9 @@ def _cause_of_step(ctx: IncidentContext) -> tuple[Optional[str], str]:
         cause = _cause_from_replay(ctx, result)
         frames_text = result.frames_text
         rows = result.forward_rows
+        # the replay's outputs per module, for the event's pictures: in the details, so that under DDP every rank
+        # keeps the account's (Responder._record moves them next to the gradient-flow window)
+        ev.details[REPLAY_OUTPUTS] = replay_outputs(rows)
     elif (not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause
           and ctx.previous.cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
         cause = _reused(ctx, ctx.previous)

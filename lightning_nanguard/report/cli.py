@@ -1,4 +1,4 @@
-"""The ``nanguard`` command: ``nanguard report PATH [--json]`` and ``nanguard validate CONFIG.yaml``.
+"""The ``nanguard`` command: ``nanguard report PATH [--json] [--plot DIR]`` and ``nanguard validate CONFIG.yaml``.
 
 ``report`` reads ``events.jsonl`` files (PATH is one file, or a folder searched recursively) and prints one
 row per incident plus totals, and where they happened: per host and rank, the incidents of each cause, hosts
@@ -9,6 +9,9 @@ status 2 and one line on stderr, never a traceback, whatever the bytes (binary d
 100,000 deep, a line of gigabytes). The files are read as streams, one line in memory at a time, twice (check and
 add up, then print), so memory does not grow with their size; and the command imports neither torch nor
 Lightning (``lightning_nanguard`` imports the callback only when ``NaNGuard`` is first used).
+
+``report --plot DIR`` also draws the pictures of every event that kept its gradient-flow window
+(:mod:`.pictures`, with matplotlib) as PNG files in DIR: the same pictures the guard drew during the fit.
 
 ``validate`` resolves a NaNGuard YAML file (sections at the top, under ``nanguard:``, or the
 ``init_args`` of ``lightning_nanguard.NaNGuard`` in a LightningCLI config) and prints the complete
@@ -306,6 +309,8 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     summary = totals.as_dict(len(files))
     if args.json:
         _write_json(scanned, summary, out)
+        if args.plot is not None:  # (what it wrote goes to stderr: stdout is the JSON)
+            _write_pictures(root, scanned, Path(args.plot), err, err)
         return 0
     headed = len(files) > 1 or root.is_dir()
     for (f, count, end), table in zip(scanned, tables):
@@ -320,7 +325,43 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     out.write(f"  actions: {_fmt_counts(summary['actions'])}\n")
     out.write(f"  causes:  {_fmt_counts(summary['causes'])}\n")
     _write_places(summary["places"], out)
+    if args.plot is not None:
+        _write_pictures(root, scanned, Path(args.plot), out, err)
     return 0
+
+
+def _write_pictures(root: Path, scanned: list[tuple[Path, int, int]], folder: Path, out: TextIO, err: TextIO) -> None:
+    """``--plot DIR``: the pictures of every event that kept its gradient-flow window, as PNG files in ``DIR`` (below
+    it, the folders of the events files under a searched PATH), the same ones the guard drew during the fit."""
+    from .pictures import figures, plots_available, png_bytes
+
+    if not plots_available():
+        raise InputError("--plot needs matplotlib: pip install 'lightning-nanguard[plots]'")
+    written = 0
+    for f, _, end in scanned:
+        where = folder
+        if root.is_dir():
+            rel = f.parent.relative_to(root) if f.parent.is_relative_to(root) else Path(f.parent.name)
+            where = folder / rel
+        for e in read_events(f, end):
+            if e.get("flow") is None:
+                continue
+            try:
+                pictures = figures(e)
+            except ValueError as exc:  # a window that is not one (edited by hand, another version)
+                err.write(f"nanguard: warning: {f}: event {e.get('index', '?')} (step {e.get('step')}): {exc}\n")
+                continue
+            try:
+                where.mkdir(parents=True, exist_ok=True)
+                for name, fig in pictures.items():
+                    path = where / f"incident-{_cell(e.get('index', 0)).zfill(4)}-step{_cell(e.get('step'))}-{name}.png"
+                    path.write_bytes(png_bytes(fig))
+                    out.write(f"wrote {path}\n")
+                    written += 1
+            except OSError as exc:
+                raise InputError(f"{where}: cannot write ({exc.strerror or exc})") from None
+    out.write(f"{written} picture(s) in {folder}" + ("" if written else
+              " (no event kept a gradient-flow window: logging.flow_window 0, or none was recorded)") + "\n")
 
 
 def _write_json(scanned: list[tuple[Path, int, int]], summary: dict[str, Any], out: TextIO) -> None:
@@ -405,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "and totals.")
     report.add_argument("path", metavar="PATH", help="an events.jsonl file, or a folder searched recursively")
     report.add_argument("--json", action="store_true", help="print the events and totals as JSON instead")
+    report.add_argument("--plot", metavar="DIR", default=None,
+                        help="also write each incident's pictures (gradient flow, where it broke) as PNG files to DIR "
+                             "(needs matplotlib: the plots extra)")
     report.set_defaults(func=cmd_report)
     validate = sub.add_parser("validate", help="check a NaNGuard YAML config and print it resolved",
                               description="Print the resolved configuration as YAML, or the error.")

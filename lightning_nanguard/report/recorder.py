@@ -12,6 +12,7 @@ from ..console import say
 from ..counters import Counters
 from ..errors import SinkWriteWarning
 from ..events import KINDS, NaNEvent
+from .picture_sink import PictureSink
 from .render import ReportText
 from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink, highest_index, highest_report
 
@@ -132,6 +133,10 @@ class Recorder:
             sinks.append(LoggerSink(trainer.loggers, prefix=f"nanguard/{self.name}/" if self.name else "nanguard/"))
         if cfg.verbose:
             sinks.append(ScreenSink(trainer))
+        if cfg.reports or cfg.loggers and trainer.loggers:  # the incident pictures, and the TensorBoard dashboard
+            sinks.append(PictureSink(trainer, trainer.loggers if cfg.loggers else [],
+                                     self.out_dir if cfg.reports else None,
+                                     prefix="nanguard/" + (f"{self.name}/" if self.name else "")))
         return sinks
 
     def report_path(self, event: NaNEvent) -> Path:
