@@ -115,7 +115,7 @@ def test_incident_reports_a_full_disk_refuses_are_warned_naming_the_report(full_
     reports = [s for s in said if "the incident reports could not be written" in str(s.message)]
     assert len(reports) == 1 and issubclass(reports[0].category, SinkWriteWarning)
     assert f"({folder / 'incident-0002-step9.txt'}: No space left on device)" in str(reports[0].message)
-    assert sorted(p.name for p in folder.glob("incident-*")) == ["incident-0001-step3.txt"]  # no empty report
+    assert sorted(p.name for p in folder.glob("incident-*.txt")) == ["incident-0001-step3.txt"]  # no empty report
     assert guard._recorder.failed_writes["the incident reports"] == 2
 
 
@@ -151,7 +151,7 @@ def test_a_snapshot_the_disk_refuses_mid_run_is_listed_and_never_restored_before
 def test_a_tensorboard_folder_replaced_by_a_file_is_one_warning_per_sink_and_no_exception(tmp_path):
     """At step 5 the TensorBoard run folder (``version_0``, which holds ``nanguard/`` too) becomes a file: the fit
     ends normally (Lightning's own logger never trips over an error the guard caused: the guard does not write into
-    a writer whose folder is gone), each of the three sinks it stops warns once, naming where, and the end of fit
+    a writer whose folder is gone), each of the four sinks it stops (the pictures too) warns once, naming where, and the end of fit
     counts each sink's refused writes."""
     guard = NaNGuard(logging={"verbose": False}, recovery={"snapshot": "memory"})
 
@@ -166,10 +166,11 @@ def test_a_tensorboard_folder_replaced_by_a_file_is_one_warning_per_sink_and_no_
     trainer, said = _fit(tmp_path, guard, (Replace(),), logger=logger, log_every_n_steps=1)
     assert trainer.global_step == STEPS and [e.step for e in guard.events] == [3, 9, 12]
     names = [str(w.message).split("]", 1)[1].split(" could not", 1)[0].strip() for w in said]
-    assert sorted(names) == ["events.jsonl", "the incident reports", "the loggers"], names
+    assert sorted(names) == ["events.jsonl", "the incident pictures", "the incident reports", "the loggers"], names
     logger_warning = next(str(w.message) for w in said if "the loggers could not" in str(w.message))
     assert f"({tmp_path / 'tb' / 'version_0'}: Not a directory)" in logger_warning
-    assert set(guard._recorder.failed_writes) == {"events.jsonl", "the incident reports", "the loggers"}
+    assert set(guard._recorder.failed_writes) == {"events.jsonl", "the incident pictures", "the incident reports",
+                                                  "the loggers"}
     assert guard._recorder.failure_summary().startswith("[nanguard] writes refused this fit: ")
 
 
