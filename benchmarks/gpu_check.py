@@ -237,7 +237,7 @@ class SnapshotSteps(pl.Callback):
 
 def snapshot_checks() -> dict:
     """Syncs per snapshot step, and the host stall of one memory snapshot with and without waiting for the copy."""
-    from lightning_nanguard.recover.snapshots import MemoryStore
+    from lightning_nanguard.store.snapshots import MemoryStore
 
     counter = SyncCounter()
     g = NaNGuard(check={"sync": "lagged"}, recovery={"snapshot_every": 4}, logging=QUIET)

@@ -242,7 +242,7 @@ def measure(label: str, width: int, layers: int, batch: int, repeats: int, every
     import torch
     from torch import nn
 
-    from lightning_nanguard.recover.snapshots import DiskStore, MemoryStore
+    from lightning_nanguard.store.snapshots import DiskStore, MemoryStore
 
     model, opt = build(width, layers)
     params = sum(p.numel() for p in model.parameters())

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from lightning_nanguard.detect.replicas import bits_checksum
-from lightning_nanguard.recover.snapshots import DiskStore, MemoryStore, load_training_state
-from lightning_nanguard.recover.verify import _bytes, seal
-from lightning_nanguard.tree import flatten
+from lightning_nanguard.store.snapshots import DiskStore, MemoryStore, load_training_state
+from lightning_nanguard.store.verify import _bytes, seal
+from lightning_nanguard.core.tree import flatten
 
 WIDTH, LAYERS = 1024, 5
 
@@ -118,7 +118,7 @@ def run(repeats: int) -> dict[str, Any]:
 
 
 def _unchecked(store: MemoryStore) -> Any:
-    from lightning_nanguard.tree import unflatten
+    from lightning_nanguard.core.tree import unflatten
 
     snap = store.newest
     assert snap is not None

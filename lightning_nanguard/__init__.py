@@ -13,13 +13,13 @@ from .errors import ConfigError, NaNGuardError
 
 if TYPE_CHECKING:
     from .classic import NaNGuard
-    from .events import NaNEvent
+    from .core.events import NaNEvent
 
 __all__ = ["NaNGuard", "NaNGuardConfig", "NaNEvent", "ConfigError", "NaNGuardError"]
 __version__ = "0.1.0"
 
 # imported when first used
-_LAZY = {"NaNGuard": ".classic", "NaNEvent": ".events"}
+_LAZY = {"NaNGuard": ".classic", "NaNEvent": ".core.events"}
 
 
 def __getattr__(name: str) -> Any:

@@ -14,21 +14,20 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from .config import (SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig,
-                     RecoveryConfig)
-from . import incident as incidents
-from .console import say, warn
+from .config import SECTIONS, AnomalyConfig, CheckConfig, ClipConfig, LoggingConfig, NaNGuardConfig, RecoveryConfig
+from .core.console import say, warn
+from .core.events import NaNEvent
 from .detect.amp import grad_scaler
 from .errors import ConfigError, NaNGuardError
-from .events import NaNEvent
-from .fit_end import FitEnd
 from .recover.checkpoint import nonfinite_entries, rebuild
-from .parts import Parts
-from .recover.snapshots import SnapshotStore
 from .report.progress import ProgressStatus
-from .responder import Responder
+from .respond import incident as incidents
+from .respond.fit_end import FitEnd
+from .respond.parts import Parts
+from .respond.responder import Responder
+from .respond.step import StepFlow
 from .state_schema import check_state, check_version
-from .step import StepFlow
+from .store.snapshots import SnapshotStore
 from .usage_errors import usage_errors
 
 if TYPE_CHECKING:

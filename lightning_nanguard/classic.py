@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover - only the unified package is installed
     import lightning.pytorch as _pl  # type: ignore[no-redef]  # the same name, the other package's module
 
 from .callback import NaNGuardBase
-from .testing import FaultInjectorBase
+from .faults import FaultInjectorBase
 
 __all__ = ["NaNGuard", "FaultInjector"]
 

@@ -20,9 +20,9 @@ import lightning.pytorch as _lp
 
 from .callback import NaNGuardBase as _NaNGuard
 from .config import NaNGuardConfig
+from .core.events import NaNEvent
 from .errors import ConfigError, NaNGuardError
-from .events import NaNEvent
-from .testing import FaultInjectorBase as _FaultInjector
+from .faults import FaultInjectorBase as _FaultInjector
 
 __all__ = ["NaNGuard", "NaNGuardConfig", "NaNEvent", "ConfigError", "NaNGuardError", "FaultInjector"]
 

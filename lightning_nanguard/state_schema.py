@@ -28,7 +28,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from .counters import NAMES as COUNTS
+from .core.counters import NAMES as COUNTS
 from .errors import NaNGuardError
 
 __all__ = ["Checked", "check_state", "check_version", "known_keys", "DECISIONS", "STATISTICS"]

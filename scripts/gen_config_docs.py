@@ -57,7 +57,7 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
     ("lightning_nanguard.report.picture_sink", "FLUSH_TIMEOUT",
      "seconds the end of fit waits for incident pictures still being drawn (then they are dropped)",
      "a picture takes well under a second; the bound only keeps a broken backend from holding the end of fit"),
-    ("lightning_nanguard.incident", "SPIKES_BEFORE_LR_CUT",
+    ("lightning_nanguard.respond.incident", "SPIKES_BEFORE_LR_CUT",
      "loss spikes within `recovery.incident_window` steps that cut the LR, whatever `check.spike_action` says "
      "(unless `off`)",
      "the point where spikes stop being noise and are a divergence under way; what one spike does, what counts "
@@ -212,9 +212,9 @@ NOT_THRESHOLDS: dict[str, str] = {
     "lightning_nanguard.detect.kernels.CPU_CHUNK": "elements per chunk of a CPU reduction (memory, not behaviour)",
     "lightning_nanguard.detect.replicas.EPS32": "float32's unit roundoff (arithmetic)",
     "lightning_nanguard.detect.replicas.FLOAT32_EXACT": "the largest integer float32 holds exactly (arithmetic)",
-    "lightning_nanguard.recover.sharded.EVERY_RANK": "a sentinel owner rank",
-    "lightning_nanguard.recover.sharded.BUCKET_BYTES": "the largest broadcast of a sharded restore (memory)",
-    "lightning_nanguard.recover.verify.FORMAT": "the layout version of a disk snapshot file's header",
+    "lightning_nanguard.store.sharded.EVERY_RANK": "a sentinel owner rank",
+    "lightning_nanguard.store.sharded.BUCKET_BYTES": "the largest broadcast of a sharded restore (memory)",
+    "lightning_nanguard.store.verify.FORMAT": "the layout version of a disk snapshot file's header",
     "lightning_nanguard.report.cli.MAX_LINE": "`nanguard report`: the longest line read as an event",
     "lightning_nanguard.report.cli.MAX_DEPTH": "`nanguard report`: the deepest JSON read as an event",
     "lightning_nanguard.report.cli.MAX_CELL": "`nanguard report`: characters of a table cell",

@@ -27,15 +27,15 @@ AREAS = ("detection", "ladder", "snapshots", "lr", "clipping", "spikes", "diagno
 
 PKG = "lightning_nanguard/"
 CALLBACK = PKG + "callback.py"
-STEP = PKG + "step.py"
-RESPONDER = PKG + "responder.py"  # was incidents.py
-INCIDENT = PKG + "incident.py"  # the incident builders and kind_of (issue 25; were Responder methods)
-FIT_END = PKG + "fit_end.py"  # the end of fit (issue 25; was in callback.py and responder.py)
-PARTS = PKG + "parts.py"  # the parts bundle (issue 25; the parts were built in callback.py)
-ENDINGS = PKG + "endings.py"  # give-up and hardware texts, stop_or_raise (issue 25; were in responder.py)
+STEP = PKG + "respond/step.py"
+RESPONDER = PKG + "respond/responder.py"  # was incidents.py
+INCIDENT = PKG + "respond/incident.py"  # the incident builders and kind_of (issue 25; were Responder methods)
+FIT_END = PKG + "respond/fit_end.py"  # the end of fit (issue 25; was in callback.py and responder.py)
+PARTS = PKG + "respond/parts.py"  # the parts bundle (issue 25; the parts were built in callback.py)
+ENDINGS = PKG + "respond/endings.py"  # give-up and hardware texts, stop_or_raise (issue 25; were in responder.py)
 CONFIG = PKG + "config.py"
-EVENTS = PKG + "events.py"  # was report/events.py: NaNEvent and the kind table
-CAUSE_TABLE = PKG + "causes.py"  # the cause table (was diagnose/suggestions.py)
+EVENTS = PKG + "core/events.py"  # was report/events.py: NaNEvent and the kind table
+CAUSE_TABLE = PKG + "core/causes.py"  # the cause table (was diagnose/suggestions.py)
 EVIDENCE = PKG + "detect/evidence.py"
 KERNELS = PKG + "detect/kernels.py"  # detect/flags.py was split into kernels, vector and verdict
 VECTOR = PKG + "detect/vector.py"
@@ -44,14 +44,14 @@ WEIGHTS = PKG + "detect/weights.py"  # was detect/state.py
 SPIKES = PKG + "detect/spikes.py"
 RANKS = PKG + "detect/ranks.py"  # detect/sync.py was split into ranks, replicas, placement, read_mode
 READ_MODE = PKG + "detect/read_mode.py"
-ACCOUNT = PKG + "account.py"  # share_incident, was in detect/sync.py
+ACCOUNT = PKG + "respond/account.py"  # share_incident, was in detect/sync.py
 AMP = PKG + "detect/amp.py"
 LADDER = PKG + "recover/ladder.py"
 RECOVERY = PKG + "recover/recovery.py"
 LR = PKG + "recover/lr.py"  # recover/actions.py was split into lr and undo
 UNDO = PKG + "recover/undo.py"
-SNAPSHOTS = PKG + "recover/snapshots.py"
-WRITER = PKG + "recover/writer.py"
+SNAPSHOTS = PKG + "store/snapshots.py"
+WRITER = PKG + "store/writer.py"
 CLIPPING = PKG + "recover/clipping.py"
 CKPT = PKG + "recover/checkpoint.py"
 RULES = PKG + "diagnose/rules.py"  # was diagnose/causes.py
@@ -60,9 +60,9 @@ FINAL_WEIGHTS = PKG + "diagnose/final_weights.py"  # the end-of-fit rerun (issue
 SINKS = PKG + "report/sinks.py"
 RECORDER = PKG + "report/recorder.py"
 PROGRESS = PKG + "report/progress.py"
-CONSOLE = PKG + "console.py"
+CONSOLE = PKG + "core/console.py"
 METRICS = PKG + "recover/metrics.py"
-LAYOUTS = PKG + "layouts.py"
+LAYOUTS = PKG + "core/layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
 PROBES = PKG + "diagnose/probes.py"  # was diagnose/recorders.py
 LIGHTNING = PKG + "lightning.py"
@@ -72,8 +72,8 @@ FIND = PKG + "detect/find.py"
 DYNAMICS = PKG + "diagnose/dynamics.py"
 CLI = PKG + "report/cli.py"
 STATE_SCHEMA = PKG + "state_schema.py"
-VERIFY = PKG + "recover/verify.py"  # the seal and the read-side checks (issue 34)
-SHARDED = PKG + "recover/sharded.py"
+VERIFY = PKG + "store/verify.py"  # the seal and the read-side checks (issue 34)
+SHARDED = PKG + "store/sharded.py"
 FLOW = PKG + "detect/flow.py"  # the gradient-flow window (issue 37)
 CULPRIT = PKG + "diagnose/culprit.py"
 PICTURE_SINK = PKG + "report/picture_sink.py"
@@ -1181,7 +1181,7 @@ MUTANTS: list[Mutant] = [
            "            os.fsync(fh.fileno())",
            "            pass",
            "docs/recovery.md: recovery.snapshot: disk 'writes each snapshot with torch.save to a temporary "
-           "file, fsyncs it and renames it' (on the writer thread since issue 20: recover/writer.py's "
+           "file, fsyncs it and renames it' (on the writer thread since issue 20: store/writer.py's "
            "write_atomic)"),
     # ------------------------------------------------------------------ 16-mixed / GradScaler
     Mutant("amp", "doc-amp-overflows-not-consecutive", AMP,

@@ -215,7 +215,7 @@ def judge(losses: list[float], norms: list[float], config: Optional[NaNGuardConf
           ) -> list[tuple[int, str, str]]:
     """The events the guard's host-side detectors raise on these numbers: ``(step, kind, cause)``.
 
-    Every step is healthy (finite), so it goes where :meth:`~lightning_nanguard.step.StepFlow._healthy` sends
+    Every step is healthy (finite), so it goes where :meth:`~lightning_nanguard.respond.step.StepFlow._healthy` sends
     it: the divergence watch, the spike test (``LossWatch``), the spike's cause from the gradient-norm history,
     then the adaptive clip's statistics and the histories learn the norm."""
     cfg = config or NaNGuardConfig()

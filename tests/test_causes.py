@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.config import ClipConfig, RecoveryConfig
 from lightning_nanguard.diagnose import dynamics
-from lightning_nanguard.causes import CAUSES
+from lightning_nanguard.core.causes import CAUSES
 from lightning_nanguard.recover.ladder import LARGEST_CUT, RecoveryLadder
 from .models import GPT, DeepMLP, FeatureSquare, Regression, loader, markov_tokens, regression_data, trainer
 from .test_divergence import LossTrace

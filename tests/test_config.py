@@ -523,7 +523,7 @@ def test_every_numeric_module_constant_is_a_documented_threshold_or_named_as_not
     assert set(documented).isdisjoint(gen.NOT_THRESHOLDS)
     assert sorted(found) == sorted(documented + list(gen.NOT_THRESHOLDS)), \
         "classify each constant in scripts/gen_config_docs.py (CONSTANTS or NOT_THRESHOLDS), then run it"
-    assert "lightning_nanguard.incident.SPIKES_BEFORE_LR_CUT" in documented and len(documented) >= 16
+    assert "lightning_nanguard.respond.incident.SPIKES_BEFORE_LR_CUT" in documented and len(documented) >= 16
     docs = (ROOT / "docs" / "configuration.md").read_text()
     table = docs.split("\n## Constants\n", 1)[1]
     rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_nanguard.detect.ranks import local_norm_power
-from lightning_nanguard.dtensors import is_dtensor, local, norm_share
+from lightning_nanguard.core.dtensors import is_dtensor, local, norm_share
 
 from .ranks import launch, per_step
 

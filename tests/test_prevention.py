@@ -17,7 +17,7 @@ from torch import nn
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.detect.spikes import RunningStats, SpikeDetector
 from lightning_nanguard.diagnose.rules import spike_cause
-from lightning_nanguard.incident import SPIKES_BEFORE_LR_CUT
+from lightning_nanguard.respond.incident import SPIKES_BEFORE_LR_CUT
 from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models

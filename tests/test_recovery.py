@@ -24,7 +24,7 @@ from lightning_nanguard.config import ClipConfig, RecoveryConfig
 from lightning_nanguard.recover.lr import scale_lr
 from lightning_nanguard.recover.undo import BufferUndo
 from lightning_nanguard.recover.ladder import RecoveryLadder
-from lightning_nanguard.recover.snapshots import make_store
+from lightning_nanguard.store.snapshots import make_store
 from lightning_nanguard.testing import Fault, FaultInjector
 from . import models
 from .models import Regression, regression_data

@@ -18,7 +18,7 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from lightning_nanguard import NaNEvent, NaNGuard
 from lightning_nanguard.report.progress import INCIDENTS_KEY, LR_SCALE_KEY
 from lightning_nanguard.config import LoggingConfig
-from lightning_nanguard.counters import Counters
+from lightning_nanguard.core.counters import Counters
 from lightning_nanguard.report.recorder import Recorder
 from lightning_nanguard.report.render import ReportText
 from lightning_nanguard.report.sinks import JsonlSink

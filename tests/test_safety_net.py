@@ -151,8 +151,8 @@ def test_a_snapshot_the_disk_refuses_mid_run_is_listed_and_never_restored_before
 def test_a_tensorboard_folder_replaced_by_a_file_is_one_warning_per_sink_and_no_exception(tmp_path):
     """At step 5 the TensorBoard run folder (``version_0``, which holds ``nanguard/`` too) becomes a file: the fit
     ends normally (Lightning's own logger never trips over an error the guard caused: the guard does not write into
-    a writer whose folder is gone), each of the four sinks it stops (the pictures too) warns once, naming where, and the end of fit
-    counts each sink's refused writes."""
+    a writer whose folder is gone), each of the four sinks it stops (the pictures too) warns once, naming where, and
+    the end of fit counts each sink's refused writes."""
     guard = NaNGuard(logging={"verbose": False}, recovery={"snapshot": "memory"})
 
     class Replace(pl.Callback):

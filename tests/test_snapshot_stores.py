@@ -16,10 +16,10 @@ from torch import nn
 
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.errors import SnapshotWriteWarning
-from lightning_nanguard.recover.device_copy import DeviceCopy
-from lightning_nanguard.recover.sharded import EVERY_RANK, ShardPlan
-from lightning_nanguard.recover.snapshots import MemoryStore
-from lightning_nanguard.recover.writer import write_atomic
+from lightning_nanguard.store.device_copy import DeviceCopy
+from lightning_nanguard.store.sharded import EVERY_RANK, ShardPlan
+from lightning_nanguard.store.snapshots import MemoryStore
+from lightning_nanguard.store.writer import write_atomic
 from lightning_nanguard.testing import Fault, FaultInjector
 
 from . import models
@@ -28,7 +28,7 @@ QUIET = {"events_file": False, "reports": False, "verbose": False, "loggers": Fa
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
-    from lightning_nanguard.tree import flatten
+    from lightning_nanguard.core.tree import flatten
 
     return flatten(state)[1]
 

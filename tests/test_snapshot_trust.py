@@ -20,7 +20,7 @@ from torch import nn
 import lightning_nanguard
 from lightning_nanguard import NaNGuard
 from lightning_nanguard.errors import SnapshotReadWarning
-from lightning_nanguard.recover.verify import REASONS
+from lightning_nanguard.store.verify import REASONS
 from lightning_nanguard.testing import Fault, FaultInjector
 
 from . import models
@@ -180,7 +180,7 @@ def test_with_every_snapshot_refused_the_ladder_goes_on_and_says_why(tmp_path):
 class StoreReads(HostReads):
     """:class:`~.test_sync_modes.HostReads` of the snapshot stores' own code only."""
 
-    GUARD = str(Path(lightning_nanguard.__file__).parent / "recover")
+    GUARD = str(Path(lightning_nanguard.__file__).parent / "store")
 
     def _wrap(self, name: str, original: Any) -> Any:
         stores = tuple(f"{self.GUARD}/{f}" for f in ("snapshots.py", "sharded.py", "verify.py", "writer.py"))
@@ -195,7 +195,7 @@ class StoreReads(HostReads):
 
 
 def test_healthy_fits_read_nothing_on_the_host_for_their_snapshots(fit, monkeypatch, tmp_path):
-    """Sealing runs on the snapshot thread from the host copy: the stores' code (recover/snapshots.py, sharded.py,
+    """Sealing runs on the snapshot thread from the host copy: the stores' code (store/snapshots.py, sharded.py,
     verify.py, writer.py) makes no host read of a tensor during a healthy fit, memory or disk, and every snapshot is
     sealed."""
     reads = StoreReads(monkeypatch)

@@ -14,7 +14,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_nanguard import NaNGuard, layouts
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.core import layouts
 from lightning_nanguard.testing import Fault, FaultInjector
 from .models import SparseGraphAutoencoder, graph, graph_loader, trainer
 

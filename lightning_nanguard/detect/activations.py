@@ -14,9 +14,9 @@ from typing import Any, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..dtensors import local
-from ..layouts import is_strided, stored_values
-from ..tree import iter_tensors
+from ..core.dtensors import local
+from ..core.layouts import is_strided, stored_values
+from ..core.tree import iter_tensors
 from .kernels import any_nonfinite_flag
 
 __all__ = ["ActivationCheck", "outputs_nonfinite_flag"]

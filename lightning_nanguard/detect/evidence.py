@@ -18,9 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from ..config import CheckConfig
-from ..layouts import checkable
-from ..record import Window, rng_state
-from ..tree import iter_tensors
+from ..core.layouts import checkable
+from ..core.record import Window, rng_state
+from ..core.tree import iter_tensors
 from .activations import ActivationCheck
 from .amp import scale_flag, unscale_value
 from .find import find_batch_nonfinite

@@ -10,9 +10,9 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from ..dtensors import local
-from ..layouts import coo_parts, is_strided, stored_values
-from ..tree import iter_tensors
+from ..core.dtensors import local
+from ..core.layouts import coo_parts, is_strided, stored_values
+from ..core.tree import iter_tensors
 
 __all__ = ["find_nonfinite_tensors", "find_batch_nonfinite", "nonfinite_rows"]
 

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..dtensors import local
-from ..layouts import is_strided, stored_values
+from ..core.dtensors import local
+from ..core.layouts import is_strided, stored_values
 
 __all__ = ["nonfinite_flag", "any_nonfinite_flag", "dense_nonfinite_flag", "total_norm", "total_norm_parts",
            "CPU_CHUNK"]
@@ -32,7 +32,7 @@ def any_nonfinite_flag(tensors: Sequence[Tensor]) -> Optional[Tensor]:
     """0-dim bool tensor: does any of ``tensors`` hold a NaN or +-Inf? A few fused kernels, no host sync.
 
     Exact (no overflow on huge finite values) and ``None`` for an empty list; integer tensors are ignored, sparse
-    and nested ones are judged by their stored values (:mod:`~lightning_nanguard.layouts`).
+    and nested ones are judged by their stored values (:mod:`~lightning_nanguard.core.layouts`).
     Each result is tested in its own dtype, so a float64 value beyond float32's range is still finite.
 
     - CUDA and other devices: one fused inf-norm (abs-max, multi-tensor apply) per device.

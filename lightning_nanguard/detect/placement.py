@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..dtensors import local
+from ..core.dtensors import local
 
 __all__ = ["whereabouts", "replicates", "shards_gradients", "local_tensor"]
 

@@ -31,11 +31,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..dtensors import norm_share, reduced
+from ..core.dtensors import norm_share, reduced
 from .kernels import total_norm, total_norm_parts
 from .placement import local_tensor, replicates, shards_gradients
-from .replicas import (CHECKSUM_FIELDS, EPS32, REPLICA_FIELDS, _f32, bits_checksum, checksum_parts, checksum_primes,
-                       checksum_weight, checksums_disagree, replicas_disagree, weights_checksum)
+from .replicas import (
+    CHECKSUM_FIELDS,
+    EPS32,
+    REPLICA_FIELDS,
+    _f32,
+    bits_checksum,
+    checksum_parts,
+    checksum_primes,
+    checksum_weight,
+    checksums_disagree,
+    replicas_disagree,
+    weights_checksum,
+)
 from .vector import SCHEMA
 
 __all__ = ["Ranks", "local_norm_power", "local_norm_powers"]

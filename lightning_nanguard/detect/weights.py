@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..dtensors import local
-from ..layouts import checkable, is_strided
+from ..core.dtensors import local
+from ..core.layouts import checkable, is_strided
 from .find import find_nonfinite_tensors
 from .kernels import CPU_CHUNK, dense_nonfinite_flag
 

@@ -1,5 +1,5 @@
 """What the diagnosis reads of an incident: the typed :class:`Evidence` its builder gathered
-(:mod:`lightning_nanguard.incident`), the guard's :class:`History`, and the :class:`IncidentContext` the rules
+(:mod:`lightning_nanguard.respond.incident`), the guard's :class:`History`, and the :class:`IncidentContext` the rules
 read, built from both in one place (:meth:`.Diagnoser.context`)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..core.events import NaNEvent
+from ..core.record import Window
 from ..detect.flow import Flow
-from ..events import NaNEvent
-from ..record import Window
 from . import dynamics
 
 __all__ = ["Evidence", "History", "IncidentContext"]

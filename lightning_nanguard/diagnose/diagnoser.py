@@ -8,12 +8,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ..config import AnomalyConfig
-from ..counters import Counters
-from ..dtensors import sharded
-from ..events import NaNEvent
+from ..core.counters import Counters
+from ..core.dtensors import sharded
+from ..core.events import NaNEvent
+from .context import Evidence, History, IncidentContext
 from .dynamics import InitialScales
 from .replay import parse_anomaly_error
-from .context import Evidence, History, IncidentContext
 from .rules import diagnose, diagnose_anomaly_error
 
 __all__ = ["Diagnoser"]

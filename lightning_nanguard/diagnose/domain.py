@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..tree import iter_tensors, map_tensors
-from .domain_fixes import MATMUL_OPS, describe, fix
+from ..core.domain_fixes import MATMUL_OPS, describe, fix
+from ..core.tree import iter_tensors, map_tensors
 
 __all__ = ["made_nonfinite", "scalars_of", "op_name", "in_place", "names_itself", "op_evidence", "out_of_domain",
            "describe", "fix", "inner_op", "autograd_name", "MATMUL_OPS"]

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..dtensors import local
+from ..core.dtensors import local
 
 __all__ = ["INIT_RATIO", "RELATIVE_UPDATE_LR", "SAFE_RELATIVE_UPDATE", "WEIGHT_GROWTH", "LAYER_GROWTH",
            "LAYER_TREND", "LAYER_COUNT", "ACTIVATION_GROWTH", "ACTIVATION_STEP", "SHORT_GROWTH", "WEIGHT_RMS_FLOOR",

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..causes import cause as cause_entry
-from ..events import KINDS, NaNEvent
-from ..record import Window
+from ..core.causes import cause as cause_entry
+from ..core.events import KINDS, NaNEvent
+from ..core.record import Window
 from .replay import reproduces
 
 if TYPE_CHECKING:

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..dtensors import local
-from ..layouts import is_strided, stored_values
-from ..tree import iter_tensors
+from ..core.dtensors import local
+from ..core.layouts import is_strided, stored_values
+from ..core.tree import iter_tensors
 from . import domain
 
 __all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",

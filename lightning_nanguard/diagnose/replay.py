@@ -32,14 +32,24 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..core.dtensors import is_dtensor, local, sharded
+from ..core.layouts import deepcopy_memo
+from ..core.record import rng_state, set_rng_state
+from ..core.tree import map_tensors
 from ..detect.kernels import any_nonfinite_flag, total_norm
-from ..dtensors import is_dtensor, local, sharded
-from ..layouts import deepcopy_memo
-from ..record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
-from ..tree import map_tensors
-from .probes import (FirstBadOp, Frame, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace,
-                        is_compiled, public_name)
+from .probes import (
+    FirstBadOp,
+    Frame,
+    FrameRecorder,
+    GraphWatch,
+    all_finite,
+    floats_of,
+    format_frames,
+    forward_trace,
+    is_compiled,
+    public_name,
+)
 
 __all__ = ["ReplayResult", "replay_window", "reproduces", "local_gradients", "preserved_state", "parse_anomaly_error"]
 

@@ -60,14 +60,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..causes import suggest
+from ..core.causes import suggest
+from ..core.events import NaNEvent
+from ..core.layouts import coo_parts, is_strided
+from ..core.tree import iter_tensors
 from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
 from ..detect.flow import REPLAY_OUTPUTS, replay_outputs
 from ..detect.spikes import history_zscore, norm_growth
-from ..events import NaNEvent
-from ..layouts import coo_parts, is_strided
-from ..tree import iter_tensors
 from . import domain, dynamics, replay
 from .context import IncidentContext
 from .culprit import RUNAWAY_CAUSES, runaway_culprit

@@ -11,11 +11,11 @@ from typing import Any, Iterable
 
 from torch import Tensor
 
+from ..core.layouts import checkable
+from ..core.tree import iter_tensors
 from ..detect.find import find_nonfinite_tensors
 from ..detect.kernels import any_nonfinite_flag, dense_nonfinite_flag
 from ..detect.placement import local_tensor
-from ..layouts import checkable
-from ..tree import iter_tensors
 
 __all__ = ["iter_checkpoint_tensors", "nonfinite_entries", "optimizer_state_nonfinite", "rebuild"]
 

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from ..config import ClipConfig
-from ..counters import Counters
+from ..core.counters import Counters
+from ..core.layouts import is_strided, warn_once
 from ..detect.spikes import RunningStats, norm_growth
-from ..layouts import is_strided, warn_once
 
 __all__ = ["ZClip", "Clipper", "adaptive_grad_clip_", "unitwise_norms", "CLIPS_BEFORE_LR_CUT", "AGC_EPS",
            "NORM_HISTORY", "DIVERGING_Z", "DIVERGING_WINDOW"]

@@ -3,7 +3,7 @@
 The guard reports what happened at each optimizer step (``healthy()``, ``incident(...)``,
 ``snapshot_taken()``); the ladder answers with a :class:`Plan` of what to do. No tensors, no Lightning:
 every rung is unit-testable in isolation. What a cause or an event kind calls for is read from their tables
-(:mod:`lightning_nanguard.causes`, :data:`lightning_nanguard.events.KINDS`); no name is spelled here.
+(:mod:`lightning_nanguard.core.causes`, :data:`lightning_nanguard.core.events.KINDS`); no name is spelled here.
 
 Rungs, in order of escalation:
 
@@ -47,10 +47,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..causes import Cause
-from ..causes import cause as cause_entry
 from ..config import ClipConfig, RecoveryConfig
-from ..events import KINDS, Kind
+from ..core.causes import Cause
+from ..core.causes import cause as cause_entry
+from ..core.events import KINDS, Kind
 
 __all__ = ["Plan", "RecoveryLadder", "LARGEST_CUT"]
 

@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 import torch.distributed as dist
 
 from ..config import ClipConfig, RecoveryConfig
-from ..console import say
-from ..counters import Counters
+from ..core.console import say
+from ..core.counters import Counters
+from ..core.layouts import load_module_state
+from ..core.record import StepRecord, UpdateStage
 from ..detect.placement import replicates
-from ..layouts import load_module_state
-from ..record import StepRecord, UpdateStage
+from ..store.sharded import ShardedStore
+from ..store.snapshots import Norms, Restored, SnapshotStore, as_live, make_store
+from ..store.verify import REASONS, Refused
 from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
 from .lr import common_ratio, current_lrs, reference_lrs, scale_lr
 from .metrics import MetricUndo
-from .sharded import ShardedStore
-from .snapshots import Norms, Restored, SnapshotStore, as_live, make_store
-from .verify import REASONS, Refused
 from .undo import BufferUndo, skip_step
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class Recovery:
     def unfinished(self) -> bool:
         """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
         snapshot after healthy training (and the guard has not given up). Only then can the weights at the end
-        of fit be suspect (:meth:`~lightning_nanguard.fit_end.FitEnd.unfinished` decides)."""
+        of fit be suspect (:meth:`~lightning_nanguard.respond.fit_end.FitEnd.unfinished` decides)."""
         return not self.stopped and (self._ladder.consecutive > 0 or self._ladder.failed_rollbacks > 0)
 
     @property

@@ -27,8 +27,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO
 
-from ..causes import CAUSES
 from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
+from ..core.causes import CAUSES
 
 __all__ = ["main", "read_events", "scan_events", "find_event_files", "InputError", "Totals"]
 

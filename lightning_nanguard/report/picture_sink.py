@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..console import say
-from ..events import NaNEvent
+from ..core.console import say
+from ..core.events import NaNEvent
 from .pictures import PLOTS_OFF, figures, plots_available, png_bytes, rgb_array
 from .render import ReportText
 

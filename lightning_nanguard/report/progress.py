@@ -7,7 +7,7 @@ every optimizer step through Lightning's public API: ``pl_module.log(..., prog_b
 on_step=True, on_epoch=False)`` from ``on_train_batch_end``, where logging is allowed. They are 0-dim CPU
 tensors (never a host-to-device copy, never reduced over ranks), so they also appear in ``callback_metrics``
 (as every progress-bar value does) and never reach the loggers; the loggers get the ``nanguard/`` scalars
-separately (:mod:`.sinks`). One-line messages are :func:`lightning_nanguard.console.say`.
+separately (:mod:`.sinks`). One-line messages are :func:`lightning_nanguard.core.console.say`.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import LoggingConfig
-from ..console import say
-from ..counters import Counters
+from ..core.console import say
+from ..core.counters import Counters
+from ..core.events import KINDS, NaNEvent
 from ..errors import SinkWriteWarning
-from ..events import KINDS, NaNEvent
 from .picture_sink import PictureSink
 from .render import ReportText
 from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink, highest_index, highest_report

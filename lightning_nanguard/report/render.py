@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..events import NaNEvent
+from ..core.events import NaNEvent
 
 __all__ = ["ReportText", "render_report"]
 

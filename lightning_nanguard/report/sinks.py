@@ -28,8 +28,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from ..console import say
-from ..events import NaNEvent
+from ..core.console import say
+from ..core.events import NaNEvent
 from .render import ReportText, render_report
 
 __all__ = ["Sink", "JsonlSink", "LoggerSink", "ReportSink", "ScreenSink", "highest_index", "highest_report"]

@@ -5,7 +5,7 @@
 Two tiny fits in the same N processes, one per ``recovery.snapshot`` mode (``memory``, then ``disk``). Rank 1
 alone sees a NaN loss on three batches in a row (``BAD``): the third forces a rollback on every rank. A probe
 callback listed after the guard keeps its own unsharded copy of every snapshot the guard takes
-(:class:`~lightning_nanguard.recover.snapshots.MemoryStore`, the store a single process uses) and, right after the
+(:class:`~lightning_nanguard.store.snapshots.MemoryStore`, the store a single process uses) and, right after the
 rollback, compares the restored state with that copy. In the disk fit, rank 1's share of one snapshot cannot be
 written (a folder stands where its file goes): rank 1 keeps that share in host memory, and every rank still rolls
 back to that snapshot.
@@ -34,8 +34,8 @@ from common import save_and_exit  # noqa: E402
 from lightning_nanguard import NaNGuard  # noqa: E402
 from lightning_nanguard.diagnose.dynamics import norms  # noqa: E402
 from lightning_nanguard.errors import SnapshotWriteWarning  # noqa: E402
-from lightning_nanguard.recover.snapshots import MemoryStore, training_state  # noqa: E402
-from lightning_nanguard.tree import flatten  # noqa: E402
+from lightning_nanguard.store.snapshots import MemoryStore, training_state  # noqa: E402
+from lightning_nanguard.core.tree import flatten  # noqa: E402
 
 STEPS = 14
 BAD = (7, 8, 9)  # optimizer steps where rank 1's loss is NaN: three incidents in a row, the third rolls back

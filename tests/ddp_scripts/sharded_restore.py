@@ -3,7 +3,7 @@
     python sharded_restore.py OUT_DIR N
 
 Each rank keeps its share of a snapshot of a small state (float32, int64, float64, bool, a 0-dim and an empty tensor)
-in a :class:`~lightning_nanguard.recover.sharded.ShardedStore`, for bucket sizes from 64 bytes (every tensor split
+in a :class:`~lightning_nanguard.store.sharded.ShardedStore`, for bucket sizes from 64 bytes (every tensor split
 across buckets) to larger than the state, then loads it into zeroed live tensors (:meth:`load_into`), into a live
 state missing some tensors (an optimizer's lazy state: those come fresh), and whole (:meth:`load`). Each rank writes
 ``OUT_DIR/restore-rank{r}.pt``.
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_nanguard.recover.sharded import ShardedStore
-from lightning_nanguard.recover.snapshots import MemoryStore
+from lightning_nanguard.store.sharded import ShardedStore
+from lightning_nanguard.store.snapshots import MemoryStore
 
 BUCKETS = (64, 1000, 10**6)  # 64: every tensor split across buckets, at bytes inside its elements
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..diagnose.final_weights import suspect
 from . import incident as incidents
-from .diagnose.final_weights import suspect
 from .parts import Parts
 from .responder import Responder
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from .config import NaNGuardConfig
-from .counters import Counters
-from .detect.amp import OverflowWatch, grad_scaler
-from .detect.divergence import DivergenceWatch
-from .detect.evidence import StepEvidence
-from .detect.flow import Flow, FlowWindows
-from .detect.ranks import Ranks
-from .detect.spikes import LossWatch
-from .diagnose import dynamics
-from .diagnose.context import History
-from .diagnose.diagnoser import Diagnoser
-from .recover.clipping import Clipper
-from .recover.recovery import Recovery
-from .report.recorder import Recorder
+from ..config import NaNGuardConfig
+from ..core.counters import Counters
+from ..detect.amp import OverflowWatch, grad_scaler
+from ..detect.divergence import DivergenceWatch
+from ..detect.evidence import StepEvidence
+from ..detect.flow import Flow, FlowWindows
+from ..detect.ranks import Ranks
+from ..detect.spikes import LossWatch
+from ..diagnose import dynamics
+from ..diagnose.context import History
+from ..diagnose.diagnoser import Diagnoser
+from ..recover.clipping import Clipper
+from ..recover.recovery import Recovery
+from ..report.recorder import Recorder
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

@@ -1,5 +1,5 @@
 """Incident records: :class:`NaNEvent`, and the tables of its ``kind`` and ``actions`` vocabularies (causes:
-:mod:`lightning_nanguard.causes`).
+:mod:`lightning_nanguard.core.causes`).
 
 Each :class:`Kind` says how the recovery ladder treats an event of that kind (:mod:`.recover.ladder` reads
 the fields and never spells a kind's name); each action has a one-line meaning.

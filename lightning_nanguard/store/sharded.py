@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..dtensors import local
-from ..layouts import is_strided, nbytes
-from ..tree import flatten, iter_leaves, slot, unflatten
+from ..core.dtensors import local
+from ..core.layouts import is_strided, nbytes
+from ..core.tree import flatten, iter_leaves, slot, unflatten
 from .snapshots import Norms, Refusal, Restored, Snapshot, SnapshotStore, load_training_state, training_state
 from .verify import REASONS, Refused
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .diagnose.domain_fixes import MATMUL_OPS, describe, fix
+from .domain_fixes import MATMUL_OPS, describe, fix
 
 __all__ = ["Cause", "CAUSES", "NAMES", "cause", "suggest", "where_it_ran"]
 

@@ -1,5 +1,5 @@
 """The words for a domain finding (:mod:`.domain`): what was outside the op's domain and the fix that fits the op.
-Plain data and strings, no torch: :mod:`lightning_nanguard.causes` composes suggestions from them, and
+Plain data and strings, no torch: :mod:`lightning_nanguard.core.causes` composes suggestions from them, and
 ``nanguard report`` imports the cause table without torch (it starts in a tenth of a second)."""
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..layouts import COMPRESSED, is_strided
-from ..tree import slot
+from ..core.layouts import COMPRESSED, is_strided
+from ..core.tree import slot
 
 __all__ = ["Seal", "Refused", "REASONS", "FORMAT", "seal", "check", "packed", "unpack", "plain"]
 

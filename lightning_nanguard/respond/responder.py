@@ -11,20 +11,21 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
+from ..core.causes import cause as cause_entry
+from ..core.causes import suggest
+from ..core.events import NaNEvent
+from ..core.record import StepRecord, Window
+from ..detect.flow import REPLAY_OUTPUTS
+from ..detect.placement import whereabouts
+from ..diagnose.context import IncidentContext
+from ..recover.ladder import Plan
+from ..report.recorder import logger_step
+from ..report.render import ReportText
 from . import incident as incidents
 from .account import Account, recompute_reduced_norm, share_incident
-from .causes import cause as cause_entry, suggest
-from .detect.flow import REPLAY_OUTPUTS
-from .detect.placement import whereabouts
-from .diagnose.context import IncidentContext
 from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
-from .events import NaNEvent
 from .incident import NOTHING_DONE, Act, At, Incident, Look, Planning, Response, kind_of
 from .parts import Parts
-from .record import StepRecord, Window
-from .recover.ladder import Plan
-from .report.recorder import logger_step
-from .report.render import ReportText
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

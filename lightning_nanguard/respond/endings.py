@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .causes import where_it_ran
-from .config import RecoveryConfig
-from .console import say
-from .errors import NaNGuardError
-from .events import NaNEvent
+from ..config import RecoveryConfig
+from ..core.causes import where_it_ran
+from ..core.console import say
+from ..core.events import NaNEvent
+from ..errors import NaNGuardError
 
 __all__ = ["give_up_message", "suspect_hardware", "stop_or_raise", "act_on_suspect_hardware"]
 

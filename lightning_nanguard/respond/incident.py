@@ -17,11 +17,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Optional, Sequence
 
-from .causes import where_it_ran
-from .diagnose.context import Evidence
-from .events import KINDS, NaNEvent
-from .record import StepRecord, UpdateStage, Window
-from .recover.ladder import Plan
+from ..core.causes import where_it_ran
+from ..core.events import KINDS, NaNEvent
+from ..core.record import StepRecord, UpdateStage, Window
+from ..diagnose.context import Evidence
+from ..recover.ladder import Plan
 
 __all__ = ["Act", "At", "Evidence", "Incident", "Look", "Planning", "Response", "NOTHING_DONE", "Skip", "kind_of",
            "nonfinite_step", "divergence", "spike", "persistent_clipping", "bad_weights", "replicas_drifted",

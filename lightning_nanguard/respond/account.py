@@ -15,12 +15,12 @@ from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
 
-from .detect.placement import whereabouts
-from .detect.ranks import Ranks
-from .detect.replicas import CHECKSUM_FIELDS, odd_checksums, odd_ranks, own_residues, weights_checksum
-from .detect.vector import SCHEMA
-from .diagnose.replay import local_gradients
-from .record import StepRecord, UpdateStage
+from ..core.record import StepRecord, UpdateStage
+from ..detect.placement import whereabouts
+from ..detect.ranks import Ranks
+from ..detect.replicas import CHECKSUM_FIELDS, odd_checksums, odd_ranks, own_residues, weights_checksum
+from ..detect.vector import SCHEMA
+from ..diagnose.replay import local_gradients
 
 __all__ = ["Account", "share_incident", "recompute_reduced_norm", "drifted_replicas"]
 

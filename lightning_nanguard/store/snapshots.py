@@ -37,11 +37,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..core.dtensors import is_dtensor, like, local
+from ..core.layouts import copy_to_cpu, is_strided, load_module_state, nbytes
+from ..core.tree import flatten, slot, unflatten
 from ..detect.amp import grad_scaler
-from ..dtensors import is_dtensor, like, local
 from ..errors import SnapshotReadWarning, SnapshotWriteWarning
-from ..layouts import copy_to_cpu, is_strided, load_module_state, nbytes
-from ..tree import flatten, slot, unflatten
 from .device_copy import DeviceCopy
 from .verify import REASONS, Refused, Seal, check, packed, seal, unpack
 from .writer import SnapshotWriter, Write, why_not_written, write_atomic

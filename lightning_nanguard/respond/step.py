@@ -13,7 +13,7 @@
 2. ``on_train_batch_end`` (:meth:`StepFlow.end`): the outcome is carried out (the plans of its incidents,
    buffer and metric undo, the weight flag for the next read, snapshots).
 
-The incident path itself is :class:`~lightning_nanguard.responder.Responder`.
+The incident path itself is :class:`~lightning_nanguard.respond.responder.Responder`.
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 from torch import Tensor
 
+from ..core.console import say
+from ..core.record import StepRecord, UpdateStage
+from ..detect.amp import clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
+from ..detect.ranks import Ranks
+from ..detect.read_mode import choose_read_mode
+from ..detect.vector import SCHEMA
+from ..detect.verdict import Outcome, classify, device_skipped, skip_flag
+from ..diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
+from ..recover.checkpoint import optimizer_state_nonfinite
+from ..report.recorder import logger_step
 from . import incident as incidents
 from .account import drifted_replicas
-from .console import say
-from .detect.amp import clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
-from .detect.ranks import Ranks
-from .detect.read_mode import choose_read_mode
-from .detect.vector import SCHEMA
-from .detect.verdict import Outcome, classify, device_skipped, skip_flag
-from .diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
 from .incident import NOTHING_DONE, SPIKES_BEFORE_LR_CUT, Incident, Response
 from .parts import Parts
-from .record import StepRecord, UpdateStage
-from .recover.checkpoint import optimizer_state_nonfinite
-from .report.recorder import logger_step
 from .responder import Responder
 
 if TYPE_CHECKING:
