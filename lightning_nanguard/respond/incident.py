@@ -327,9 +327,10 @@ def unfinished(at: At, kind: str, source: NaNEvent, reason: str, found: dict[str
     def conclude(event: NaNEvent, restored: Optional[int], why: str) -> bool:
         if restored is None:
             event.add_action("warn")
+            event.details["not_restored"] = why
             event.suggestion = (f"{what} ({reason}). There is no snapshot to compare them with or to restore "
-                                "(recovery.snapshot: off): the final weights are kept and may be broken. See the "
-                                f"event of step {source.step} for the cause.")
+                                f"({why}): the final weights are kept and may be broken. See the event of step "
+                                f"{source.step} for the cause.")
         else:
             event.add_action("rollback")
             event.details["restored_step"] = restored
