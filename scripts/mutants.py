@@ -64,6 +64,7 @@ CONSOLE = PKG + "console.py"
 METRICS = PKG + "recover/metrics.py"
 LAYOUTS = PKG + "layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
+FLOAT64 = PKG + "diagnose/float64.py"  # the float64 twin, was in diagnose/replay.py
 PROBES = PKG + "diagnose/probes.py"  # was diagnose/recorders.py
 LIGHTNING = PKG + "lightning.py"
 USAGE = PKG + "usage_errors.py"
@@ -706,7 +707,7 @@ MUTANTS: list[Mutant] = [
            '    with at_step(trainer, step):\n'
            "        return _replay_window(",
            "the replay of a torch.compile'd model re-traces it under the replay's hooks instead of running eagerly"),
-    Mutant("compat", "compat-compiled-twin-keeps-methods", REPLAY,
+    Mutant("compat", "compat-compiled-twin-keeps-methods", FLOAT64,
            'twin.__dict__.pop(key[len("original_"):], None)', "pass",
            "the float64 twin of a LightningModule compiled whole runs the original (float32) compiled methods"),
     Mutant("compat", "compat-compiled-names-orig-mod", PROBES,
@@ -831,12 +832,12 @@ MUTANTS: list[Mutant] = [
            'best = max(gathered, key=lambda p: (p["evidence"], p["rank"]))',
            "docs/distributed.md: the event names 'the lowest rank whose own flags were set'; here the highest"),
     Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", ACCOUNT,
-           "4 if reproduced else 3 if any(own_flags) else 2 if own else 1 if shard else 0",
-           "4 if reproduced else 2 if any(own_flags) else 3 if own else 1 if shard else 0",
+           "3 if any(own_flags) else 2 if event.op",
+           "2 if any(own_flags) else 3 if event.op",
            "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
            "of its own; here the precedence is swapped"),
     Mutant("ranks", "doc-ranks-details-ranks-all", ACCOUNT,
-           'named = [p["rank"] for p in gathered if p["evidence"] > 0]',
+           'named = [p["rank"] for p in gathered if p["evidence"] >= floor]',
            'named = [p["rank"] for p in gathered]',
            "docs/distributed.md: 'details.ranks lists the ranks with evidence'; here every rank"),
     Mutant("ranks", "doc-ranks-lagged-local-vector", RESPONDER,
