@@ -111,11 +111,11 @@ def _evidence(event: Any, own_flags: list[bool], shard: bool) -> int:
        spoils every rank's loss through the forward's all-gather);
     5. its own replay of its own micro-batches reproduced the fault of its own (``details.replay``; under sharding
        not a replay whose non-finite values came through a collective, ``replay.received``);
-    4. its own batch holds non-finite values (``details.inputs``, kind ``input``): under tensor parallel every rank
-       of a group computes on the same batch, and one rank's bad copy spoils the others' losses through the
-       row-wise layer's all-reduce (their flags, below, are what it brought them);
+    4. its own batch holds non-finite values (``details.inputs``, kind ``input``) and its own flags are set: under
+       tensor parallel every rank of a group computes on the same batch, and one rank's bad copy spoils the others'
+       losses through the row-wise layer's all-reduce (their flags, below, are what it brought them);
     3. local evidence (a non-finite loss, input, parameter or module output: ``own_flags``);
-    2. its diagnosis found an op of its own;
+    2. its diagnosis found something of its own (bad inputs that raised no flag of its own, an op);
     1. (sharded) its own share of the gradient is non-finite (``shard``: a fault after the backward, in one rank's
        shard: the others' are finite);
     0. nothing (e.g. a fault that no rank's replay reproduces, in a gradient the all-reduce spread to every rank).
@@ -128,9 +128,9 @@ def _evidence(event: Any, own_flags: list[bool], shard: bool) -> int:
     reproduced = bool(replay.get("reproduced")) and not received and not replay.get("timeout")
     weights = event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
     if received:  # its replay showed its non-finite values coming from another rank: its flags and share too
-        return 6 if weights else 4 if inputs else 0
-    return (6 if weights else 5 if reproduced else 4 if inputs else 3 if any(own_flags) else 2 if event.op
-            else _SHARD if shard else 0)
+        return 6 if weights else 2 if inputs else 0
+    return (6 if weights else 5 if reproduced else 4 if inputs and any(own_flags) else 3 if any(own_flags)
+            else 2 if inputs or event.op else _SHARD if shard else 0)
 
 
 def _odd_replica(ranks: Ranks, gathered: list[dict[str, Any]],

@@ -832,8 +832,8 @@ MUTANTS: list[Mutant] = [
            'best = max(gathered, key=lambda p: (p["evidence"], p["rank"]))',
            "docs/distributed.md: the event names 'the lowest rank whose own flags were set'; here the highest"),
     Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", ACCOUNT,
-           "3 if any(own_flags) else 2 if event.op",
-           "2 if any(own_flags) else 3 if event.op",
+           "3 if any(own_flags)\n            else 2 if inputs or event.op",
+           "2 if any(own_flags)\n            else 3 if inputs or event.op",
            "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
            "of its own; here the precedence is swapped"),
     Mutant("ranks", "doc-ranks-details-ranks-all", ACCOUNT,
