@@ -41,6 +41,14 @@ def one_process(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def one_process_faults(tmp_path_factory):
+    """``check.sync`` mode -> (step, kind, cause, culprit, op) of each event of ``parity.FAULTS`` on one process."""
+    root = tmp_path_factory.mktemp("single-faults")
+    return {sync: [(e.step, e.kind, e.cause, e.culprit, e.op) for e in parity.fit_single_faults(sync, root).events]
+            for sync in ("eager", "lagged")}
+
+
+@pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """``{layout: [rank 0's fits, rank 1's fits]}``: one spawn of 2 processes."""
     out = tmp_path_factory.mktemp("parity2")
@@ -168,16 +176,20 @@ def test_the_2x2_mesh_names_what_one_process_names_and_the_rank_of_its_own_batch
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.parametrize("fit", ["faults", "lagged"])
-def test_one_rank_faults_of_every_kind_on_the_2x2_mesh_name_that_rank_in_both_sync_modes(mesh, fit):
+def test_one_rank_faults_of_every_kind_on_the_2x2_mesh_name_that_rank_in_both_sync_modes(mesh, one_process_faults,
+                                                                                         fit):
     """On rank 3 only: an input (step 3), a module output (6), a gradient element (9), a weight (12), an Adam state
     (16), eager and with ``check.sync: lagged`` (a fused AdamW, skipping on the device): every rank finishes with
-    finite weights and the same events, each naming rank 3, but for one case that no rank can tell: read one step
-    late, the module output's fault does not come back on replay (the injector's hook lives to the end of its own
-    step; one process says ``transient`` too), and both ranks of the tensor-parallel group have a NaN loss of their
-    own (the row-wise layer's all-reduce): ``details.ranks == [2, 3]``, the lowest named."""
+    finite weights and the same events, with the one-process fit's kind, cause, culprit and op, each naming rank 3,
+    but for one case that no rank can tell: read one step late, the module output's fault does not come back on
+    replay (the injector's hook lives to the end of its own step; one process says ``transient`` too), and both
+    ranks of the tensor-parallel group have a NaN loss of their own (the row-wise layer's all-reduce):
+    ``details.ranks == [2, 3]``, the lowest named."""
     fits = [rank[fit] for rank in mesh]
     assert identical(fits) and all(f["finite"] and f["global_step"] == 20 for f in fits)
     events = fits[0]["events"]
+    one = one_process_faults["eager" if fit == "faults" else "lagged"]
+    assert [(e["step"], e["kind"], e["cause"], e["culprit"], e["op"]) for e in events] == one  # as one process
     assert [e["step"] for e in events] == [3, 6, 9, 13, 17]
     assert [e["kind"] for e in events] == ["input", "loss", "gradient", "parameter", "parameter"]
     assert [e["cause"] for e in events][2:] == ["transient", "optimizer", "optimizer"]

@@ -114,6 +114,23 @@ def scenario(name: str, rank: int) -> tuple[list[pl.Callback], dict[str, Any], i
     return [], {"optimizer": "sgd", "lr": 5.0}, 12
 
 
+# a fault of each FaultInjector kind (tests/ddp_scripts/sharded_diagnosis.py puts them on one rank)
+FAULTS = [Fault("input", steps=[3]), Fault("activation", steps=[6], target="net.0"), Fault("gradient", steps=[9]),
+          Fault("parameter", steps=[12], target="net.0.weight"),
+          Fault("optimizer_state", steps=[16], target="net.0.weight")]
+
+
+def fit_single_faults(sync: str, root: Path) -> NaNGuard:
+    """``FAULTS`` on one process, eager (AdamW) or ``check.sync: lagged`` (a fused AdamW), 20 steps; the guard."""
+    pl.seed_everything(0, verbose=False)
+    g = guard(check={"sync": sync})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=20, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root / sync),
+                         callbacks=[FaultInjector(FAULTS), g])
+    trainer.fit(Parity(optimizer="fused" if sync == "lagged" else "adamw"), data())
+    return g
+
+
 def fit_single(name: str, root: Path, g: Optional[NaNGuard] = None) -> NaNGuard:
     """Scenario ``name`` on one process; the guard."""
     pl.seed_everything(0, verbose=False)

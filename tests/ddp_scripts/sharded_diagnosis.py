@@ -35,11 +35,8 @@ from pytorch_lightning.strategies import ModelParallelStrategy  # noqa: E402
 from common import CALLS, COUNTING, READS, install_counters, save_and_exit  # noqa: E402
 from lightning_nanguard.diagnose.diagnoser import Diagnoser  # noqa: E402
 from lightning_nanguard.testing import Fault, FaultInjector  # noqa: E402
-from parity import SCENARIOS, Parity, data, guard, scenario  # noqa: E402
+from parity import FAULTS, SCENARIOS, Parity, data, guard, scenario  # noqa: E402
 
-ONE_RANK = [Fault("input", steps=[3]), Fault("activation", steps=[6], target="net.0"), Fault("gradient", steps=[9]),
-            Fault("parameter", steps=[12], target="net.0.weight"),
-            Fault("optimizer_state", steps=[16], target="net.0.weight")]
 install_counters()
 
 
@@ -106,7 +103,7 @@ def main(out: Path, layouts: list[str]) -> None:
             fits["timeout"] = run(out, layout, "timeout", callbacks, guard(anomaly={"replay_timeout": 1e-6}),
                                   Parity(layout, **kwargs), steps)
         if layout == "2d":
-            faults = [replace(f, ranks=[last]) for f in ONE_RANK]
+            faults = [replace(f, ranks=[last]) for f in FAULTS]
             fits["faults"] = run(out, layout, "faults", [FaultInjector(faults)], guard(), Parity(layout), 20)
             fits["lagged"] = run(out, layout, "lagged", [FaultInjector(faults)], guard(check={"sync": "lagged"}),
                                  Parity(layout, optimizer="fused"), 20)
