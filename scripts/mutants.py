@@ -66,6 +66,7 @@ LAYOUTS = PKG + "layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
 FLOAT64 = PKG + "diagnose/float64.py"  # the float64 twin, was in diagnose/replay.py
 PROBES = PKG + "diagnose/probes.py"  # was diagnose/recorders.py
+LOCKSTEP = PKG + "diagnose/lockstep.py"  # the sharded replay (issue 35)
 LIGHTNING = PKG + "lightning.py"
 USAGE = PKG + "usage_errors.py"
 DIVERGENCE = PKG + "detect/divergence.py"
@@ -862,6 +863,33 @@ MUTANTS: list[Mutant] = [
            "docs/distributed.md (FSDP): the guard sums |g|^p over its shards and 'the same all-reduce completes "
            "the total norm, which is then used for the finite check and for clipping'; here the norm stays a "
            "sum of squares"),
+    # (issue 35: sharded diagnosis as good as one process)
+    Mutant("ranks", "shard-received-counts-as-own", ACCOUNT,
+           "    if received:  # its replay showed", "    if False:  # its replay showed",
+           "a rank whose non-finite values came through a collective (TP's all-reduce, FSDP2's reduce-scatter) "
+           "counts as having reproduced them: the lowest rank is named, not the one whose batch made them"),
+    Mutant("ranks", "shard-no-op-search", LOCKSTEP,
+           "    if need_op:\n", "    if False:\n",
+           "the sharded replay skips the op search: no op, and overflow / domain cannot be judged at the op"),
+    Mutant("ranks", "shard-no-backward-pass", LOCKSTEP,
+           "    if need_backward:\n", "    if False:\n",
+           "the sharded replay skips the backward's pass: no backward op, no anomaly finding; FSDP2 ranks all look as "
+           "if they had received the NaN"),
+    Mutant("ranks", "shard-no-float64", LOCKSTEP,
+           "    if float64_check and not lock.stopped:\n", "    if False:\n",
+           "the sharded replay never runs the float64 pass on the gathered model: precision cannot be told apart"),
+    Mutant("ranks", "shard-hook-nan-taken-as-received", LOCKSTEP,
+           "return _REDUCED if local_finite else None", "return _REDUCED",
+           "under sharding a NaN a tensor hook wrote into one rank's own backward (no autograd node made it) is taken "
+           "for one the gradients' reduction brought: no rank reproduces it and the fault is called transient"),
+    Mutant("ranks", "shard-timeout-never-stops", LOCKSTEP,
+           "if values[-1] and self.stopped_at is None:", "if False:",
+           "anomaly.replay_timeout never ends a sharded replay"),
+    Mutant("ranks", "divergence-not-shared", INCIDENT,
+           "evidence, diagnose=True, share=True, planning=Planning.LADDER,",
+           "evidence, diagnose=True, planning=Planning.LADDER,",
+           "a divergence event keeps each rank's own rank, host and diagnosis (under FSDP2 its own LR cut): the ranks' "
+           "events differ"),
     Mutant("ranks", "doc-ranks-every-rank-writes-jsonl", RECORDER,
            'if trainer.global_rank != 0:\n'
            '            return sinks\n'
