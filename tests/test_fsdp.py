@@ -114,7 +114,7 @@ def test_each_fault_kind_under_sharding_is_handled_alike_on_every_rank(sharded_f
     assert events[0]["details"]["inputs"][0]["samples"] and events[1]["culprit"] == "net.0"
     assert (events[2]["rank"], events[2]["details"]["ranks"]) == (1, [1])  # its own shard of the gradient
     assert not events[2]["details"]["replay"]["reproduced"]
-    assert "sharded" in events[1]["details"]["replay"]  # the replay ran in lockstep, and says what it left out
+    assert "sharded" in events[1]["details"]["replay"]  # the replay ran in lockstep, every rank together, and says so
     for fit in (r0, r1):
         for event in fit["events"][3:]:
             restored = event["details"]["restored_step"]
