@@ -178,6 +178,9 @@ class AnomalyConfig(_Section):
     float64_check: bool = _opt(True, "rerun the replay in float64 to tell overflow/precision from a real NaN")
     frames: int = _opt(21, "module frames kept before the first non-finite value in the incident report",
                        lo=1)
+    replay_timeout: float = _opt(
+        300.0, "seconds an incident's replay may take: no pass starts after that (sharded: the ranks agree, and end it "
+               "together)", lo=0.0, lo_open=True)
 
 
 @dataclass

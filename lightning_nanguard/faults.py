@@ -16,7 +16,6 @@ from .core.dtensors import local
 from .core.layouts import raw_values
 from .core.tree import iter_tensors, map_tensors
 
-
 __all__ = ["Fault", "FaultInjectorBase", "Injection", "FAULT_KINDS", "FAULT_VALUES"]
 
 FAULT_KINDS = ("input", "loss", "activation", "gradient", "parameter", "optimizer_state")

@@ -219,6 +219,10 @@ NOT_THRESHOLDS: dict[str, str] = {
     "lightning_nanguard.report.cli.MAX_DEPTH": "`nanguard report`: the deepest JSON read as an event",
     "lightning_nanguard.report.cli.MAX_CELL": "`nanguard report`: characters of a table cell",
     "lightning_nanguard.report.cli.REPEATED": "`nanguard report`: faults of one rank that sort its row first",
+    "lightning_nanguard.respond.account._SHARD": "the evidence level of a rank whose own share of the gradient is "
+                                         "non-finite (an order, not a threshold)",
+    "lightning_nanguard.diagnose.lockstep.FLOAT64_ROOM": "sharded replay: the free memory its float64 pass needs, in "
+                                                         "whole models in float64 (memory, not behaviour)",
 }
 
 

@@ -64,7 +64,9 @@ CONSOLE = PKG + "core/console.py"
 METRICS = PKG + "recover/metrics.py"
 LAYOUTS = PKG + "core/layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
+FLOAT64 = PKG + "diagnose/float64.py"  # the float64 twin, was in diagnose/replay.py
 PROBES = PKG + "diagnose/probes.py"  # was diagnose/recorders.py
+LOCKSTEP = PKG + "diagnose/lockstep.py"  # the sharded replay (issue 35)
 LIGHTNING = PKG + "lightning.py"
 USAGE = PKG + "usage_errors.py"
 DIVERGENCE = PKG + "detect/divergence.py"
@@ -707,7 +709,7 @@ MUTANTS: list[Mutant] = [
            '    with at_step(trainer, step):\n'
            "        return _replay_window(",
            "the replay of a torch.compile'd model re-traces it under the replay's hooks instead of running eagerly"),
-    Mutant("compat", "compat-compiled-twin-keeps-methods", REPLAY,
+    Mutant("compat", "compat-compiled-twin-keeps-methods", FLOAT64,
            'twin.__dict__.pop(key[len("original_"):], None)', "pass",
            "the float64 twin of a LightningModule compiled whole runs the original (float32) compiled methods"),
     Mutant("compat", "compat-compiled-names-orig-mod", PROBES,
@@ -832,12 +834,12 @@ MUTANTS: list[Mutant] = [
            'best = max(gathered, key=lambda p: (p["evidence"], p["rank"]))',
            "docs/distributed.md: the event names 'the lowest rank whose own flags were set'; here the highest"),
     Mutant("ranks", "doc-ranks-own-diagnosis-over-flags", ACCOUNT,
-           "4 if reproduced else 3 if any(own_flags) else 2 if own else 1 if shard else 0",
-           "4 if reproduced else 2 if any(own_flags) else 3 if own else 1 if shard else 0",
+           "3 if any(own_flags)\n            else 2 if inputs or event.op",
+           "2 if any(own_flags)\n            else 3 if inputs or event.op",
            "docs/distributed.md: a rank whose own flags were set wins over one whose diagnosis found something "
            "of its own; here the precedence is swapped"),
     Mutant("ranks", "doc-ranks-details-ranks-all", ACCOUNT,
-           'named = [p["rank"] for p in gathered if p["evidence"] > 0]',
+           'named = [p["rank"] for p in gathered if p["evidence"] >= floor]',
            'named = [p["rank"] for p in gathered]',
            "docs/distributed.md: 'details.ranks lists the ranks with evidence'; here every rank"),
     Mutant("ranks", "doc-ranks-lagged-local-vector", RESPONDER,
@@ -862,6 +864,33 @@ MUTANTS: list[Mutant] = [
            "docs/distributed.md (FSDP): the guard sums |g|^p over its shards and 'the same all-reduce completes "
            "the total norm, which is then used for the finite check and for clipping'; here the norm stays a "
            "sum of squares"),
+    # (issue 35: sharded diagnosis as good as one process)
+    Mutant("ranks", "shard-received-counts-as-own", ACCOUNT,
+           "    if received:  # its replay showed", "    if False:  # its replay showed",
+           "a rank whose non-finite values came through a collective (TP's all-reduce, FSDP2's reduce-scatter) "
+           "counts as having reproduced them: the lowest rank is named, not the one whose batch made them"),
+    Mutant("ranks", "shard-no-op-search", LOCKSTEP,
+           "    if need_op:\n", "    if False:\n",
+           "the sharded replay skips the op search: no op, and overflow / domain cannot be judged at the op"),
+    Mutant("ranks", "shard-no-backward-pass", LOCKSTEP,
+           "    if need_backward:\n", "    if False:\n",
+           "the sharded replay skips the backward's pass: no backward op, no anomaly finding; FSDP2 ranks all look as "
+           "if they had received the NaN"),
+    Mutant("ranks", "shard-no-float64", LOCKSTEP,
+           "    if float64_check and not lock.stopped:\n", "    if False:\n",
+           "the sharded replay never runs the float64 pass on the gathered model: precision cannot be told apart"),
+    Mutant("ranks", "shard-hook-nan-taken-as-received", LOCKSTEP,
+           "return _REDUCED if local_finite else None", "return _REDUCED",
+           "under sharding a NaN a tensor hook wrote into one rank's own backward (no autograd node made it) is taken "
+           "for one the gradients' reduction brought: no rank reproduces it and the fault is called transient"),
+    Mutant("ranks", "shard-timeout-never-stops", LOCKSTEP,
+           "if values[-1] and self.stopped_at is None:", "if False:",
+           "anomaly.replay_timeout never ends a sharded replay"),
+    Mutant("ranks", "divergence-not-shared", INCIDENT,
+           "evidence, diagnose=True, share=True, planning=Planning.LADDER,",
+           "evidence, diagnose=True, planning=Planning.LADDER,",
+           "a divergence event keeps each rank's own rank, host and diagnosis (under FSDP2 its own LR cut): the ranks' "
+           "events differ"),
     Mutant("ranks", "doc-ranks-every-rank-writes-jsonl", RECORDER,
            'if trainer.global_rank != 0:\n'
            '            return sinks\n'

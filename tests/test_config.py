@@ -337,6 +337,8 @@ DOCUMENTED = [
     ("recovery.transient_limit", "0", ConfigError), ("recovery.transient_limit", "1", 1),
     ("recovery.transient_window", "0", ConfigError), ("recovery.transient_window", "1", 1),
     ("recovery.on_suspect_hardware", "raise", "raise"), ("recovery.on_suspect_hardware", "exit", ConfigError),
+    ("anomaly.replay_timeout", "0", ConfigError), ("anomaly.replay_timeout", "-1.0", ConfigError),
+    ("anomaly.replay_timeout", "0.5", 0.5), ("anomaly.replay_timeout", ".inf", ConfigError),
 ]
 
 

@@ -269,6 +269,20 @@ def test_float64_check_tells_overflow_from_a_real_nan(fit_overflow: Any, float64
         assert ev.cause not in ("overflow", "precision")
 
 
+@pytest.mark.parametrize("timeout", [1e-9, 300.0])
+def test_replay_timeout_ends_the_replay_and_says_so_never_as_transient(fit_overflow: Any, timeout: float) -> None:
+    """``anomaly.replay_timeout``: no pass of a replay starts after it. Past it, the incident is not `transient` (the
+    replay did not complete: nothing is known) and ``details.replay.timeout`` says where it ended; within it, the
+    replay names the module and the cause."""
+    guard = fit_overflow((2,), anomaly={"replay_timeout": timeout})
+    ev = guard.events[0]
+    if timeout < 1:
+        assert ev.details["replay"]["timeout"] == "before micro-batch 0" and not ev.details["replay"]["reproduced"]
+        assert ev.cause not in ("transient", "overflow") and "did not complete" in ev.details["replay"]["note"]
+    else:
+        assert "timeout" not in ev.details["replay"] and (ev.culprit, ev.cause) == ("square", "overflow")
+
+
 @pytest.mark.parametrize("max_replays", [0, 1, 10])
 def test_max_replays_bounds_the_replays_and_reuses_the_last_diagnosis(fit_overflow: Any, max_replays: int) -> None:
     bad = (1, 3, 5)

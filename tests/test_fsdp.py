@@ -114,7 +114,7 @@ def test_each_fault_kind_under_sharding_is_handled_alike_on_every_rank(sharded_f
     assert events[0]["details"]["inputs"][0]["samples"] and events[1]["culprit"] == "net.0"
     assert (events[2]["rank"], events[2]["details"]["ranks"]) == (1, [1])  # its own shard of the gradient
     assert not events[2]["details"]["replay"]["reproduced"]
-    assert "sharded" in events[1]["details"]["replay"]  # the replay ran in lockstep, and says what it left out
+    assert "sharded" in events[1]["details"]["replay"]  # the replay ran in lockstep, every rank together, and says so
     for fit in (r0, r1):
         for event in fit["events"][3:]:
             restored = event["details"]["restored_step"]
@@ -129,16 +129,18 @@ def test_each_fault_kind_under_sharding_is_handled_alike_on_every_rank(sharded_f
 def test_faults_on_one_rank_only_are_named_from_that_rank_and_replayed_by_all_or_none(sharded_fits, layout):
     """On rank 1 only: an input (step 3), a module output (7) and a weight (11). The ranks' diagnoses differ (only
     rank 1 sees its input or its shard of the weights; a replay is a collective both make or neither), yet both
-    finish, record the same events and name rank 1 for the weight (and, under FSDP2, for the input)."""
+    finish, record the same events and name rank 1 for the input, the module output and the weight."""
     fits, _ = sharded_fits
     r0, r1 = (rank["one_rank"] for rank in fits[layout])
     assert summary(r0) == summary(r1)
     events = r0["events"]
     assert [e["step"] for e in events] == [3, 7, 12]
-    if layout == "fsdp":  # rank 0's loss is its own batch's: only rank 1 has a flag (its loss) and the bad input
-        assert (events[0]["kind"], events[0]["cause"], events[0]["rank"]) == ("input", "input", 1)
-    else:  # the row-wise layer's all-reduce makes both losses NaN: both have their own flags, the lowest rank wins
-        assert (events[0]["kind"], events[0]["rank"], events[0]["details"]["ranks"]) == ("loss", 0, [0, 1])
+    # the bad input is rank 1's own (under tensor parallel the row-wise layer's all-reduce makes rank 0's loss NaN
+    # too: its flag is listed, but a rank's own bad batch outranks a flag)
+    assert (events[0]["kind"], events[0]["cause"], events[0]["rank"]) == ("input", "input", 1)
+    assert events[0]["details"]["ranks"] == ([1] if layout == "fsdp" else [0, 1])
+    # the module output: rank 1's own replay made it (under tensor parallel rank 0 received it through the all-reduce)
+    assert (events[1]["rank"], events[1]["culprit"], events[1]["details"]["ranks"]) == (1, "net.0", [1])
     assert (events[2]["kind"], events[2]["cause"], events[2]["rank"]) == ("parameter", "optimizer", 1)
     assert events[2]["culprit"] == "net.0.weight" and "rollback" in events[2]["actions"]
     assert r0["counters"] == r1["counters"] and r0["counters"]["replays"] == 1  # the module output's, on both

@@ -65,6 +65,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "anomaly.max_replays": [f"{RP}::test_max_replays_bounds_the_replays_and_reuses_the_last_diagnosis"],
     "anomaly.float64_check": [f"{RP}::test_float64_check_tells_overflow_from_a_real_nan"],
     "anomaly.frames": [f"{RP}::test_frames_is_the_number_of_module_frames_in_the_report"],
+    "anomaly.replay_timeout": [f"{RP}::test_replay_timeout_ends_the_replay_and_says_so_never_as_transient"],
     "recovery.max_skips": [f"{PC}::test_ladder_skips_then_rolls_back_then_gives_up",
                            f"{PC}::test_every_batch_poisoned_ends_bounded_with_the_last_good_weights"],
     "recovery.lr_factor": [f"{PC}::test_lr_cuts_stop_at_min_lr_scale"],

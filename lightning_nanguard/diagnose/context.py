@@ -88,9 +88,11 @@ class IncidentContext:
     # only then does a clean replay mean a fault that does not come back
     same_weights: bool = True
     norm_type: float = 2.0  # clip.norm_type: a total gradient norm that overflows it is an incident too
-    # sharded (DTensor parameters, several ranks): the replay is a collective, so every rank replays or none; this
-    # agrees on it (True when every rank wants to; one collective, every rank calls it at the same point)
-    agree: Optional[Callable[[bool], bool]] = None
+    # sharded (DTensor parameters): the replay is a collective, so every rank replays or none, and every rank runs
+    # its passes together; this agrees on them (:class:`~.lockstep.Lockstep`: one collective per point, which every
+    # rank reaches together)
+    lockstep: Optional[Any] = None
+    replay_timeout: Optional[float] = None  # anomaly.replay_timeout: seconds
     # what the diagnosis found, beside the event's details: the relative update of the LR rule (its safe LR)
     relative_update: Optional[dict] = None
     flow: Optional[Flow] = None  # the gradient-flow window up to the incident (logging.flow_window)

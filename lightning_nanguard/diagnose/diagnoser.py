@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -13,20 +13,20 @@ from ..core.dtensors import sharded
 from ..core.events import NaNEvent
 from .context import Evidence, History, IncidentContext
 from .dynamics import InitialScales
-from .replay import parse_anomaly_error
+from .lockstep import Lockstep
+from .passes import parse_anomaly_error
 from .rules import diagnose, diagnose_anomaly_error
 
 __all__ = ["Diagnoser"]
 
 
-def _agreement(trainer: Any, pl_module: Any) -> Optional[Callable[[bool], bool]]:
-    """Sharded over several ranks (DTensor parameters): a replay is a collective (FSDP2 all-gathers the weights in
-    its forward, reduce-scatters in its backward; tensor parallel all-reduces), so every rank replays or none: the
-    agreement (every rank wants to: one ``reduce_boolean_decision``, on the incident path only). None otherwise."""
-    if int(getattr(trainer, "world_size", 1) or 1) <= 1 or pl_module is None or not sharded(pl_module):
+def _lockstep(trainer: Any, pl_module: Any, timeout: float) -> Optional[Lockstep]:
+    """Sharded (DTensor parameters): a replay is a collective (FSDP2 all-gathers the weights in its forward,
+    reduce-scatters in its backward; tensor parallel all-reduces), so every rank replays or none, and every rank runs
+    the same passes: how they agree (:class:`~.lockstep.Lockstep`; on the incident path only). None otherwise."""
+    if pl_module is None or not sharded(pl_module):
         return None
-    strategy = trainer.strategy
-    return lambda want: bool(strategy.reduce_boolean_decision(bool(want), all=True))
+    return Lockstep(timeout=timeout, device=getattr(getattr(trainer, "strategy", None), "root_device", None))
 
 
 class Diagnoser:
@@ -82,7 +82,8 @@ class Diagnoser:
             norm_history=past.norm_history, norm_history_end=past.norm_history_end, lr_cut_step=past.lr_cut_step,
             loss_history=past.loss_history, reference=past.reference, norm_type=past.norm_type,
             frames=self.cfg.frames, float64_check=self.cfg.float64_check, initial=self.initial,
-            agree=_agreement(trainer, pl_module), flow=past.flow)
+            lockstep=_lockstep(trainer, pl_module, self.cfg.replay_timeout), replay_timeout=self.cfg.replay_timeout,
+            flow=past.flow)
 
     # ---------------------------------------------------------------------------------------- diagnosis
 

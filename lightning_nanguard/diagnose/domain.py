@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.domain_fixes import MATMUL_OPS, describe, fix
+from ..core.dtensors import is_dtensor, local
 from ..core.tree import iter_tensors, map_tensors
 
 __all__ = ["made_nonfinite", "scalars_of", "op_name", "in_place", "names_itself", "op_evidence", "out_of_domain",
@@ -111,12 +112,21 @@ def op_evidence(func: Any, args: Any, kwargs: Any, out: Any, float64: bool = Tru
     """The evidence of the op that made a non-finite value: its working dtype and that dtype's max, the count of
     non-finite output positions, with ``float64`` the op recomputed in float64 on the same inputs with autocast
     off (finite there, and its abs-max: overflow or precision is judged at the op, not at the module), and the
-    input outside its domain (:func:`out_of_domain`)."""
+    input outside its domain (:func:`out_of_domain`).
+
+    Sharded (``DTensor`` arguments: tensor parallel) the op is recomputed on this rank's local shards, a computation
+    of this rank alone (recomputed as a DTensor op it could redistribute: a collective the other ranks do not
+    make); where its output is a partial sum over ranks (a row-wise layer's matmul), the recompute is this rank's
+    part of it (``partial``)."""
+    partial = any(is_dtensor(t) and any(pl.is_partial() for pl in t.placements) for _, t in iter_tensors(out, ""))
+    args, kwargs, out = map_tensors(args, local), map_tensors(kwargs, local), map_tensors(out, local)
     outs = _floats(out)
     ins = _floats([args, kwargs])
     dtype = outs[0].dtype if outs else torch.float32
     bad = torch.stack([(~torch.isfinite(t.detach())).sum() for t in outs]).sum() if outs else torch.zeros(())
     found: dict[str, Any] = {"dtype": str(dtype), "dtype_max": torch.finfo(dtype).max, "positions": int(bad)}
+    if partial:
+        found["partial"] = True
     if any(math.isnan(s) for s in scalars_of([args, kwargs])):
         found["nan_argument"] = True  # a NaN given to the op (loss * nan): passed on, no input out of its domain
     try:

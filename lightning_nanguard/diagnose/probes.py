@@ -30,10 +30,11 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..core.dtensors import local
+from ..core.dtensors import is_dtensor, local
 from ..core.layouts import is_strided, stored_values
 from ..core.tree import iter_tensors
 from . import domain
+from .comms import is_communication, is_communication_node
 
 __all__ = ["Frame", "FrameRecorder", "FirstBadOp", "GraphWatch", "all_finite", "format_frames", "forward_trace",
            "floats_of", "user_frame", "is_compiled", "public_name"]
@@ -186,16 +187,25 @@ def format_frames(frames: list[Frame], title: str) -> str:
     return "\n".join(lines)
 
 
+_UNINITIALISED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+
+
 class FirstBadOp(TorchFunctionMode):
     """Names the first torch op, inside ``module`` (innermost), that made a non-finite value
     (:func:`~.domain.made_nonfinite`), with its evidence (:func:`~.domain.op_evidence`). A Python composite whose
     output's autograd name is not its own (``multi_head_attention_forward``, whose output comes from a transpose)
-    is named by the aten op inside it that made the value (``SoftmaxBackward0``)."""
+    is named by the aten op inside it that made the value (``SoftmaxBackward0``).
+
+    Collectives (:func:`~.comms.is_communication`: sharded modules) are never the op: their results are other
+    ranks' values, read only after the collective's wait (a later op's input); they are listed in
+    :attr:`collectives`, the way by which a value no op of this rank made came in. Ops whose output is uninitialised
+    memory (``torch.empty``) are never the op either."""
 
     def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]], float64: bool = True) -> None:
         super().__init__()
         self.recorder, self.module, self.float64 = recorder, module, float64
         self.found: Optional[dict[str, Any]] = None
+        self.collectives: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -205,7 +215,9 @@ class FirstBadOp(TorchFunctionMode):
         if watched and domain.in_place(func) and args and isinstance(args[0], Tensor):
             before = (args[0].detach().clone(), *args[1:])  # an in-place op: its input as it was
         out = func(*args, **kwargs)
-        if watched:
+        if watched and is_communication(func):
+            self.collectives.append(getattr(func, "__name__", str(func)))
+        elif watched and domain.op_name(func) not in _UNINITIALISED:
             outs = floats_of(out)
             if outs and domain.made_nonfinite(floats_of([before, kwargs]), outs, domain.scalars_of([before, kwargs])):
                 self.found = self._evidence(func, before, kwargs, out, outs)
@@ -213,11 +225,13 @@ class FirstBadOp(TorchFunctionMode):
 
     def _evidence(self, func: Any, args: Any, kwargs: Any, out: Any, outs: list[Tensor]) -> dict[str, Any]:
         where = self.recorder.stack[-1] if self.recorder.stack else None
-        grad_fn = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
+        # (of the op's own outputs: a DTensor's local shard, in ``outs``, is a view made by to_local)
+        grad_fn = next((t.grad_fn for _, t in iter_tensors(out, "") if t.grad_fn is not None), None)
         name = getattr(func, "__name__", str(func))
         found = {"op": grad_fn.name() if grad_fn is not None else None, "function": name,
                  "module": where[0] if where else None, "source": user_frame()}
-        if inspect.isfunction(func) and found["op"] is not None and not domain.names_itself(found["op"]):
+        if inspect.isfunction(func) and found["op"] is not None and not domain.names_itself(found["op"]) \
+                and not any(is_dtensor(t) for _, t in iter_tensors([args, kwargs], "")):  # (a rerun: collectives)
             inner = domain.inner_op(func, args, kwargs)
             if inner is not None:
                 aten, inner_args, inner_kwargs, inner_out = inner
@@ -231,11 +245,20 @@ class FirstBadOp(TorchFunctionMode):
 class GraphWatch:
     """Hooks on every node of an autograd graph: the first one producing NaN/Inf from finite gradients.
 
+    With ``nan_too`` also the first one whose output holds a NaN (:attr:`first_nan`: the node
+    ``detect_anomaly(check_nan=True)`` raises at, found without raising: a lockstep replay's backward must complete
+    on every rank), and whether any node's output was non-finite at all (:attr:`nonfinite_seen`: a NaN that a
+    tensor hook wrote is made by no node, and is still this rank's own). A node that brings in other ranks'
+    gradients (:func:`~.comms.is_communication_node`) is marked ``received``.
+
     :meth:`growing` also hooks the nodes of graphs built *during* backward (``checkpoint(...,
     use_reentrant=True)`` recomputes its forward, and builds its part of the graph, inside backward)."""
 
-    def __init__(self, root: Tensor) -> None:
+    def __init__(self, root: Tensor, nan_too: bool = False) -> None:
         self.found: Optional[dict[str, Any]] = None
+        self.nan_too = nan_too
+        self.first_nan: Optional[dict[str, Any]] = None
+        self.nonfinite_seen = False  # (nan_too) some node's output was non-finite, made there or not
         self._handles: list[Any] = []
         self._seen: set[Any] = set()
         self.add(root.grad_fn)
@@ -274,12 +297,27 @@ class GraphWatch:
                 bad = floats_of(list(grad_inputs))
                 self.found = {"op": node.name(), "nan": any(bool(torch.isnan(t).any()) for t in bad),
                               "traceback": forward_trace(node.metadata.get("traceback_"))}
+                if is_communication_node(node):
+                    self.found["received"] = node.name()
+            if self.nan_too and not self.nonfinite_seen:
+                self.nonfinite_seen = not all_finite(floats_of(list(grad_inputs)))
+            if self.nan_too and self.first_nan is None:  # (anomaly mode checks each node's outputs alone)
+                output = next((i for i, g in enumerate(grad_inputs) if _any_nan([g])), None)
+                if output is not None:
+                    self.first_nan = {"op": node.name(), "output": output,
+                                      "traceback": forward_trace(node.metadata.get("traceback_"))}
+                    if is_communication_node(node):
+                        self.first_nan["received"] = node.name()
         return hook
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _any_nan(grads: Any) -> bool:
+    return any(bool(torch.isnan(t.detach()).any()) for t in floats_of(list(grads)))
 
 
 def forward_trace(tb: Any) -> Optional[str]:

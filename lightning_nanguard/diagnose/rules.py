@@ -68,7 +68,7 @@ from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
 from ..detect.flow import REPLAY_OUTPUTS, replay_outputs
 from ..detect.spikes import history_zscore, norm_growth
-from . import domain, dynamics, replay
+from . import domain, dynamics, lockstep, replay
 from .context import IncidentContext
 from .culprit import RUNAWAY_CAUSES, runaway_culprit
 
@@ -124,9 +124,9 @@ def diagnose(ctx: IncidentContext) -> str:
 def _agree_on_replay(ctx: IncidentContext) -> None:
     """Sharded: every rank replays or none (the replay is a collective); say so when this rank wanted to and does
     not."""
-    if ctx.agree is not None and ctx.replay and ctx.batches:  # (the same on every rank: the budget and the window)
+    if ctx.lockstep is not None and ctx.replay and ctx.batches:  # (the same on every rank: the budget, the window)
         wanted = _would_replay(ctx)
-        ctx.replay = ctx.agree(wanted)
+        ctx.replay = ctx.lockstep.agree(wanted)
         if wanted and not ctx.replay:
             ctx.event.details["replay_skipped"] = (
                 "sharded: the replay is a collective (forward and backward all-gather) and another rank's own "
@@ -145,7 +145,8 @@ def _cause_of_step(ctx: IncidentContext) -> tuple[Optional[str], str]:
     elif ctx.replay and ctx.batches:
         result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
                                       frames=ctx.frames, float64_check=ctx.float64_check,
-                                      norm_type=ctx.norm_type, step=ctx.replay_step)
+                                      norm_type=ctx.norm_type, step=ctx.replay_step, timeout=ctx.replay_timeout,
+                                      lock=ctx.lockstep)
         ctx.replayed = True
         cause = _cause_from_replay(ctx, result)
         frames_text = result.frames_text
@@ -381,15 +382,20 @@ def _record_replay(details: dict, res: Any) -> None:
         details["replay"]["errors"] = res.errors
     if res.float64 is not None:
         details["float64"] = res.float64
-    if getattr(res, "lockstep", False):
-        details["replay"]["sharded"] = replay.LOCKSTEP
+    if res.lockstep:
+        details["replay"]["sharded"] = lockstep.LOCKSTEP
+    for key in ("received", "timeout"):  # (sharded: through what the values came; the timeout that ended it)
+        if getattr(res, key) is not None:
+            details["replay"][key] = getattr(res, key)
+    if res.float64_note is not None:
+        details["replay"]["float64"] = res.float64_note
 
 
 def _unreproduced(ctx: IncidentContext, res: Any) -> Optional[str]:
     """A replay that came back finite: ``transient`` on the step's own weights; nothing known when it did not
     complete or ran on other weights."""
     note = ctx.event.details["replay"]
-    if res.errors:
+    if res.errors or res.timeout is not None:
         note["note"] = "the replay did not complete: nothing is known about the fault"
         return None
     if not ctx.same_weights:

@@ -59,8 +59,11 @@ def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor]
     if not ranks.distributed:
         return Account(extra, None, safe_factor)
     gathered = ranks.gather(dict(_payload(ranks, event, extra, local, own_norm, found), safe_factor=safe_factor))
-    named = [p["rank"] for p in gathered if p["evidence"] > 0]
     best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
+    # (a rank whose only evidence is its own share of the gradient, while another rank made the fault: its share is
+    # what the gradients' reduction brought it)
+    floor = 1 if best["evidence"] <= _SHARD else _SHARD + 1
+    named = [p["rank"] for p in gathered if p["evidence"] >= floor]
     replica: Optional[dict[str, Any]] = None
     if event.kind == "replica" and own_norm is not None:
         replica = _odd_replica(ranks, gathered, recomputed)
@@ -97,23 +100,37 @@ def _own_checksum(ranks: Ranks, event: Any, local: Optional[Tensor],
     return own_residues(vec[first:first + len(CHECKSUM_FIELDS)].tolist(), ranks.weight)
 
 
+_SHARD = 1  # the evidence of a rank whose own share of the gradient is non-finite, and nothing more
+
+
 def _evidence(event: Any, own_flags: list[bool], shard: bool) -> int:
     """How strongly this rank's own evidence says it produced the fault (0: none); the highest wins, the lowest
     rank among equals:
 
-    5. its own weights hold the non-finite values (under sharding a rank checks its own shards, and a bad shard
+    6. its own weights hold the non-finite values (under sharding a rank checks its own shards, and a bad shard
        spoils every rank's loss through the forward's all-gather);
-    4. its own replay of its own micro-batches reproduced the fault (``details.replay``);
+    5. its own replay of its own micro-batches reproduced the fault of its own (``details.replay``; under sharding
+       not a replay whose non-finite values came through a collective, ``replay.received``);
+    4. its own batch holds non-finite values (``details.inputs``, kind ``input``) and its own flags are set: under
+       tensor parallel every rank of a group computes on the same batch, and one rank's bad copy spoils the others'
+       losses through the row-wise layer's all-reduce (their flags, below, are what it brought them);
     3. local evidence (a non-finite loss, input, parameter or module output: ``own_flags``);
-    2. its diagnosis found something of its own (bad inputs, an op);
+    2. its diagnosis found something of its own (bad inputs that raised no flag of its own, an op);
     1. (sharded) its own share of the gradient is non-finite (``shard``: a fault after the backward, in one rank's
        shard: the others' are finite);
     0. nothing (e.g. a fault that no rank's replay reproduces, in a gradient the all-reduce spread to every rank).
-    """
-    own = bool(event.op) or bool(event.details.get("inputs")) or event.kind == "input"
-    reproduced = bool((event.details.get("replay") or {}).get("reproduced"))
+
+    A rank whose replay showed its non-finite values coming from another rank (``replay.received``) has none of 1-3
+    and 5: they are what the collective brought it."""
+    replay = event.details.get("replay") or {}
+    received = bool(replay.get("received"))
+    inputs = bool(event.details.get("inputs")) or event.kind == "input"
+    reproduced = bool(replay.get("reproduced")) and not received and not replay.get("timeout")
     weights = event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
-    return 5 if weights else 4 if reproduced else 3 if any(own_flags) else 2 if own else 1 if shard else 0
+    if received:  # its replay showed its non-finite values coming from another rank: its flags and share too
+        return 6 if weights else 2 if inputs else 0
+    return (6 if weights else 5 if reproduced else 4 if inputs and any(own_flags) else 3 if any(own_flags)
+            else 2 if inputs or event.op else _SHARD if shard else 0)
 
 
 def _odd_replica(ranks: Ranks, gathered: list[dict[str, Any]],

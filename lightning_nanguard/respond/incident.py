@@ -196,10 +196,11 @@ def divergence(at: At, record: StepRecord, found: dict, *, act: bool) -> Inciden
     event.details.update(divergence=found, loss=flags.loss, grad_norm=flags.grad_norm,
                          lr=[float(lr) for lr in record.lrs])
     evidence = Evidence(grad_norm=flags.grad_norm, divergence=found, step_lrs=_lrs(record))
+    # (shared: every rank sees the same running loss, and adopts one account: one rank's diagnosis, its LR cut)
     if not act:
         event.add_action("warn")
-        return Incident(event, Act.RECORD, record, evidence, diagnose=True)
-    return Incident(event, Act.STEP_END, record, evidence, diagnose=True, planning=Planning.LADDER,
+        return Incident(event, Act.RECORD, record, evidence, diagnose=True, share=True)
+    return Incident(event, Act.STEP_END, record, evidence, diagnose=True, share=True, planning=Planning.LADDER,
                     rollback_before=found.get("onset_step"), skip=Skip(mirrored=False, undo_buffers=True))
 
 
