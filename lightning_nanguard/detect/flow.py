@@ -360,21 +360,27 @@ def fastest_growing(flow: Flow, onset: Optional[int] = None) -> Optional[dict[st
     if len(base) < 2:
         base = cols[: len(cols) // 2]
     tail = cols[-3:]
-    growth: list[tuple[float, str, float, float]] = []
+    growth: list[Growth] = []
     for name, row in zip(flow.modules, flow.norms):
         baseline = _median([row[j] for j in base])
         newest = max(row[j] for j in tail)
         if baseline > 0 and newest > 0:
             growth.append((newest / baseline, name, baseline, newest))
-    if not growth:
-        return None
-    growth.sort(reverse=True)
-    best = growth[0]
-    if best[0] < CULPRIT_GROWTH:
+    best = fastest(growth, CULPRIT_GROWTH)
+    if best is None:
         return None
     return {"module": best[1], "growth": best[0], "baseline": best[2], "newest": best[3],
             "runner_up": growth[1][0] if len(growth) > 1 else None, "from_step": flow.steps[base[0]],
             "to_step": flow.steps[tail[-1]]}
+
+
+Growth = tuple[float, str, float, float]  # (growth factor, module, before, after)
+
+
+def fastest(growth: list[Growth], threshold: float) -> Optional[Growth]:
+    """The module that grew most, if it grew ``threshold`` times or more (``growth`` is sorted, largest first)."""
+    growth.sort(reverse=True)
+    return growth[0] if growth and growth[0][0] >= threshold else None
 
 
 def _median(values: list[float]) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ..detect.flow import fastest_growing, module_of
+from ..detect.flow import Growth, fastest, fastest_growing, module_of
 from . import dynamics
 from .context import IncidentContext
 
@@ -57,16 +57,13 @@ def _by_weights(ctx: IncidentContext, onset: Optional[int]) -> Optional[dict[str
         m = module_of(name)
         old.setdefault(m, []).append(before[name])
         new.setdefault(m, []).append(value)
-    growth = []
+    growth: list[Growth] = []
     for m in old:
         a, b = math.hypot(*old[m]), math.hypot(*new[m])
         if a > 0 and math.isfinite(b):
             growth.append((b / a, m, a, b))
-    if not growth:
-        return None
-    growth.sort(reverse=True)
-    best = growth[0]
-    if best[0] < WEIGHT_CULPRIT_GROWTH:
+    best = fastest(growth, WEIGHT_CULPRIT_GROWTH)
+    if best is None:
         return None
     # only what does not depend on when the step was read: judged one step late (check.sync: lagged), the weights
     # already hold its update, so their growth is larger by one step's worth
