@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -21,31 +22,14 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import TensorBoardLogger
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nanguard import NaNGuard
-from lightning_nanguard.testing import Fault, FaultInjector
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_nanguard import NaNGuard  # noqa: E402
+from lightning_nanguard.testing import Fault, FaultInjector  # noqa: E402
+from tests.picture_runs import ExplodingMLP  # noqa: E402  (the test suite's model: the same pictures)
 
 warnings.filterwarnings("ignore")
-
-
-class MLP(pl.LightningModule):
-    def __init__(self, growth: float = 1.0, start: int = 20) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16),
-                                 nn.ReLU(), nn.Linear(16, 1))
-        if growth != 1.0:
-            self.net[2].weight.register_hook(lambda g: g * growth ** max(0, self.global_step - start))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 def fit(root: Path, name: str, make: Any, steps: int, callbacks: list) -> NaNGuard:
@@ -68,12 +52,13 @@ def main() -> None:
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="nanguard-images-"))
     args.out.mkdir(parents=True, exist_ok=True)
-    explosion = fit(root, "explosion", lambda: MLP(growth=1.3), 67, [])
+    explosion = fit(root, "explosion", ExplodingMLP, 67, [])
     event = next(e for e in explosion.events if e.kind == "divergence")
     shutil.copy(explosion.report_path(event).with_name(f"{explosion.report_path(event).stem}-gradient_flow.png"),
                 args.out / "gradient_flow.png")
     print(f"gradient_flow.png: step {event.step}, {event.kind}, cause {event.cause}, culprit {event.culprit}")
-    broken = fit(root, "nan_activation", MLP, 40, [FaultInjector(Fault("activation", steps=[30], target="net.2"))])
+    fault = FaultInjector(Fault("activation", steps=[30], target="net.2"))
+    broken = fit(root, "nan_activation", lambda: ExplodingMLP(growth=1.0), 40, [fault])
     event = broken.events[0]
     shutil.copy(broken.report_path(event).with_name(f"{broken.report_path(event).stem}-where_it_broke.png"),
                 args.out / "where_it_broke.png")

@@ -26,11 +26,12 @@ class ExplodingMLP(pl.LightningModule):
     EXPLOSION_FROM)`` from EXPLOSION_FROM on (a per-layer gradient multiplier gone wrong): its gradients, then its
     weights, run away while the other modules' stay where they were, until the loss diverges."""
 
-    def __init__(self) -> None:
+    def __init__(self, growth: float = GROWTH) -> None:  # growth 1.0: no multiplier (a healthy MLP)
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16),
                                  nn.ReLU(), nn.Linear(16, 1))
-        self.net[2].weight.register_hook(lambda g: g * GROWTH ** max(0, self.global_step - EXPLOSION_FROM))
+        if growth != 1.0:
+            self.net[2].weight.register_hook(lambda g: g * growth ** max(0, self.global_step - EXPLOSION_FROM))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
