@@ -42,8 +42,9 @@ A run where every step is an incident therefore ends after at most
 
 The cause an incident reports and the policy it is planned by are two answers (:class:`Plan`'s ``cause``):
 
-- the **episode**: an incident diagnosed with a cause that stays in the weights (one whose ``weights_suspect``:
-  not a bad batch, not a fault that does not come back) opens one; every later incident until a snapshot after
+- the **episode**: an incident diagnosed with a cause of the run's dynamics (one a smaller LR can fix: its
+  ``lr_cut`` is not ``never``; not a bad batch, a dtype's range, an op's domain, a fault that does not come back,
+  which belong to their own batch or op) opens one: they stay in the weights; every later incident until a snapshot after
   healthy training confirms recovery (:meth:`RecoveryLadder.snapshot_taken`), or until ``recovery.incident_window``
   steps pass without an incident, belongs to it. An incident of the episode that its own rule cannot explain
   (undiagnosed, or ``unknown``: after an LR cut it measures the new, already-cut rate) reports the episode's
@@ -95,7 +96,7 @@ class Plan:
 
 @dataclass
 class Episode:
-    """The incidents since one diagnosed with a cause that stays in the weights (module docstring).
+    """The incidents since one diagnosed with a cause of the run's dynamics (module docstring).
 
     Attributes:
         cause: the diagnosis of its first incident: what every incident of it that its own rule cannot explain
@@ -216,14 +217,14 @@ class RecoveryLadder:
         self._cut_lr(plan, policy, what, cause, wants_rollback, safe_factor)
 
     def _episode_of(self, step: int, cause: Optional[str]) -> Optional[Episode]:
-        """The open episode the incident at ``step`` is a later incident of, or None: it opens one (its ``cause``
-        stays in the weights), or belongs to none. An episode ``incident_window`` steps past its latest incident is
+        """The open episode the incident at ``step`` is a later incident of, or None: it opens one (its ``cause`` is
+        one of the run's dynamics), or belongs to none. An episode ``incident_window`` steps past its latest incident is
         over."""
         episode = self.episode
         if episode is not None and step - episode.last >= self.cfg.incident_window:
             episode = self.episode = None
         if episode is None:
-            if cause is not None and _diagnosed(cause) and cause_entry(cause).weights_suspect:
+            if cause is not None and _diagnosed(cause) and cause_entry(cause).lr_cut != "never":
                 self.episode = Episode(cause, step, step)
             return None
         episode.last = step
@@ -235,7 +236,7 @@ class RecoveryLadder:
         one (a diagnosis reused from an earlier incident, ``anomaly.max_replays`` spent, on a rate already cut). It
         is planned as an undiagnosed incident."""
         return (episode is not None and cause == episode.cause and cause_entry(cause).lr_cut == "sized"
-                and (safe_factor is None or safe_factor >= 1.0))
+                and (safe_factor is None or safe_factor > 1.0))
 
     def _count(self, policy: Cause) -> None:
         """Count the incident in the streak (a fault that does not come back, after a healthy step, only if the next
