@@ -44,11 +44,11 @@ The cause an incident reports and the policy it is planned by are two answers (:
 
 - the **episode**: an incident diagnosed with a cause of the run's dynamics (one a smaller LR can fix: its
   ``lr_cut`` is not ``never``; not a bad batch, a dtype's range, an op's domain, a fault that does not come back,
-  which belong to their own batch or op) opens one: they stay in the weights; every later incident until a snapshot after
-  healthy training confirms recovery (:meth:`RecoveryLadder.snapshot_taken`), or until ``recovery.incident_window``
-  steps pass without an incident, belongs to it. An incident of the episode that its own rule cannot explain
-  (undiagnosed, or ``unknown``: after an LR cut it measures the new, already-cut rate) reports the episode's
-  cause; one with a cause of its own reports that one;
+  which belong to their own batch or op) opens one: the dynamics stay in the weights. Every later incident until a
+  snapshot after healthy training confirms recovery (:meth:`RecoveryLadder.snapshot_taken`), or until
+  ``recovery.incident_window`` steps pass without an incident, belongs to it. An incident of the episode that its
+  own rule cannot explain (undiagnosed, or ``unknown``: after an LR cut it measures the new, already-cut rate)
+  reports the episode's cause; one with a cause of its own reports that one;
 - the **policy** is always the incident's own diagnosis: an inherited cause never cuts the LR (the episode's
   ``sized`` cut is not made a second time because a later incident inherits ``learning_rate``). An incident that
   names its episode's ``sized`` cause while its own evidence has no safe LR below the current one (a diagnosis
