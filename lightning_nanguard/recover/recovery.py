@@ -197,8 +197,8 @@ class Recovery:
             rollback_before: roll back to a snapshot taken at or before that step (a divergence's onset).
 
         Returns:
-            What to do about it, and ``plan.cause``: the cause the event reports (its episode's, where its own
-            diagnosis explains nothing; the caller writes it into the event).
+            What to do about it. Where ``plan.suggestion`` is not None, ``plan.cause`` is the incident's episode's
+            (its own diagnosis explains nothing): the caller writes both into the event, which reports them.
         """
         plan = self._ladder.incident(step, kind, can_roll_back=self.can_roll_back, cause=cause,
                                      safe_factor=safe_factor, clip_armed=clip_armed)
@@ -367,10 +367,8 @@ class Recovery:
                 goes ahead (not when an older one is restored).
 
         Returns:
-            What was restored (``restored.snapshot`` is None when no snapshot verified).
-
-        Raises:
-            AssertionError: there is no snapshot store (``recovery.snapshot: off``, or before fit start).
+            What was restored (``restored.snapshot`` is None when no snapshot verified). Only with a snapshot store
+            (:attr:`store`).
         """
         assert self.store is not None
         newest = self.store.newest
