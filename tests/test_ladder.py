@@ -117,7 +117,7 @@ def test_a_sized_cut_goes_to_the_safe_lr_and_no_further_than_the_largest_cut() -
     assert mild.reduce_lr and mild.lr_factor == RecoveryConfig().divergence_lr_factor and not calm.sized_cut
 
 
-def test_a_sized_cut_spares_only_the_first_rollback_of_its_episode() -> None:
+def test_the_ladder_after_a_sized_cut_spares_only_the_first_forced_rollback() -> None:
     """The ladder's side of test_recovery's fit of the same name: NaN losses in pairs (max_skips: 1) force rollbacks
     inside the episode; every incident reports learning_rate, the first forced rollback does not cut, the second
     cuts by lr_factor (an undiagnosed incident's cut, not a second sized one)."""
