@@ -51,12 +51,14 @@ def test_no_episode_from_an_unexplained_incident_nor_from_one_of_its_own_batch_o
 def test_an_unexplained_incident_of_the_episode_reports_the_episodes_cause() -> None:
     lad = ladder(max_skips=10)
     divergence(lad, 3)
-    for step, own in ((8, "unknown"), (9, None)):
-        plan = loss(lad, step, own)
+    for step in (8, 9):
+        plan = loss(lad, step, "unknown")
         assert (plan.cause, plan.episode_since) == ("learning_rate", 3)
         assert plan.suggestion == "Part of the episode that began at step 3 (learning_rate). " + LR_ADVICE
         assert plan.reasons[-1].startswith("cause learning_rate: its episode's (since step 3)")
-    assert lad.episode == Episode("learning_rate", 3, 9)
+    undiagnosed = loss(lad, 10, None)  # diagnosis off: the contract's null cause stays null
+    assert (undiagnosed.cause, undiagnosed.episode_since, undiagnosed.suggestion) == (None, None, None)
+    assert lad.episode == Episode("learning_rate", 3, 10)
 
 
 def test_an_incident_with_a_cause_of_its_own_reports_it_and_keeps_the_episode() -> None:

@@ -47,8 +47,9 @@ The cause an incident reports and the policy it is planned by are two answers (:
   which belong to their own batch or op) opens one: the dynamics stay in the weights. Every later incident until a
   snapshot after healthy training confirms recovery (:meth:`RecoveryLadder.snapshot_taken`), or until
   ``recovery.incident_window`` steps pass without an incident, belongs to it. An incident of the episode that its
-  own rule cannot explain (undiagnosed, or ``unknown``: after an LR cut it measures the new, already-cut rate)
-  reports the episode's cause; one with a cause of its own reports that one;
+  own rule cannot explain (``unknown``: after an LR cut it measures the new, already-cut rate) reports the
+  episode's cause; one with a cause of its own reports that one, and one without a diagnosis (None: diagnosis
+  off) none;
 - the **policy** is always the incident's own diagnosis: an inherited cause never cuts the LR (the episode's
   ``sized`` cut is not made a second time because a later incident inherits ``learning_rate``). An incident that
   names its episode's ``sized`` cause while its own evidence has no safe LR below the current one (a diagnosis
@@ -176,8 +177,8 @@ class RecoveryLadder:
             step: the incident's optimizer step.
             kind: its event kind (a key of :data:`~lightning_nanguard.core.events.KINDS`).
             can_roll_back: a snapshot exists to roll back to.
-            cause: the incident's own diagnosis (None: undiagnosed). It decides the policy; what the event reports
-                is the plan's ``cause`` (the episode's, where this one explains nothing: module docstring).
+            cause: the incident's own diagnosis (None: not diagnosed). It decides the policy; what the event
+                reports is the plan's ``cause`` (the episode's, where this one is ``unknown``: module docstring).
             safe_factor: the LR factor at which the diagnosis' relative update would be safe; a ``sized`` cut goes
                 that far if ``recovery.divergence_lr_factor`` does not.
             clip_armed: adaptive clipping is on already.
@@ -189,7 +190,7 @@ class RecoveryLadder:
         echo = self._echoes(episode, cause, safe_factor)
         policy = cause_entry(None) if echo else cause_entry(cause)
         plan = Plan(cause=cause)
-        if episode is not None and (echo or not _diagnosed(cause)):
+        if episode is not None and (echo or cause is not None and not _diagnosed(cause)):
             plan.cause, plan.episode_since = episode.cause, episode.since
             plan.suggestion = (f"Part of the episode that began at step {episode.since} ({episode.cause}). "
                                + cause_entry(episode.cause).advice)
