@@ -28,6 +28,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
+from .core.causes import NAMES as CAUSE_NAMES
 from .core.counters import NAMES as COUNTS
 from .errors import NaNGuardError
 
@@ -164,6 +165,14 @@ def _rank_faults(value: Any, path: str) -> dict[str, list[int]]:
 
 
 step = count
+
+
+def cause_name(value: Any, path: str) -> str:
+    """One of :data:`~lightning_nanguard.core.causes.NAMES`."""
+    if not isinstance(value, str) or value not in CAUSE_NAMES:
+        raise Malformed(path, value, f"a cause, one of {', '.join(CAUSE_NAMES)}")
+    return value
+
 finite = real()
 norm = real(nan=True, neg_inf=True, pos_inf=True)  # a gradient norm as read (NaN: not computed)
 maximum = real(neg_inf=True, pos_inf=True)  # a running maximum (-inf: nothing seen yet)
@@ -179,7 +188,8 @@ DECISIONS: dict[str, Check] = {
     "recovery": section({
         "lr_scale": real(lo=0.0, lo_open=True, hi=1.0),
         "ladder": section({"consecutive": count, "uncounted": count, "failed_rollbacks": count,
-                           "recent": list_of(step), "sized_cut": flag}),
+                           "recent": list_of(step), "sized_cut": flag, "episode_cause": optional(cause_name),
+                           "episode_since": optional(step), "episode_last": optional(step)}),
         "healthy_since_snapshot": count,
         "lr_cut_step": optional(step),
         "hardware": section({"faults": _rank_faults}),

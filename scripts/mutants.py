@@ -1085,6 +1085,29 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: a sized cut spares 'the first rollback of the same episode (until a snapshot "
            "confirms it)'; here the exemption outlives the confirming snapshot, so the first forced rollback of "
            "a later, unrelated episode does not cut the LR"),
+    Mutant("lr", "doc-lr-episode-cause-drives-policy", LADDER,
+           "        policy = cause_entry(None) if echo else cause_entry(cause)",
+           "        policy = cause_entry(episode.cause if episode is not None else cause)",
+           "docs/recovery.md (the episode's cause): 'the policy is always the incident's own diagnosis'; here an "
+           "incident that inherits learning_rate is planned as learning_rate (issue 26's reverted attempt: the "
+           "sized cut is made again, 4 cuts and a give-up)"),
+    Mutant("lr", "doc-lr-episode-echo-cuts-again", LADDER,
+           "        echo = self._echoes(episode, cause, safe_factor)", "        echo = False",
+           "docs/recovery.md (the episode's cause): a learning_rate only reused from an earlier incident "
+           "(anomaly.max_replays spent) with no safe LR below the current one is planned like an unknown one; here "
+           "it cuts the LR again at the first incident of each streak"),
+    Mutant("ladder", "doc-episode-outlives-snapshot", LADDER,
+           "        self.sized_cut = False\n        self.episode = None", "        self.sized_cut = False",
+           "docs/recovery.md (the episode's cause): a confirming snapshot ends the episode; here an unknown "
+           "incident of a later, unrelated episode still reports the old cause"),
+    Mutant("ladder", "doc-episode-window-ignored", LADDER,
+           "if episode is not None and step - episode.last >= self.cfg.incident_window:", "if False:",
+           "docs/recovery.md (the episode's cause): an episode ends recovery.incident_window steps after its "
+           "latest incident; here it lasts until a snapshot"),
+    Mutant("events", "doc-episode-cause-not-reported", RESPONDER,
+           "            if plan.suggestion is not None:", "            if False:",
+           "docs/recovery.md (the episode's cause): an unknown incident of a learning_rate episode reports "
+           "learning_rate in events.jsonl; here the ladder's answer is dropped and it reports unknown"),
     Mutant("lr", "doc-lr-param-rollback-cuts", LADDER,
            "by_rollback = wants_rollback and not what.weights and self.cfg.reduce_lr_on_rollback",
            "by_rollback = wants_rollback and self.cfg.reduce_lr_on_rollback",

@@ -692,15 +692,18 @@ class TooHighLR(Regression):
         return loss * NAN if batch_idx in self.nan_at else loss
 
 
-@pytest.mark.parametrize("confirm_after, nan_at, cut", [
-    (40, (8, 9, 12, 13), [False, True]),  # two forced rollbacks in the episode: only the first is spared
-    (4, (14, 15), [True]),  # a snapshot confirmed the divergence's rollback: a new episode, its rollback cuts
+@pytest.mark.parametrize("confirm_after, nan_at, cut, reported", [
+    # two forced rollbacks in the episode: only the first is spared; both report the episode's cause
+    (40, (8, 9, 12, 13), [False, True], "learning_rate"),
+    # a snapshot confirmed the divergence's rollback: a new episode, its rollback cuts
+    (4, (14, 15), [True], "unknown"),
 ], ids=["same_episode", "after_a_confirming_snapshot"])
-def test_a_sized_cut_spares_only_the_first_rollback_of_its_episode(fit_steps, confirm_after, nan_at, cut):
+def test_a_sized_cut_spares_only_the_first_rollback_of_its_episode(fit_steps, confirm_after, nan_at, cut, reported):
     """docs/recovery.md: after a cut to the diagnosis' safe LR, 'the first rollback of the same episode (until a
     snapshot confirms it) does not cut again'. Here the divergence's own rollback and sized cut start the episode;
-    NaN losses in pairs (max_skips: 1) then force rollbacks, diagnosed unknown: the first spared rollback
-    resets the exemption, and so does a confirming snapshot; every other forced rollback cuts by lr_factor."""
+    NaN losses in pairs (max_skips: 1) then force rollbacks, diagnosed unknown (inside the episode they report its
+    cause, learning_rate, but are planned as unknown): the first spared rollback resets the exemption, and so does
+    a confirming snapshot; every other forced rollback cuts by lr_factor."""
     guard = NaNGuard(recovery={"max_skips": 1, "snapshot_every": 50, "confirm_after": confirm_after},
                      logging=QUIET)
     fit_steps(TooHighLR(nan_at), [guard], steps=30)
@@ -710,10 +713,32 @@ def test_a_sized_cut_spares_only_the_first_rollback_of_its_episode(fit_steps, co
     sized = first.details["lr_scale"]
     assert sized < guard.config.recovery.divergence_lr_factor  # cut to the safe LR, below the factor's cut
     forced = [e for e in rest if "rollback" in e.actions]
-    assert [e.step for e in forced] == list(nan_at[1::2]) and all(e.cause == "unknown" for e in forced)
+    assert [e.step for e in forced] == list(nan_at[1::2]) and all(e.cause == reported for e in forced)
     assert [("reduce_lr" in e.actions) for e in forced] == cut
     assert guard.lr_scale == pytest.approx(sized * guard.config.recovery.lr_factor)
     assert guard.counters["lr_cuts"] == 2
+
+
+@pytest.mark.parametrize("max_replays", [10, 1], ids=["replayed", "diagnosis_reused"])
+def test_every_incident_of_a_too_high_lr_episode_reports_learning_rate_without_a_second_sized_cut(
+        fit_steps, tmp_path, max_replays):
+    """The same episode as test_a_sized_cut_spares_only_the_first_rollback_of_its_episode's: the divergence at
+    step 3 is diagnosed learning_rate and cut to the safe LR; the NaN losses after it (8, 9, 12, 13), which their
+    own rule calls unknown (they measure the already-cut rate), report the episode's cause in events.jsonl, and
+    are planned as unknown: the first forced rollback is spared, the second cuts by lr_factor, nothing else cuts.
+    With ``anomaly.max_replays: 1`` the later incidents reuse the replayed one's diagnosis (learning_rate, the
+    cause it reported): still no second sized cut."""
+    guard = NaNGuard(anomaly={"max_replays": max_replays},
+                     recovery={"max_skips": 1, "snapshot_every": 50, "confirm_after": 40}, logging=QUIET)
+    fit_steps(TooHighLR((8, 9, 12, 13)), [guard], steps=30)
+    events = models.read_events(tmp_path)
+    assert [(e["step"], e["cause"]) for e in events] == [(s, "learning_rate") for s in (3, 8, 9, 12, 13)]
+    assert all(e["suggestion"].startswith("Part of the episode that began at step 3 (learning_rate).")
+               for e in events[1:])
+    assert [("reduce_lr" in e["actions"]) for e in events] == [True, False, False, False, True]
+    assert [("rollback" in e["actions"]) for e in events] == [True, False, True, False, True]
+    assert guard.counters["lr_cuts"] == 2
+    assert guard.lr_scale == pytest.approx(events[0]["details"]["lr_scale"] * guard.config.recovery.lr_factor)
 
 
 def test_incident_window_boundary_in_a_trainer(fit_steps):

@@ -100,6 +100,9 @@ def put(*keys, value):
     (put("recovery", "ladder", "recent", value=[3, "x"]), "recovery.ladder.recent[1]: got 'x'"),
     (put("recovery", "ladder", "sized_cut", value="no"), "recovery.ladder.sized_cut: got 'no' (a str); expected "
                                                          "true or false"),
+    (put("recovery", "ladder", "episode_cause", value="bad_luck"), "recovery.ladder.episode_cause: got 'bad_luck' "
+                                                                   "(a str); expected a cause, one of input, "),
+    (put("recovery", "ladder", "episode_last", value=-3), "recovery.ladder.episode_last: got -3"),
     (put("recovery", "lr_cut_step", value="6"), "recovery.lr_cut_step: got '6'"),
     (put("recovery", "hardware", "faults", value={"one": [3]}), "recovery.hardware.faults['one']"),
     (put("recovery", "hardware", "faults", value={"1": 3}), "recovery.hardware.faults['1']: got 3"),

@@ -39,20 +39,36 @@ Rungs, in order of escalation:
 
 A run where every step is an incident therefore ends after at most
 ``(max_skips + 1) * (max_rollbacks + 1)`` steps.
+
+The cause an incident reports and the policy it is planned by are two answers (:class:`Plan`'s ``cause``):
+
+- the **episode**: an incident diagnosed with a cause of the run's dynamics (one a smaller LR can fix: its
+  ``lr_cut`` is not ``never``; not a bad batch, a dtype's range, an op's domain, a fault that does not come back,
+  which belong to their own batch or op) opens one: the dynamics stay in the weights. Every later incident until a
+  snapshot after healthy training confirms recovery (:meth:`RecoveryLadder.snapshot_taken`), or until
+  ``recovery.incident_window`` steps pass without an incident, belongs to it. An incident of the episode that its
+  own rule cannot explain (``unknown``: after an LR cut it measures the new, already-cut rate) reports the
+  episode's cause; one with a cause of its own reports that one, and one without a diagnosis (None: diagnosis
+  off) none;
+- the **policy** is always the incident's own diagnosis: an inherited cause never cuts the LR (the episode's
+  ``sized`` cut is not made a second time because a later incident inherits ``learning_rate``). An incident that
+  names its episode's ``sized`` cause while its own evidence has no safe LR below the current one (a diagnosis
+  reused from an earlier incident's replay, ``anomaly.max_replays`` spent, on a rate already cut) only echoes it:
+  it is reported and planned as an undiagnosed incident of the episode.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, TypedDict
 
 from ..config import ClipConfig, RecoveryConfig
 from ..core.causes import Cause
 from ..core.causes import cause as cause_entry
 from ..core.events import KINDS, Kind
 
-__all__ = ["Plan", "RecoveryLadder", "LARGEST_CUT"]
+__all__ = ["Plan", "Episode", "LadderState", "RecoveryLadder", "LARGEST_CUT"]
 
 # the smallest factor of one cut (a relative update measured on weights that are already broken can be absurd)
 LARGEST_CUT = 1e-4
@@ -71,6 +87,46 @@ class Plan:
     skip_batches: int = 0
     give_up: bool = False
     reasons: list[str] = field(default_factory=list)
+    # the cause the event reports: the incident's own diagnosis, or its episode's where that one explains nothing
+    cause: Optional[str] = None
+    episode_since: Optional[int] = None  # the step of the episode's first incident, when ``cause`` is the episode's
+    # then the event's suggestion too: the episode cause's advice (the incident's own evidence measured the new,
+    # already-cut rate: a suggestion drawn from it would contradict the cause); None: the diagnosis' own
+    suggestion: Optional[str] = None
+
+
+@dataclass
+class Episode:
+    """The incidents since one diagnosed with a cause of the run's dynamics (module docstring).
+
+    Attributes:
+        cause: the diagnosis of its first incident: what every incident of it that its own rule cannot explain
+            reports.
+        since: the step of that first incident.
+        last: the step of its latest incident (``recovery.incident_window`` steps later without one, it is over).
+    """
+
+    cause: str
+    since: int
+    last: int
+
+
+class LadderState(TypedDict, total=False):
+    """:meth:`RecoveryLadder.state_dict` (a guard state saved by an older version may lack any key)."""
+
+    consecutive: int
+    uncounted: int
+    failed_rollbacks: int
+    recent: list[int]
+    sized_cut: bool
+    episode_cause: Optional[str]  # the open episode (None: none is open)
+    episode_since: Optional[int]
+    episode_last: Optional[int]
+
+
+def _diagnosed(cause: Optional[str]) -> bool:
+    """The incident's own rule explains it: a cause other than an undiagnosed incident's (``unknown``)."""
+    return cause is not None and cause_entry(cause) is not cause_entry(None)
 
 
 class RecoveryLadder:
@@ -81,6 +137,7 @@ class RecoveryLadder:
             when the step after it fails too: then it was no isolated fault).
         failed_rollbacks: rollbacks not yet confirmed by a new snapshot.
         sized_cut: the LR was cut to the diagnosis' safe LR since the last confirming snapshot.
+        episode: the open episode (None: none is open), whose cause its undiagnosed incidents report.
     """
 
     def __init__(self, recovery: RecoveryConfig, clip: ClipConfig) -> None:
@@ -91,17 +148,21 @@ class RecoveryLadder:
         self.failed_rollbacks = 0
         self._recent: deque[int] = deque()  # steps of recent incidents that count in the incident window
         self.sized_cut = False
+        self.episode: Optional[Episode] = None
 
     # ------------------------------------------------------------------------------------ transitions
 
     def healthy(self) -> None:
+        """A step was judged healthy: a streak of incidents is over (an episode goes on: its weights may still be the
+        ones that grew)."""
         self.consecutive = 0
         self.uncounted = 0
 
     def snapshot_taken(self) -> None:
-        """A snapshot after healthy training confirms the last rollback worked."""
+        """A snapshot after healthy training confirms the last rollback worked: the episode is over."""
         self.failed_rollbacks = 0
         self.sized_cut = False
+        self.episode = None
 
     def restored(self) -> None:
         """The newest snapshot was restored outside the ladder (the end of fit): the streak is over."""
@@ -110,26 +171,73 @@ class RecoveryLadder:
 
     def incident(self, step: int, kind: str, *, can_roll_back: bool, cause: Optional[str] = None,
                  safe_factor: Optional[float] = None, clip_armed: bool = False) -> Plan:
-        """Plan the response to an incident (or a runaway event) of ``kind`` at ``step`` with the diagnosed
-        ``cause``. ``safe_factor``: the LR factor at which the diagnosis' relative update would be safe; a
-        ``sized`` cut goes that far if ``divergence_lr_factor`` does not. ``clip_armed``: adaptive clipping
-        is on already."""
-        policy, what = cause_entry(cause), KINDS[kind]
-        plan = Plan()
+        """Plan the response to an incident (or a runaway event).
+
+        Args:
+            step: the incident's optimizer step.
+            kind: its event kind (a key of :data:`~lightning_nanguard.core.events.KINDS`).
+            can_roll_back: a snapshot exists to roll back to.
+            cause: the incident's own diagnosis (None: not diagnosed). It decides the policy; what the event
+                reports is the plan's ``cause`` (the episode's, where this one is ``unknown``: module docstring).
+            safe_factor: the LR factor at which the diagnosis' relative update would be safe; a ``sized`` cut goes
+                that far if ``recovery.divergence_lr_factor`` does not.
+            clip_armed: adaptive clipping is on already.
+
+        Returns:
+            What to do, in order (the step itself is always skipped), the reasons, and the cause to report.
+        """
+        episode = self._episode_of(step, cause)
+        echo = self._echoes(episode, cause, safe_factor)
+        policy = cause_entry(None) if echo else cause_entry(cause)
+        plan = Plan(cause=cause)
+        if episode is not None and (echo or cause is not None and not _diagnosed(cause)):
+            plan.cause, plan.episode_since = episode.cause, episode.since
+            plan.suggestion = (f"Part of the episode that began at step {episode.since} ({episode.cause}). "
+                               + cause_entry(episode.cause).advice)
+        self._plan(plan, step, KINDS[kind], policy, cause, can_roll_back, safe_factor, clip_armed)
+        if plan.episode_since is not None:
+            plan.reasons.append(f"cause {plan.cause}: its episode's (since step {plan.episode_since}); this incident's "
+                                "own evidence explains nothing, and the ladder plans by that")
+        return plan
+
+    def _plan(self, plan: Plan, step: int, what: Kind, policy: Cause, cause: Optional[str], can_roll_back: bool,
+              safe_factor: Optional[float], clip_armed: bool) -> None:
+        """The rungs, by ``policy`` (:meth:`incident`'s arguments; ``cause``: its diagnosis, for the reasons)."""
         self._count(policy)
         if policy.gives_up:
             plan.give_up = True
             plan.reasons.append("the weights were wrong before the first step: no rollback or learning rate helps")
-            return plan
+            return
         if self.clip_cfg.adaptive == "on_incident" and not clip_armed and policy.arms_clip:
             plan.arm_clip = True
             plan.reasons.append("adaptive clipping enabled after the first incident")
         wants_rollback = what.weights or what.runaway or self.consecutive > self.cfg.max_skips
         if wants_rollback and not self._roll_back(plan, what, can_roll_back):
-            return plan  # given up
+            return  # given up
         self._in_window(step, policy)
         self._cut_lr(plan, policy, what, cause, wants_rollback, safe_factor)
-        return plan
+
+    def _episode_of(self, step: int, cause: Optional[str]) -> Optional[Episode]:
+        """The open episode the incident at ``step`` is a later incident of, or None: it opens one (its ``cause`` is
+        one of the run's dynamics), or belongs to none. An episode ``incident_window`` steps past its latest incident is
+        over."""
+        episode = self.episode
+        if episode is not None and step - episode.last >= self.cfg.incident_window:
+            episode = self.episode = None
+        if episode is None:
+            if cause is not None and _diagnosed(cause) and cause_entry(cause).lr_cut != "never":
+                self.episode = Episode(cause, step, step)
+            return None
+        episode.last = step
+        return episode
+
+    @staticmethod
+    def _echoes(episode: Optional[Episode], cause: Optional[str], safe_factor: Optional[float]) -> bool:
+        """The incident only echoes its episode's ``sized`` cause: its own evidence has no safe LR below the current
+        one (a diagnosis reused from an earlier incident, ``anomaly.max_replays`` spent, on a rate already cut). It
+        is planned as an undiagnosed incident."""
+        return (episode is not None and cause == episode.cause and cause_entry(cause).lr_cut == "sized"
+                and (safe_factor is None or safe_factor > 1.0))
 
     def _count(self, policy: Cause) -> None:
         """Count the incident in the streak (a fault that does not come back, after a healthy step, only if the next
@@ -198,9 +306,16 @@ class RecoveryLadder:
                                 "skipping did not help" if by_rollback else "repeated incidents")
 
     def must_roll_back(self, plan: Plan, can_roll_back: bool, reason: str) -> None:
-        """The weights must go back to the newest snapshot, for ``reason``: the incident's step was applied (read
-        one step late, by an optimizer that cannot skip on the device), or the DDP replicas drifted apart. Counted
-        like any other rollback, so a run that keeps failing still gives up."""
+        """The weights must go back to the newest snapshot: the incident's step was applied (read one step late, by
+        an optimizer that cannot skip on the device), or the DDP replicas drifted apart. Counted like any other
+        rollback, so a run that keeps failing still gives up. Nothing changes when ``plan`` rolls back or gives up
+        already, or there is no snapshot.
+
+        Args:
+            plan: the incident's plan, changed in place (a rollback, or a give-up when too many failed).
+            can_roll_back: a snapshot exists to roll back to.
+            reason: why, for the plan's reasons.
+        """
         if plan.rollback or plan.give_up or not can_roll_back:
             return
         if self.failed_rollbacks >= self.cfg.max_rollbacks:
@@ -216,13 +331,30 @@ class RecoveryLadder:
 
     # ------------------------------------------------------------------------------------ persistence
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"consecutive": self.consecutive, "failed_rollbacks": self.failed_rollbacks,
-                "recent": list(self._recent), "sized_cut": self.sized_cut, "uncounted": self.uncounted}
+    def state_dict(self) -> LadderState:
+        """The ladder's state, for the guard's checkpoint state (``recovery.ladder``).
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+        Returns:
+            Plain data: the streak, the unconfirmed rollbacks, the incident window, the sized cut and the open episode.
+        """
+        episode = self.episode
+        return {"consecutive": self.consecutive, "failed_rollbacks": self.failed_rollbacks,
+                "recent": list(self._recent), "sized_cut": self.sized_cut, "uncounted": self.uncounted,
+                "episode_cause": episode.cause if episode else None,
+                "episode_since": episode.since if episode else None,
+                "episode_last": episode.last if episode else None}
+
+    def load_state_dict(self, state: LadderState) -> None:
+        """Take up the state :meth:`state_dict` returned (checked by :mod:`~lightning_nanguard.state_schema`).
+
+        Args:
+            state: a ladder state; a key it lacks (a state saved by an older version) starts fresh.
+        """
         self.consecutive = int(state.get("consecutive", 0))
         self.uncounted = int(state.get("uncounted", 0))
         self.failed_rollbacks = int(state.get("failed_rollbacks", 0))
         self._recent = deque(int(s) for s in state.get("recent", []))
         self.sized_cut = bool(state.get("sized_cut", False))
+        cause, since, last = state.get("episode_cause"), state.get("episode_since"), state.get("episode_last")
+        self.episode = (Episode(cause, int(since), int(last)) if cause is not None and since is not None
+                        and last is not None else None)

@@ -186,9 +186,20 @@ class Recovery:
 
     def plan(self, step: int, kind: str, cause: Optional[str], *, safe_factor: Optional[float] = None,
              clip_armed: bool = False, rollback_before: Optional[int] = None) -> Plan:
-        """The ladder's plan for an incident of ``kind`` at ``step``, diagnosed as ``cause`` (a ``sized`` LR cut goes
-        to ``safe_factor``, the factor of the diagnosis' safe LR); ``rollback_before``: roll back to a snapshot taken
-        at or before that step."""
+        """The ladder's plan for an incident (:meth:`.RecoveryLadder.incident`).
+
+        Args:
+            step: the incident's optimizer step.
+            kind: its event kind.
+            cause: its own diagnosis (None: undiagnosed): the policy the ladder plans by.
+            safe_factor: the LR factor of the diagnosis' safe LR (a ``sized`` cut goes that far).
+            clip_armed: adaptive clipping is on already.
+            rollback_before: roll back to a snapshot taken at or before that step (a divergence's onset).
+
+        Returns:
+            What to do about it. Where ``plan.suggestion`` is not None, ``plan.cause`` is the incident's episode's
+            (its own diagnosis explains nothing): the caller writes both into the event, which reports them.
+        """
         plan = self._ladder.incident(step, kind, can_roll_back=self.can_roll_back, cause=cause,
                                      safe_factor=safe_factor, clip_armed=clip_armed)
         if rollback_before is not None:
@@ -345,9 +356,20 @@ class Recovery:
                  keep_step: bool = False) -> Restored:
         """Restore the newest snapshot that verifies (:meth:`.SnapshotStore.restore_newest`: those that do not are
         refused, and nothing of them reaches the fit), then re-apply the LR cuts made since it was taken. Nothing
-        changes when none verifies (``restored.snapshot`` is None). ``keep_step``: a lagged rollback before the
-        current step's update, whose gradients were taken on the newest snapshot's parameters (:attr:`pristine`):
-        keep them and the buffers its forward wrote, so the step goes ahead (not when an older one is restored)."""
+        changes when none verifies.
+
+        Args:
+            trainer: the fit's Trainer (its optimizers and LR schedulers are restored and re-cut).
+            pl_module: the module whose weights and buffers are restored.
+            scaler_overflows: the GradScaler overflow streak, for the restore.
+            keep_step: a lagged rollback before the current step's update, whose gradients were taken on the newest
+                snapshot's parameters (:attr:`pristine`): keep them and the buffers its forward wrote, so the step
+                goes ahead (not when an older one is restored).
+
+        Returns:
+            What was restored (``restored.snapshot`` is None when no snapshot verified). Only with a snapshot store
+            (:attr:`store`).
+        """
         assert self.store is not None
         newest = self.store.newest
         keep_step = keep_step and self.pristine  # else a step was applied since: other weights
@@ -426,9 +448,20 @@ class Recovery:
 
     def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: Plan, step: int,
               scaler_overflows: int = 0, keep_step: bool = False) -> Applied:
-        """Carry out a plan's rollback, batch skipping and LR cut (a give-up stops and restores the newest
-        snapshot) for an event at ``step``; returns what was done. ``keep_step``: see :meth:`rollback` (not for a
-        give-up, nor when going further back)."""
+        """Carry out a plan's rollback, batch skipping and LR cut (a give-up stops and restores the newest snapshot).
+
+        Args:
+            trainer: the fit's Trainer.
+            pl_module: the fit's module.
+            plan: the ladder's plan (:meth:`plan`, or one an incident made).
+            step: the event's step (the step of an LR cut).
+            scaler_overflows: the GradScaler overflow streak, for a restore.
+            keep_step: see :meth:`rollback` (not for a give-up, nor when going further back).
+
+        Returns:
+            What was done: the actions, in order, and their evidence for the event's details (the plan's reasons
+            among them).
+        """
         done = Applied()
         if self.store is not None and (plan.give_up or plan.rollback):
             self.store.settle()  # a snapshot whose write failed is no target (every rank agrees)

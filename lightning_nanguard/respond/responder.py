@@ -134,8 +134,11 @@ class Responder:
     def _plan(self, incident: Incident, account: Account) -> Optional[Plan]:
         recovery, event = self.parts.recovery, incident.event
         if incident.planning is Planning.LADDER:
-            return recovery.plan(event.step, event.kind, event.cause, safe_factor=account.safe_factor,
+            plan = recovery.plan(event.step, event.kind, event.cause, safe_factor=account.safe_factor,
                                  clip_armed=self.parts.clipper.armed, rollback_before=incident.rollback_before)
+            if plan.suggestion is not None:  # the episode's cause (recover/ladder.py): the event reports it
+                event.cause, event.suggestion = plan.cause, plan.suggestion
+            return plan
         if incident.planning is Planning.ROLL_BACK:
             plan = Plan()
             recovery.must_roll_back(plan, incident.reason)
