@@ -226,7 +226,7 @@ MUTANTS: list[Mutant] = [
            "if False:\n                self.store.drop_newest()",
            "a rollback that did not help rolls back to the same snapshot again"),
     Mutant("snapshots", "snap-no-initial-snapshot", CALLBACK,
-           "self._flow.snapshot(trainer, pl_module)\n\n    def on_train_end", "pass\n\n    def on_train_end",
+           "self._flow.snapshot()\n\n    def on_train_end", "pass\n\n    def on_train_end",
            "no snapshot at train start: nothing to roll back to before the first snapshot_every"),
     Mutant("snapshots", "snap-poisoned-state-snapshotted", STEP,
            "if weights_bad:  # never snapshot poisoned state",
@@ -450,8 +450,8 @@ MUTANTS: list[Mutant] = [
            "if True:",
            "logging.verbose: false still prints one line per incident"),
     Mutant("events", "ev-progress-bar-key-ignored", CALLBACK,
-           "if self._flow.end(trainer, pl_module) and self.config.logging.progress_bar:",
-           "if self._flow.end(trainer, pl_module):",
+           "if self._flow.end() and self.config.logging.progress_bar:",
+           "if self._flow.end():",
            "logging.progress_bar: false still logs the status to the progress bar"),
     Mutant("events", "ev-no-scalars-at-incident", SINKS,
            "self.scalars(scalars, step)",
@@ -671,14 +671,14 @@ MUTANTS: list[Mutant] = [
            "return outcome, current and done.stopped",
            "lagged: a rollback read one step late lets the step under way apply gradients of the discarded weights"),
     Mutant("sync", "sync-no-flush-at-train-end", CALLBACK,
-           "-> None:\n        self._flow.flush(trainer, pl_module)", "-> None:\n        pass",
+           "-> None:\n        self._flow.flush()", "-> None:\n        pass",
            "lagged: the last step's flags are never read (an incident at the last step goes unrecorded)",
            harmless="equivalent (judged after the i18 run, where it survived): in Lightning 2.x on_train_epoch_end "
                     "always runs after the last step and before on_train_end (max_steps mid-epoch, should_stop, "
                     "limit_train_batches: checked by hand), and it flushes the lagged step; the train-end flush "
                     "stays as a guard for a loop that ends an epoch without that hook"),
     Mutant("sync", "sync-no-flush-at-checkpoint", CALLBACK,
-           "if self._flow.flush(trainer, pl_module):", "if False:",
+           "if self._flow.flush():", "if False:",
            "lagged: a checkpoint is written without the verdict of the step before it"),
     Mutant("sync", "sync-buffer-undo-inverted", UNDO,
            "b.copy_(torch.where(skip.to(b.device).bool(), self._backup[n], b))",
@@ -789,7 +789,7 @@ MUTANTS: list[Mutant] = [
            "recovery.snapshot_every healthy steps; here lagged snapshots come one step late (not at the steps "
            "the eager mode takes them)"),
     Mutant("sync", "doc-lagged-train-end-unread", CALLBACK,
-           "self._flow.flush(trainer, pl_module)  # the last lagged step's flags", "pass",
+           "self._flow.flush()  # the last lagged step's flags", "pass",
            "docs/performance.md: 'train end ... read[s] them at once'; here the last lagged step of a fit is "
            "never judged (a NaN at the last step has no event, no rollback)",
            harmless="equivalent (judged after the i18 run, where it survived): in Lightning 2.x on_train_epoch_end "

@@ -8,7 +8,7 @@ done. Nothing here runs while training is healthy.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from ..core.causes import cause as cause_entry
@@ -30,7 +30,21 @@ from .parts import Parts
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Responder"]
+__all__ = ["Fit", "Responder"]
+
+@dataclass(frozen=True)
+class Fit:
+    """The fit a guard runs in, bound once (:meth:`Responder.bind`, at ``setup``): the incident pipeline reads the
+    Trainer and the module from here instead of receiving them at every call."""
+
+    trainer: "pl.Trainer"
+    module: "pl.LightningModule"
+
+    @property
+    def automatic(self) -> bool:
+        """Lightning's automatic optimization (manual mixes one loss stream per optimizer)."""
+        return bool(getattr(self.module, "automatic_optimization", True))
+
 
 Queued = tuple[Incident, Plan, IncidentContext, Account]  # an incident to conclude: its plan, context and account
 
@@ -49,14 +63,27 @@ class Responder:
         self.last_incident: Optional[tuple[NaNEvent, Window]] = None
         self.left_nonfinite = False
         self._pictured = 0  # events of this fit that keep their gradient-flow window (logging.max_reports)
+        self._fit: Optional[Fit] = None
+
+    def bind(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """The fit this guard runs in, from now on (``setup``: before any other hook)."""
+        self._fit = Fit(trainer, pl_module)
+
+    @property
+    def fit(self) -> Fit:
+        """The bound fit (:meth:`bind`)."""
+        if self._fit is None:
+            raise RuntimeError("NaNGuard: a hook ran before setup bound the guard to its Trainer")
+        return self._fit
 
     def take_last_incident(self) -> Optional[tuple[NaNEvent, Window]]:
         """The newest step incident and its window, forgotten here (the end of fit reruns it once)."""
         last, self.last_incident = self.last_incident, None
         return last
 
-    def at(self, trainer: "pl.Trainer", record: Optional[StepRecord] = None) -> At:
+    def at(self, record: Optional[StepRecord] = None) -> At:
         """Where an incident happens: at the judged step of ``record``, or (outside a step) where the trainer is."""
+        trainer = self.fit.trainer
         if record is not None:
             return At.of(record, whereabouts(trainer))
         return At(trainer.global_step, trainer.current_epoch, self.parts.evidence.batch_idx, logger_step(trainer),
@@ -64,49 +91,49 @@ class Responder:
 
     # ----------------------------------------------------------------------------------------- the pipeline
 
-    def respond(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> Response:
+    def respond(self, incident: Incident) -> Response:
         """Run ``incident`` through the skeleton (module docstring); returns what was done."""
         event = incident.event
         if incident.act is Act.RESTORE:
-            return self._restore(trainer, pl_module, incident)
-        ctx = self._context(trainer, pl_module, incident)
+            return self._restore(incident)
+        ctx = self._context(incident)
         if incident.keeps_window and incident.evidence.window is not None:
             self.last_incident = (event, incident.evidence.window.copy())  # (the live window is cleared at step end)
-        account = self._diagnose(trainer, pl_module, incident, ctx)
+        account = self._diagnose(incident, ctx)
         if incident.detected_at is not None:
             event.details["detected_at"] = incident.detected_at
         plan = self._plan(incident, account)
         response = self._skip_and_clip(incident, plan)
-        return self._act(trainer, pl_module, (incident, plan or Plan(), ctx, account), response)
+        return self._act((incident, plan or Plan(), ctx, account), response)
 
-    def finish(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", keep_step: bool = False) -> Response:
+    def finish(self, keep_step: bool = False) -> Response:
         """End of the step: carry out the queued plans. ``keep_step``: the current step's gradients were taken on the
         weights the judged step left (see :meth:`.Recovery.rollback`)."""
         queued, self._queued = self._queued, []
         response = NOTHING_DONE
         for item in queued:
-            response = response.merge(self._conclude(trainer, pl_module, item, keep_step))
+            response = response.merge(self._conclude(item, keep_step))
         return response
 
-    def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> IncidentContext:
+    def _context(self, incident: Incident) -> IncidentContext:
         """The diagnosis' context of ``incident``: its evidence, and the guard's history where it reads one
         (:meth:`.Parts.history`, which may issue a collective: every rank calls this at the same point)."""
         history = self.parts.history() if incident.history else None
-        return self.parts.diagnoser.context(trainer, pl_module, incident.event, incident.evidence, history)
+        fit = self.fit
+        return self.parts.diagnoser.context(fit.trainer, fit.module, incident.event, incident.evidence, history)
 
-    def _diagnose(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident,
-                  ctx: IncidentContext) -> Account:
+    def _diagnose(self, incident: Incident, ctx: IncidentContext) -> Account:
         """Look at the weights and inputs behind ``incident``, diagnose it and agree one account across ranks (the
         rank that produced the fault: :func:`.account.share_incident`)."""
-        p, event = self.parts, incident.event
-        self._look(pl_module, incident, ctx)
+        p, event, fit = self.parts, incident.event, self.fit
+        self._look(incident, ctx)
         extra, recomputed = "", None
         with p.evidence.activations.paused():
             if incident.anomaly is not None:
                 extra = p.diagnoser.diagnose_error(ctx, incident.anomaly)
             elif incident.diagnose:
                 extra = p.diagnoser.diagnose(ctx, p.recorder.events)
-                recomputed = recompute_reduced_norm(p.ranks, trainer, pl_module, incident.record,
+                recomputed = recompute_reduced_norm(p.ranks, fit.trainer, fit.module, incident.record,
                                                     p.config.anomaly.mode != "off") if incident.replica else None
         if not incident.share:
             return Account(extra, None, ctx.safe_factor)
@@ -119,10 +146,10 @@ class Responder:
             event.suggestion = suggest(event, event.cause)
         return account
 
-    def _look(self, pl_module: "pl.LightningModule", incident: Incident, ctx: IncidentContext) -> None:
+    def _look(self, incident: Incident, ctx: IncidentContext) -> None:
         """The non-finite weights (``incident.look``) or else inputs behind ``incident``, and the kind they make it
         (:func:`.incident.kind_of`)."""
-        looked = incident.look is not Look.NOTHING
+        looked, pl_module = incident.look is not Look.NOTHING, self.fit.module
         weights, inputs = self.parts.evidence.nonfinite_behind(
             pl_module, ctx.batches, weights=looked, parameters_only=incident.look is Look.PARAMETERS,
             inputs=incident.look_at_inputs)
@@ -166,47 +193,45 @@ class Responder:
 
     # ----------------------------------------------------------------------------------------------- acting
 
-    def _act(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", item: Queued,
-             response: Response) -> Response:
+    def _act(self, item: Queued, response: Response) -> Response:
         """Carry out the incident's plan now (:meth:`_conclude`) or at the step's end (:meth:`finish`); record it."""
         p, (incident, plan, ctx, account) = self.parts, item
         event = incident.event
         if incident.act is Act.STEP_END:
             self._queued.append(item)
         elif incident.act is Act.NOW:
-            response = response.merge(self._conclude(trainer, pl_module, item))
+            response = response.merge(self._conclude(item))
         elif incident.act is Act.RECORD:
             if incident.plan is not None:  # an LR cut at most
-                self._apply(trainer, pl_module, event, plan)
+                self._apply(event, plan)
             if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
                 event.add_action("warn")
-            self._record(trainer, event, ctx, account.extra)
+            self._record(event, ctx, account.extra)
         else:  # Act.STOP: nothing known-good exists
             p.recovery.stop()
             self.left_nonfinite = True
             response = replace(response, stopped=True)
-            self._record(trainer, event, ctx, account.extra)
-            stop_or_raise(trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
+            self._record(event, ctx, account.extra)
+            stop_or_raise(self.fit.trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
                           f"{event.suggestion} Report: {p.recorder.report_path(event)}")
         return response
 
-    def _apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, plan: Plan,
-               keep_step: bool = False) -> Response:
-        done = self.parts.recovery.apply(trainer, pl_module, plan, event.step, self.parts.overflow.overflows,
+    def _apply(self, event: NaNEvent, plan: Plan, keep_step: bool = False) -> Response:
+        fit = self.fit
+        done = self.parts.recovery.apply(fit.trainer, fit.module, plan, event.step, self.parts.overflow.overflows,
                                          keep_step)
         for action in done.actions:
             event.add_action(action)
         event.details.update(done.details)
         return Response(rolled_back=done.rolled_back, kept_step=done.kept_step)
 
-    def _conclude(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", item: Queued,
-                  keep_step: bool = False) -> Response:
+    def _conclude(self, item: Queued, keep_step: bool = False) -> Response:
         """Carry out the plan, record the event, and stop or raise if the plan gives up (or the rank's hardware is
         suspect, :func:`.endings.suspect_hardware`)."""
         p, (incident, plan, ctx, account) = self.parts, item
-        event, cfg = incident.event, p.config.recovery
+        event, cfg, trainer = incident.event, p.config.recovery, self.fit.trainer
         rollbacks = p.counters["rollbacks"]
-        response = self._apply(trainer, pl_module, event, plan, keep_step)
+        response = self._apply(event, plan, keep_step)
         p.evidence.weights.refresh()  # a rollback replaced the tensors, and the flag computed on them
         p.evidence.forget_state()
         if plan.give_up:
@@ -215,10 +240,10 @@ class Responder:
         steps = (p.recovery.hardware.fault(event.rank, event.step) if not plan.give_up and account.ranks != []
                  and cause_entry(event.cause).hardware_fault else None)
         message = None if steps is None else suspect_hardware(event, steps, cfg)
-        self._record(trainer, event, ctx, account.extra)
+        self._record(event, ctx, account.extra)
         report = p.recorder.report_path(event)
         if plan.give_up:
-            bad = [] if response.rolled_back else p.evidence.weights.find(pl_module)  # (restored: finite)
+            bad = [] if response.rolled_back else p.evidence.weights.find(self.fit.module)  # (restored: finite)
             self.left_nonfinite = bool(bad)
             stop_or_raise(trainer, cfg.on_give_up,
                           give_up_message(event, p.counters["incidents"], rollbacks, bad, str(report)))
@@ -227,11 +252,11 @@ class Responder:
                                     f"NaNGuard at step {event.step}: {message} Report: {report}")
         return replace(response, stopped=p.recovery.stopped)
 
-    def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> Response:
+    def _restore(self, incident: Incident) -> Response:
         """Fit end: restore the newest known-good snapshot, record what was restored (the incident's
         ``conclude``), and stop or raise where nothing could be and the incident says so."""
-        p, event = self.parts, incident.event
-        restored = p.recovery.restore_newest(trainer, pl_module, p.overflow.overflows)
+        p, event, trainer = self.parts, incident.event, self.fit.trainer
+        restored = p.recovery.restore_newest(trainer, self.fit.module, p.overflow.overflows)
         p.evidence.weights.refresh()
         assert incident.conclude is not None
         refused = p.recovery.refusals_untold()
@@ -239,27 +264,26 @@ class Responder:
             event.details["refused"] = refused
         stop = incident.conclude(event, restored.step,
                                  p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
-        self._record(trainer, event, self._context(trainer, pl_module, incident), "")
+        self._record(event, self._context(incident), "")
         if stop:
             self.left_nonfinite = True
             stop_or_raise(trainer, p.config.recovery.on_give_up,
                           f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
         return Response(rolled_back=restored.snapshot is not None, stopped=stop)
 
-    def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
+    def _record(self, event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)
         outputs = event.details.pop(REPLAY_OUTPUTS, [])  # the replay's, of the account every rank adopted
         if ctx.flow is not None and self._pictured < self.parts.config.logging.max_reports:
             event.flow = ctx.flow.for_event(event.step, event.culprit, outputs).to_dict()
             self._pictured += 1
-        self.parts.recorder.record(event, text, lambda: self.parts.scalars(trainer))
+        self.parts.recorder.record(event, text, lambda: self.parts.scalars(self.fit.trainer))
 
     # ------------------------------------------------------------------------------------- outside a step
 
-    def bad_weights(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str,
-                    own_evidence: bool = False) -> Response:
+    def bad_weights(self, where: str, own_evidence: bool = False) -> Response:
         """Non-finite weights (or optimizer state: ``own_evidence``) found outside a step, ``where``; every rank calls
         it together: :func:`.incident.bad_weights`."""
-        found = incidents.bad_weights(self.at(trainer), where, grads_were_finite=self.parts.evidence.grads_were_finite,
+        found = incidents.bad_weights(self.at(), where, grads_were_finite=self.parts.evidence.grads_were_finite,
                                       own_evidence=own_evidence)
-        return self.respond(trainer, pl_module, found)
+        return self.respond(found)
