@@ -108,14 +108,14 @@ MUTANTS: list[Mutant] = [
            "check.inputs: always does not check the batch every step"),
     Mutant("detection", "det-params-after-healthy-step", STEP,
            "p.recovery.healthy_step()\n"
-           "        p.evidence.after_step(pl_module)",
+           "        p.evidence.after_step(self.responder.fit.module)",
            "p.recovery.healthy_step()",
            "parameters written non-finite by a healthy step are never flagged"),
     Mutant("detection", "det-params-at-train-end", FIT_END,
            "elif bad:\n"
-           '            self.responder.bad_weights(trainer, pl_module, "train_end")',
+           '            self.responder.bad_weights("train_end")',
            "elif False:\n"
-           '            self.responder.bad_weights(trainer, pl_module, "train_end")',
+           '            self.responder.bad_weights("train_end")',
            "a parameter fault at the last step is not caught at train end (non-finite weights left)"),
     Mutant("detection", "det-params-before-validation", CALLBACK,
            "if self._recovery.stopped:\n            return\n        bad = self._evidence.state_bad(consume=True)",
@@ -771,7 +771,7 @@ MUTANTS: list[Mutant] = [
            "docs/performance.md: a lagged bad step's 'buffer writes (BatchNorm) ... restored on the device'; here "
            "BatchNorm running statistics keep the skipped step's batch"),
     Mutant("sync", "doc-lagged-weights-not-marked", STEP,
-           "        p.evidence.after_step(pl_module)  # read with the next step's flags\n"
+           "        p.evidence.after_step(self.responder.fit.module)  # read with the next step's flags\n"
            "        self._unread = staged",
            "        self._unread = staged",
            "docs/recovery.md (snapshots): 'never from poisoned state: the pending parameter flag is read "
