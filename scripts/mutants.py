@@ -190,8 +190,8 @@ MUTANTS: list[Mutant] = [
            "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up, non-finite weights at fit "
            "start and after a stop share endings.stop_or_raise now)"),
     Mutant("ladder", "lad-give-up-restores-nothing", RECOVERY,
-           "self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored(),",
-           "self.rollback(trainer, pl_module, scaler_overflows) if False else Restored(),",
+           "restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()",
+           "restored = self.rollback(trainer, pl_module, scaler_overflows) if False else Restored()",
            "giving up leaves the last (bad) weights instead of restoring the last known-good state"),
     Mutant("ladder", "lad-param-without-snapshot-continues", LADDER,
            "or not can_roll_back and weights:",
@@ -887,8 +887,8 @@ MUTANTS: list[Mutant] = [
            "if values[-1] and self.stopped_at is None:", "if False:",
            "anomaly.replay_timeout never ends a sharded replay"),
     Mutant("ranks", "divergence-not-shared", INCIDENT,
-           "evidence, diagnose=True, share=True, planning=Planning.LADDER,",
-           "evidence, diagnose=True, planning=Planning.LADDER,",
+           "ActAtStepEnd(), record, evidence, diagnose=True, share=True,",
+           "ActAtStepEnd(), record, evidence, diagnose=True,",
            "a divergence event keeps each rank's own rank, host and diagnosis (under FSDP2 its own LR cut): the ranks' "
            "events differ"),
     Mutant("ranks", "doc-ranks-every-rank-writes-jsonl", RECORDER,
@@ -1271,8 +1271,10 @@ MUTANTS: list[Mutant] = [
            "happened'; here a list state (CatMetric, AUROC inputs) keeps the skipped batch"),
     # ------------------------------------------------------------------ give up
     Mutant("ladder", "doc-giveup-no-restore", RECOVERY,
-           "            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if self.store else",
-           "            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if False else",
+           "            restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()\n"
+           "            rollback = self._restored(details, restored)",
+           "            restored = self.rollback(trainer, pl_module, scaler_overflows) if False else Restored()\n"
+           "            rollback = self._restored(details, restored)",
            "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
            "last known-good state (the newest snapshot)"),
     Mutant("ladder", "doc-giveup-steps-continue", STEP,

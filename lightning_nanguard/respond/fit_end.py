@@ -18,10 +18,14 @@ class FitEnd:
         self.parts, self.responder = parts, responder
 
     def judge(self) -> None:
-        """The last step's weights have not been read yet: read them (every rank decides alike: a sharded rollback
-        reads every rank). Non-finite: after the guard stopped, the newest snapshot replaces them or the guard says
+        """``on_train_end``, after the last lagged step was judged: read the weights the fit leaves (every rank
+        decides alike). Non-finite: after the guard stopped, the newest snapshot replaces them or the guard says
         that none can (:func:`.incident.after_stop`); else an incident like any (:meth:`.Responder.bad_weights`).
-        Finite: :meth:`unfinished`."""
+        Finite: :meth:`unfinished`.
+
+        Raises:
+            NaNGuardError: non-finite weights that nothing could replace, under ``recovery.on_give_up: raise``.
+        """
         p, fit = self.parts, self.responder.fit
         trainer, pl_module = fit.trainer, fit.module
         checked = p.config.check.parameters

@@ -3,13 +3,15 @@
 :meth:`Responder.respond` looks at the weights and inputs behind it, diagnoses it, agrees one account across
 ranks, plans (the ladder, or the incident's own plan), skips its step by ``record.update``, arms clipping, and
 acts now or at the step's end (:meth:`Responder.finish`); both return a :class:`~.incident.Response`, what was
-done. Nothing here runs while training is healthy.
+done to the step. Each stage returns what it did (a :class:`~.recover.recovery.Applied`) and only the skeleton
+writes it into the event. The Trainer and the module are bound once per fit (:meth:`Responder.bind`, a
+:class:`Fit`). Nothing here runs while training is healthy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core.causes import cause as cause_entry
 from ..core.causes import suggest
@@ -19,18 +21,34 @@ from ..detect.flow import REPLAY_OUTPUTS
 from ..detect.placement import whereabouts
 from ..diagnose.context import IncidentContext
 from ..recover.ladder import Plan
-from ..report.recorder import logger_step
+from ..recover.clipping import Clipper
+from ..recover.recovery import Applied, Recovery, Rollback
+from ..report.recorder import Recorder, logger_step
 from ..report.render import ReportText
 from . import incident as incidents
 from .account import Account, recompute_reduced_norm, share_incident
 from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
-from .incident import NOTHING_DONE, Act, At, Incident, Look, Planning, Response, kind_of
+from .incident import (NOTHING_DONE, ActAtStepEnd, ActNow, At, Given, Incident, Ladder, Look, MustRollBack, NoteNow,
+                       Response, RestoreAtEnd, StopAtStart, kind_of)
 from .parts import Parts
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Fit", "Responder"]
+__all__ = ["CARRIERS", "Fit", "Responder"]
+
+# the one function that carries out each action of core.events.ACTIONS (docs/architecture.md, "Where a new thing
+# goes"); what calls for it is a Plan field (Recovery.apply) or an incident's own (the skip stage: Skip, clip_to)
+CARRIERS: dict[str, Callable[..., Any]] = {
+    "skip_step": Recovery.keep_from_landing,
+    "clip": Clipper.arm,
+    "reduce_lr": Recovery.cut_lr,
+    "rollback": Recovery.rollback,
+    "skip_batches": Recovery.skip,  # each of the batches after the rollback (StepFlow.before_optimizer_step)
+    "stop": stop_or_raise,
+    "raise": stop_or_raise,
+    "warn": Recorder.record,  # recorded only
+}
 
 @dataclass(frozen=True)
 class Fit:
@@ -92,23 +110,49 @@ class Responder:
     # ----------------------------------------------------------------------------------------- the pipeline
 
     def respond(self, incident: Incident) -> Response:
-        """Run ``incident`` through the skeleton (module docstring); returns what was done."""
+        """Run ``incident`` through the skeleton (module docstring): look, diagnose, agree, plan, skip and clip,
+        then act now or queue its plan for :meth:`finish`. Each stage returns what it found or did; only this
+        skeleton writes it into the event.
+
+        Args:
+            incident: what a trigger found (one of the builders of :mod:`.incident`).
+
+        Returns:
+            What the incident did to its step; ``queued``: its plan waits for :meth:`finish`.
+
+        Raises:
+            NaNGuardError: the incident gives up, stops at fit start or restores nothing at fit end under
+                ``recovery.on_give_up: raise``, or a rank's hardware is suspect under ``on_suspect_hardware: raise``.
+        """
         event = incident.event
-        if incident.act is Act.RESTORE:
-            return self._restore(incident)
+        if isinstance(incident.act, RestoreAtEnd):
+            return self._restore(incident, incident.act)
         ctx = self._context(incident)
         if incident.keeps_window and incident.evidence.window is not None:
             self.last_incident = (event, incident.evidence.window.copy())  # (the live window is cleared at step end)
+        event.kind = self._look(incident, ctx)  # (the diagnosis reads it)
         account = self._diagnose(incident, ctx)
         if incident.detected_at is not None:
             event.details["detected_at"] = incident.detected_at
-        plan = self._plan(incident, account)
-        response = self._skip_and_clip(incident, plan)
+        plan, planned = self._plan(incident, account)
+        _tell(event, planned)
+        response, skipped = self._skip_and_clip(incident, plan)
+        _tell(event, skipped)
         return self._act((incident, plan or Plan(), ctx, account), response)
 
     def finish(self, keep_step: bool = False) -> Response:
-        """End of the step: carry out the queued plans. ``keep_step``: the current step's gradients were taken on the
-        weights the judged step left (see :meth:`.Recovery.rollback`)."""
+        """End of the step: carry out the queued plans (:class:`~.incident.ActAtStepEnd`).
+
+        Args:
+            keep_step: the current step's gradients were taken on the weights the judged step left (a lagged read;
+                see :meth:`.Recovery.rollback`).
+
+        Returns:
+            What the queued incidents did, merged (:data:`~.incident.NOTHING_DONE` with none queued).
+
+        Raises:
+            NaNGuardError: as :meth:`respond`, for a plan that gives up.
+        """
         queued, self._queued = self._queued, []
         response = NOTHING_DONE
         for item in queued:
@@ -146,9 +190,9 @@ class Responder:
             event.suggestion = suggest(event, event.cause)
         return account
 
-    def _look(self, incident: Incident, ctx: IncidentContext) -> None:
-        """The non-finite weights (``incident.look``) or else inputs behind ``incident``, and the kind they make it
-        (:func:`.incident.kind_of`)."""
+    def _look(self, incident: Incident, ctx: IncidentContext) -> str:
+        """The non-finite weights (``incident.look``) or else inputs behind ``incident``, into ``ctx``; returns the
+        kind they make it (:func:`.incident.kind_of`)."""
         looked, pl_module = incident.look is not Look.NOTHING, self.fit.module
         weights, inputs = self.parts.evidence.nonfinite_behind(
             pl_module, ctx.batches, weights=looked, parameters_only=incident.look is Look.PARAMETERS,
@@ -156,74 +200,74 @@ class Responder:
         if looked:
             ctx.param_findings = weights
         ctx.input_findings = inputs
-        incident.event.kind = kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
+        return kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
 
-    def _plan(self, incident: Incident, account: Account) -> Optional[Plan]:
-        recovery, event = self.parts.recovery, incident.event
-        if incident.planning is Planning.LADDER:
+    def _plan(self, incident: Incident, account: Account) -> tuple[Optional[Plan], Applied]:
+        """The incident's plan (None: it has none) from where its :data:`~.incident.Planning` says, and a warning
+        where a rollback it must make has no snapshot to go to."""
+        recovery, event, planning = self.parts.recovery, incident.event, incident.planning
+        if isinstance(planning, Ladder):
             return recovery.plan(event.step, event.kind, event.cause, safe_factor=account.safe_factor,
-                                 clip_armed=self.parts.clipper.armed, rollback_before=incident.rollback_before)
-        if incident.planning is Planning.ROLL_BACK:
+                                 clip_armed=self.parts.clipper.armed, rollback_before=planning.rollback_before), _NONE
+        if isinstance(planning, MustRollBack):
             plan = Plan()
-            recovery.must_roll_back(plan, incident.reason)
-            if not (plan.rollback or plan.give_up):  # no snapshot yet: nothing to roll back to
-                event.add_action("warn")
-            return plan
-        return incident.plan
+            recovery.must_roll_back(plan, planning.reason)
+            return plan, _NONE if plan.rollback or plan.give_up else Applied(("warn",))  # no snapshot yet
+        return (planning.plan if isinstance(planning, Given) else None), _NONE
 
-    def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> Response:
+    def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> tuple[Response, Applied]:
         """Keep the step's update from landing where the incident says so (:meth:`.Recovery.keep_from_landing`; too
         late: the plan rolls it back), and clip: this step (a loss spike's ``clip_to``), or the steps after a step
-        incident (the plan's ``arm_clip``)."""
-        p, event, record = self.parts, incident.event, incident.record
-        skipped = False
+        incident (the plan's ``arm_clip``). Returns what it did to the step, and its actions."""
+        p, record = self.parts, incident.record
+        skipped, actions = False, []
         if incident.skip is not None and record is not None:
             skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,
                                                    undo_buffers=incident.skip.undo_buffers)
             if skipped:
-                event.add_action("skip_step")
+                actions.append("skip_step")
             elif incident.skip.applied_rolls_back and plan is not None:  # too late to skip: undo it
                 p.recovery.step_was_applied(plan)
         if incident.clip_to is not None:
             p.clipper.arm()  # and z-score clipping from now on
-            event.add_action("clip")
+            actions.append("clip")
         if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():
-            event.add_action("clip")
-        return Response(skipped=skipped, queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
+            actions.append("clip")
+        queued = isinstance(incident.act, ActAtStepEnd)
+        return Response(skipped=skipped, queued=queued, clip_to=incident.clip_to), Applied(tuple(actions))
 
     # ----------------------------------------------------------------------------------------------- acting
 
     def _act(self, item: Queued, response: Response) -> Response:
         """Carry out the incident's plan now (:meth:`_conclude`) or at the step's end (:meth:`finish`); record it."""
         p, (incident, plan, ctx, account) = self.parts, item
-        event = incident.event
-        if incident.act is Act.STEP_END:
+        event, act = incident.event, incident.act
+        if isinstance(act, ActAtStepEnd):
             self._queued.append(item)
-        elif incident.act is Act.NOW:
+        elif isinstance(act, ActNow):
             response = response.merge(self._conclude(item))
-        elif incident.act is Act.RECORD:
-            if incident.plan is not None:  # an LR cut at most
+        elif isinstance(act, NoteNow):
+            if isinstance(incident.planning, Given):  # an LR cut at most
                 self._apply(event, plan)
             if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
                 event.add_action("warn")
             self._record(event, ctx, account.extra)
-        else:  # Act.STOP: nothing known-good exists
+        elif isinstance(act, StopAtStart):  # nothing known-good exists
             p.recovery.stop()
             self.left_nonfinite = True
             response = replace(response, stopped=True)
             self._record(event, ctx, account.extra)
-            stop_or_raise(self.fit.trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
+            stop_or_raise(self.fit.trainer, p.config.recovery.on_give_up, f"NaNGuard: {act.message}. "
                           f"{event.suggestion} Report: {p.recorder.report_path(event)}")
         return response
 
     def _apply(self, event: NaNEvent, plan: Plan, keep_step: bool = False) -> Response:
+        """Carry out ``plan`` (:meth:`.Recovery.apply`) and write what was done into ``event``."""
         fit = self.fit
         done = self.parts.recovery.apply(fit.trainer, fit.module, plan, event.step, self.parts.overflow.overflows,
                                          keep_step)
-        for action in done.actions:
-            event.add_action(action)
-        event.details.update(done.details)
-        return Response(rolled_back=done.rolled_back, kept_step=done.kept_step)
+        _tell(event, done)
+        return Response(rollback=done.rollback)
 
     def _conclude(self, item: Queued, keep_step: bool = False) -> Response:
         """Carry out the plan, record the event, and stop or raise if the plan gives up (or the rank's hardware is
@@ -252,24 +296,24 @@ class Responder:
                                     f"NaNGuard at step {event.step}: {message} Report: {report}")
         return replace(response, stopped=p.recovery.stopped)
 
-    def _restore(self, incident: Incident) -> Response:
-        """Fit end: restore the newest known-good snapshot, record what was restored (the incident's
-        ``conclude``), and stop or raise where nothing could be and the incident says so."""
+    def _restore(self, incident: Incident, act: RestoreAtEnd) -> Response:
+        """Fit end: restore the newest known-good snapshot, record what was restored (``act.conclude``), and stop
+        or raise where nothing could be and the incident says so."""
         p, event, trainer = self.parts, incident.event, self.fit.trainer
         restored = p.recovery.restore_newest(trainer, self.fit.module, p.overflow.overflows)
         p.evidence.weights.refresh()
-        assert incident.conclude is not None
         refused = p.recovery.refusals_untold()
         if refused:
             event.details["refused"] = refused
-        stop = incident.conclude(event, restored.step,
-                                 p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
+        told = act.conclude(restored.step, p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
+        _tell(event, Applied((told.action,), told.details))
+        event.suggestion = told.suggestion
         self._record(event, self._context(incident), "")
-        if stop:
+        if told.stop:
             self.left_nonfinite = True
             stop_or_raise(trainer, p.config.recovery.on_give_up,
                           f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
-        return Response(rolled_back=restored.snapshot is not None, stopped=stop)
+        return Response(rollback=Rollback() if restored.snapshot is not None else None, stopped=told.stop)
 
     def _record(self, event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)
@@ -282,8 +326,28 @@ class Responder:
     # ------------------------------------------------------------------------------------- outside a step
 
     def bad_weights(self, where: str, own_evidence: bool = False) -> Response:
-        """Non-finite weights (or optimizer state: ``own_evidence``) found outside a step, ``where``; every rank calls
-        it together: :func:`.incident.bad_weights`."""
+        """Non-finite weights found outside a step: every rank calls it together (:func:`.incident.bad_weights`).
+
+        Args:
+            where: ``details.detected_at`` (``snapshot``, ``checkpoint``, ``validation_start``, ``train_end``).
+            own_evidence: this rank's own evidence besides its weights (its optimizer state).
+
+        Returns:
+            What the incident did (a rollback, or a give-up: ``stopped``).
+
+        Raises:
+            NaNGuardError: it gave up under ``recovery.on_give_up: raise``.
+        """
         found = incidents.bad_weights(self.at(), where, grads_were_finite=self.parts.evidence.grads_were_finite,
                                       own_evidence=own_evidence)
         return self.respond(found)
+
+
+_NONE = Applied()  # nothing done
+
+
+def _tell(event: NaNEvent, done: Applied) -> None:
+    """Write what a stage did into ``event``, the user's record: its actions, in order, and their details."""
+    for action in done.actions:
+        event.add_action(action)
+    event.details.update(done.details)

@@ -86,7 +86,17 @@ class StepFlow:
 
     def before_optimizer_step(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
         """``on_before_optimizer_step``: judge the step now (eager), or stage it to be judged one step later
-        (lagged) after reading the previous one's flags."""
+        (lagged) after reading the previous one's flags. The step's verdict is kept in :attr:`outcome` until
+        :meth:`end`.
+
+        Args:
+            trainer: read once here, for the step, epoch, logger step and GradScaler of the step.
+            optimizer: the optimizer about to step (its parameters are skipped or clipped here, eager).
+
+        Raises:
+            NaNGuardError: an incident of the step (or, lagged, of the previous one) gave up under
+                ``recovery.on_give_up: raise`` (:meth:`.Responder.respond`).
+        """
         p = self.parts
         p.recovery.before_update()  # a snapshot's device copies finish before the update writes (no host wait)
         params = [q for group in optimizer.param_groups for q in group["params"]]
@@ -276,8 +286,14 @@ class StepFlow:
         return outcome, current and (done.stopped or done.rolled_back and not done.kept_step)
 
     def flush(self) -> bool:
-        """Judge the lagged step now (train end, epoch end, validation, a checkpoint, a due snapshot); True if
-        there was one."""
+        """Judge the lagged step now (train end, epoch end, validation, a checkpoint, a due snapshot).
+
+        Returns:
+            True if a lagged step was waiting to be judged (its verdict may have rolled the weights back).
+
+        Raises:
+            NaNGuardError: as :meth:`before_optimizer_step`.
+        """
         if self._unread is None:
             return False
         self._judge_late(current=False)
@@ -286,8 +302,15 @@ class StepFlow:
     # ----------------------------------------------------------------------------------- on_train_batch_end
 
     def end(self) -> bool:
-        """``on_train_batch_end``: carry out what the step's outcome calls for; False after a non-final
-        micro-batch of gradient accumulation (no optimizer step yet)."""
+        """``on_train_batch_end``: carry out what the step's outcome calls for (its queued plans, the buffer and
+        metric undo, the weight flag for the next read, a due snapshot).
+
+        Returns:
+            False after a non-final micro-batch of gradient accumulation (no optimizer step yet), else True.
+
+        Raises:
+            NaNGuardError: a queued plan gave up under ``recovery.on_give_up: raise``.
+        """
         p = self.parts
         outcome, self.outcome = self.outcome, None
         response, self.response = self.response, NOTHING_DONE
