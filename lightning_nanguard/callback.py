@@ -246,6 +246,7 @@ class NaNGuardBase:
         if stage == "fit" and not self._resumed:
             self._build()  # a new fit starts afresh (a resumed one continues counters and event numbering)
         self._resumed = False
+        self._responder.bind(trainer, pl_module)  # the incident pipeline's Trainer and module, from now on
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._recorder.start(trainer)  # its sinks: events.jsonl, the loggers, incident reports, the screen
@@ -266,14 +267,14 @@ class NaNGuardBase:
             self._evidence.weights.exempt_nonfinite_buffers(pl_module)
             findings = self._evidence.weights.find(pl_module)
             if findings:
-                self._responder.respond(trainer, pl_module, incidents.fit_start(
-                    self._responder.at(trainer), findings, self.config.recovery.on_give_up))
+                self._responder.respond(incidents.fit_start(
+                    self._responder.at(), findings, self.config.recovery.on_give_up))
                 return
-        self._flow.snapshot(trainer, pl_module)
+        self._flow.snapshot()
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._flow.flush(trainer, pl_module)  # the last lagged step's flags
-        self._fit_end.judge(trainer, pl_module)  # never leave a non-finite weight behind; restore suspect ones
+        self._flow.flush()  # the last lagged step's flags
+        self._fit_end.judge()  # never leave a non-finite weight behind; restore suspect ones
         self._recovery.finish()  # snapshot writes in flight are done (a failed one reported)
         summary = self._recovery.store.failure_summary() if self._recovery.store is not None else None
         if summary:
@@ -287,21 +288,21 @@ class NaNGuardBase:
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # a lagged step's list states and update counts are settled when its flags are read: read the epoch's last
         # step now, so that what the epoch's end computes (the module's hook, EarlyStopping) never counts its batch
-        self._flow.flush(trainer, pl_module)
+        self._flow.flush()
 
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # the last training step's weights are read only with the next step's flags: read them now, so that
         # validation (and checkpoints picked by its metrics) never runs on weights poisoned by that step
         if trainer.sanity_checking:
             return
-        self._flow.flush(trainer, pl_module)
+        self._flow.flush()
         if self._recovery.stopped:
             return
         bad = self._evidence.state_bad(consume=True)
         if bad is not None and trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if bad:
-            self._responder.bad_weights(trainer, pl_module, "validation_start")
+            self._responder.bad_weights("validation_start")
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._flow.abort()
@@ -313,8 +314,8 @@ class NaNGuardBase:
         found = self._diagnoser.anomaly_error(exception)
         if found is not None:  # torch's anomaly mode raised at the op in backward: recorded; the error propagates
             base = "loss" if self._evidence.loss_bad() else "gradient"
-            self._responder.respond(trainer, pl_module, incidents.anomaly_error(
-                self._responder.at(trainer), base, self._evidence.window, found, self.config.check.inputs != "off"))
+            self._responder.respond(incidents.anomaly_error(
+                self._responder.at(), base, self._evidence.window, found, self.config.check.inputs != "off"))
         self._recorder.flush()
 
     def _stop_hooks(self) -> None:
@@ -333,11 +334,11 @@ class NaNGuardBase:
 
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                                  optimizer: torch.optim.Optimizer) -> None:
-        self._flow.before_optimizer_step(trainer, pl_module, optimizer)
+        self._flow.before_optimizer_step(trainer, optimizer)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._flow.end(trainer, pl_module) and self.config.logging.progress_bar:
+        if self._flow.end() and self.config.logging.progress_bar:
             self._status.update(trainer, pl_module, self._counters["incidents"], self._recovery.lr_scale)
 
     # ----------------------------------------------------------------------------------- checkpoints
@@ -345,7 +346,7 @@ class NaNGuardBase:
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
         # the lagged step's verdict belongs in the checkpoint (and may roll back)
-        if self._flow.flush(trainer, pl_module):
+        if self._flow.flush():
             rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         if not self.config.check.parameters:
             return
@@ -360,7 +361,7 @@ class NaNGuardBase:
         if not bad:
             return
         # the checkpoint would carry non-finite state: restore known-good state and save that instead
-        self._responder.bad_weights(trainer, pl_module, "checkpoint")
+        self._responder.bad_weights("checkpoint")
         rebuild(checkpoint, trainer, self.state_key, self.state_dict())
         still_bad = nonfinite_entries(checkpoint, exempt=exempt)
         if still_bad:  # nothing known-good to substitute (recovery.snapshot: off): refuse to write it

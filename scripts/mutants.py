@@ -108,14 +108,14 @@ MUTANTS: list[Mutant] = [
            "check.inputs: always does not check the batch every step"),
     Mutant("detection", "det-params-after-healthy-step", STEP,
            "p.recovery.healthy_step()\n"
-           "        p.evidence.after_step(pl_module)",
+           "        p.evidence.after_step(self.responder.fit.module)",
            "p.recovery.healthy_step()",
            "parameters written non-finite by a healthy step are never flagged"),
     Mutant("detection", "det-params-at-train-end", FIT_END,
            "elif bad:\n"
-           '            self.responder.bad_weights(trainer, pl_module, "train_end")',
+           '            self.responder.bad_weights("train_end")',
            "elif False:\n"
-           '            self.responder.bad_weights(trainer, pl_module, "train_end")',
+           '            self.responder.bad_weights("train_end")',
            "a parameter fault at the last step is not caught at train end (non-finite weights left)"),
     Mutant("detection", "det-params-before-validation", CALLBACK,
            "if self._recovery.stopped:\n            return\n        bad = self._evidence.state_bad(consume=True)",
@@ -190,8 +190,8 @@ MUTANTS: list[Mutant] = [
            "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up, non-finite weights at fit "
            "start and after a stop share endings.stop_or_raise now)"),
     Mutant("ladder", "lad-give-up-restores-nothing", RECOVERY,
-           "self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored(),",
-           "self.rollback(trainer, pl_module, scaler_overflows) if False else Restored(),",
+           "restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()",
+           "restored = self.rollback(trainer, pl_module, scaler_overflows) if False else Restored()",
            "giving up leaves the last (bad) weights instead of restoring the last known-good state"),
     Mutant("ladder", "lad-param-without-snapshot-continues", LADDER,
            "or not can_roll_back and weights:",
@@ -226,7 +226,7 @@ MUTANTS: list[Mutant] = [
            "if False:\n                self.store.drop_newest()",
            "a rollback that did not help rolls back to the same snapshot again"),
     Mutant("snapshots", "snap-no-initial-snapshot", CALLBACK,
-           "self._flow.snapshot(trainer, pl_module)\n\n    def on_train_end", "pass\n\n    def on_train_end",
+           "self._flow.snapshot()\n\n    def on_train_end", "pass\n\n    def on_train_end",
            "no snapshot at train start: nothing to roll back to before the first snapshot_every"),
     Mutant("snapshots", "snap-poisoned-state-snapshotted", STEP,
            "if weights_bad:  # never snapshot poisoned state",
@@ -450,8 +450,8 @@ MUTANTS: list[Mutant] = [
            "if True:",
            "logging.verbose: false still prints one line per incident"),
     Mutant("events", "ev-progress-bar-key-ignored", CALLBACK,
-           "if self._flow.end(trainer, pl_module) and self.config.logging.progress_bar:",
-           "if self._flow.end(trainer, pl_module):",
+           "if self._flow.end() and self.config.logging.progress_bar:",
+           "if self._flow.end():",
            "logging.progress_bar: false still logs the status to the progress bar"),
     Mutant("events", "ev-no-scalars-at-incident", SINKS,
            "self.scalars(scalars, step)",
@@ -671,14 +671,14 @@ MUTANTS: list[Mutant] = [
            "return outcome, current and done.stopped",
            "lagged: a rollback read one step late lets the step under way apply gradients of the discarded weights"),
     Mutant("sync", "sync-no-flush-at-train-end", CALLBACK,
-           "-> None:\n        self._flow.flush(trainer, pl_module)", "-> None:\n        pass",
+           "-> None:\n        self._flow.flush()", "-> None:\n        pass",
            "lagged: the last step's flags are never read (an incident at the last step goes unrecorded)",
            harmless="equivalent (judged after the i18 run, where it survived): in Lightning 2.x on_train_epoch_end "
                     "always runs after the last step and before on_train_end (max_steps mid-epoch, should_stop, "
                     "limit_train_batches: checked by hand), and it flushes the lagged step; the train-end flush "
                     "stays as a guard for a loop that ends an epoch without that hook"),
     Mutant("sync", "sync-no-flush-at-checkpoint", CALLBACK,
-           "if self._flow.flush(trainer, pl_module):", "if False:",
+           "if self._flow.flush():", "if False:",
            "lagged: a checkpoint is written without the verdict of the step before it"),
     Mutant("sync", "sync-buffer-undo-inverted", UNDO,
            "b.copy_(torch.where(skip.to(b.device).bool(), self._backup[n], b))",
@@ -771,7 +771,7 @@ MUTANTS: list[Mutant] = [
            "docs/performance.md: a lagged bad step's 'buffer writes (BatchNorm) ... restored on the device'; here "
            "BatchNorm running statistics keep the skipped step's batch"),
     Mutant("sync", "doc-lagged-weights-not-marked", STEP,
-           "        p.evidence.after_step(pl_module)  # read with the next step's flags\n"
+           "        p.evidence.after_step(self.responder.fit.module)  # read with the next step's flags\n"
            "        self._unread = staged",
            "        self._unread = staged",
            "docs/recovery.md (snapshots): 'never from poisoned state: the pending parameter flag is read "
@@ -789,7 +789,7 @@ MUTANTS: list[Mutant] = [
            "recovery.snapshot_every healthy steps; here lagged snapshots come one step late (not at the steps "
            "the eager mode takes them)"),
     Mutant("sync", "doc-lagged-train-end-unread", CALLBACK,
-           "self._flow.flush(trainer, pl_module)  # the last lagged step's flags", "pass",
+           "self._flow.flush()  # the last lagged step's flags", "pass",
            "docs/performance.md: 'train end ... read[s] them at once'; here the last lagged step of a fit is "
            "never judged (a NaN at the last step has no event, no rollback)",
            harmless="equivalent (judged after the i18 run, where it survived): in Lightning 2.x on_train_epoch_end "
@@ -887,8 +887,8 @@ MUTANTS: list[Mutant] = [
            "if values[-1] and self.stopped_at is None:", "if False:",
            "anomaly.replay_timeout never ends a sharded replay"),
     Mutant("ranks", "divergence-not-shared", INCIDENT,
-           "evidence, diagnose=True, share=True, planning=Planning.LADDER,",
-           "evidence, diagnose=True, planning=Planning.LADDER,",
+           "ActAtStepEnd(), record, evidence, diagnose=True, share=True,",
+           "ActAtStepEnd(), record, evidence, diagnose=True,",
            "a divergence event keeps each rank's own rank, host and diagnosis (under FSDP2 its own LR cut): the ranks' "
            "events differ"),
     Mutant("ranks", "doc-ranks-every-rank-writes-jsonl", RECORDER,
@@ -1294,8 +1294,10 @@ MUTANTS: list[Mutant] = [
            "happened'; here a list state (CatMetric, AUROC inputs) keeps the skipped batch"),
     # ------------------------------------------------------------------ give up
     Mutant("ladder", "doc-giveup-no-restore", RECOVERY,
-           "            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if self.store else",
-           "            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if False else",
+           "            restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()\n"
+           "            rollback = self._restored(details, restored)",
+           "            restored = self.rollback(trainer, pl_module, scaler_overflows) if False else Restored()\n"
+           "            rollback = self._restored(details, restored)",
            "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
            "last known-good state (the newest snapshot)"),
     Mutant("ladder", "doc-giveup-steps-continue", STEP,

@@ -34,7 +34,7 @@ from .undo import BufferUndo, skip_step
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Recovery", "Applied"]
+__all__ = ["Recovery", "Applied", "Rollback"]
 
 
 class _Stateful(Protocol):
@@ -43,14 +43,26 @@ class _Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-@dataclass
-class Applied:
-    """What :meth:`Recovery.apply` did: the actions, in order, and their evidence for the event's details."""
+@dataclass(frozen=True)
+class Rollback:
+    """The weights went back to a snapshot (a give-up's restore too)."""
 
-    actions: list[str] = field(default_factory=list)
+    kept_step: bool = False  # the rollback kept the current step's gradients (:meth:`Recovery.rollback`)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What was done about an incident (:meth:`Recovery.apply`, :meth:`Recovery.cut_lr`; the incident pipeline's
+    skip stage too): the actions, in order, their evidence for the event's details, and the rollback if one
+    restored a snapshot."""
+
+    actions: tuple[str, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
-    rolled_back: bool = False  # the weights went back to a snapshot (a give-up's restore too)
-    kept_step: bool = False  # that rollback kept the current step's gradients (:meth:`Recovery.rollback`)
+    rollback: Optional[Rollback] = None
+
+    @property
+    def rolled_back(self) -> bool:
+        return self.rollback is not None
 
 
 class Recovery:
@@ -432,7 +444,8 @@ class Recovery:
     def cut_lr(self, trainer: "pl.Trainer", step: int, factor: Optional[float] = None) -> Applied:
         """Multiply every learning rate by ``factor`` (default ``lr_factor``), down to ``min_lr_scale`` of the
         original; ``step``: the event's."""
-        done = Applied()
+        actions: list[str] = []
+        details: dict[str, Any] = {}
         factor = self.cfg.lr_factor if factor is None else factor
         new_scale = max(self.lr_scale * factor, self.cfg.min_lr_scale)
         before = current_lrs(trainer.optimizers)
@@ -441,10 +454,10 @@ class Recovery:
             self.lr_scale = new_scale
             self.counters.add("lr_cuts")
             self.lr_cut_step = step
-            done.actions.append("reduce_lr")
-            done.details.update(lr_before=before, lr_after=current_lrs(trainer.optimizers))
-        done.details["lr_scale"] = self.lr_scale
-        return done
+            actions.append("reduce_lr")
+            details.update(lr_before=before, lr_after=current_lrs(trainer.optimizers))
+        details["lr_scale"] = self.lr_scale
+        return Applied(tuple(actions), details)
 
     def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: Plan, step: int,
               scaler_overflows: int = 0, keep_step: bool = False) -> Applied:
@@ -462,15 +475,17 @@ class Recovery:
             What was done: the actions, in order, and their evidence for the event's details (the plan's reasons
             among them).
         """
-        done = Applied()
+        actions: list[str] = []
+        details: dict[str, Any] = {}
+        rollback: Optional[Rollback] = None
         if self.store is not None and (plan.give_up or plan.rollback):
             self.store.settle()  # a snapshot whose write failed is no target (every rank agrees)
         if plan.give_up:
             self.stop()
-            self._restored(done, self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored(),
-                           action=False)
-            done.details["reasons"] = plan.reasons  # why it gave up
-            return done
+            restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()
+            rollback = self._restored(details, restored)
+            details["reasons"] = plan.reasons  # why it gave up
+            return Applied(tuple(actions), details, rollback)
         if plan.rollback and self.store:
             if plan.go_further_back:
                 self.store.drop_newest()
@@ -480,19 +495,21 @@ class Recovery:
                 self.store.drop_newest()  # taken after the divergence began: not known-good
             further = plan.go_further_back or len(self.store) < dropped
             restored = self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
-            self._restored(done, restored, action=True)
-            if restored.snapshot is None:
-                done.actions.append("warn")  # nothing verified: the ladder goes on with the weights it has
-            elif plan.skip_batches:
-                self.skip_batches_left = plan.skip_batches
-                done.actions.append("skip_batches")
-                done.details["skip_batches"] = plan.skip_batches
+            rollback = self._restored(details, restored)
+            if rollback is None:
+                actions.append("warn")  # nothing verified: the ladder goes on with the weights it has
+            else:
+                actions.append("rollback")
+                if plan.skip_batches:
+                    self.skip_batches_left = plan.skip_batches
+                    actions.append("skip_batches")
+                    details["skip_batches"] = plan.skip_batches
         if plan.reduce_lr:
             cut = self.cut_lr(trainer, step, plan.lr_factor)
-            done.actions += cut.actions
-            done.details.update(cut.details)
-        done.details["reasons"] = plan.reasons
-        return done
+            actions += cut.actions
+            details.update(cut.details)
+        details["reasons"] = plan.reasons
+        return Applied(tuple(actions), details, rollback)
 
     def refusals_untold(self) -> list[dict[str, Any]]:
         """The snapshots refused since an event last named them (by this rollback, or before it: by the diagnosis'
@@ -502,19 +519,17 @@ class Recovery:
         untold, self._refusals_told = self.store.refused[self._refusals_told:], len(self.store.refused)
         return [r.to_dict() for r in untold]
 
-    def _restored(self, done: Applied, restored: Restored, action: bool) -> None:
-        """Say in ``done`` what a rollback restored (``restored_step``; the ``refused`` snapshots, and why nothing
-        was restored: ``not_restored``); ``action``: a restore is the ``rollback`` action (a give-up's is not)."""
-        done.details["restored_step"] = restored.step
+    def _restored(self, details: dict[str, Any], restored: Restored) -> Optional[Rollback]:
+        """Say in ``details`` what a rollback restored (``restored_step``; the ``refused`` snapshots, and why nothing
+        was restored: ``not_restored``); the :class:`Rollback`, None where nothing was restored."""
+        details["restored_step"] = restored.step
         refused = self.refusals_untold()
         if refused:
-            done.details["refused"] = refused
+            details["refused"] = refused
         if restored.snapshot is None:
-            done.details["not_restored"] = self.why_nothing_to_restore()
-            return
-        done.rolled_back, done.kept_step = True, self.kept_step
-        if action:
-            done.actions.append("rollback")
+            details["not_restored"] = self.why_nothing_to_restore()
+            return None
+        return Rollback(kept_step=self.kept_step)
 
     # ---------------------------------------------------------------------------------------- persistence
 

@@ -1,11 +1,12 @@
-"""An incident is a value: what the guard found, and how the incident pipeline is to treat it.
+"""An incident is a frozen value: what the guard found, and how the incident pipeline is to treat it.
 
 One pure builder per trigger returns an :class:`Incident`: its event (kind, step, where it ran, the evidence
 for its details), its :class:`~.record.StepRecord` (a step's incidents), the typed :class:`Evidence` the
 diagnosis reads, what the pipeline looks at (the weights, the inputs), whether it is diagnosed and its account
-agreed across ranks, where its plan comes from (:class:`Planning`), how its step is skipped (:class:`Skip`) and
-when it acts (:class:`Act`). :meth:`~.responder.Responder.respond` runs every incident through the same
-skeleton and returns a :class:`Response`, what it did. :func:`kind_of` is the one place that decides the kind.
+agreed across ranks, where its plan comes from (a :data:`Planning` case), how its step is skipped (:class:`Skip`)
+and when it acts (an :data:`Act` case; each case carries its own data). :meth:`~.responder.Responder.respond`
+runs every incident through the same skeleton and returns a :class:`Response`, what it did to its step.
+:func:`kind_of` is the one place that decides the kind. docs/architecture.md: which type answers which question.
 
 Nothing here changes state or reads a device: the builders take what the caller read (:class:`At`, the step's
 flags, the watches' statistics) and the pipeline does the looking (:meth:`.Responder.respond`).
@@ -15,15 +16,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence, Union
 
 from ..core.causes import where_it_ran
 from ..core.events import KINDS, NaNEvent
 from ..core.record import StepRecord, UpdateStage, Window
 from ..diagnose.context import Evidence
 from ..recover.ladder import Plan
+from ..recover.recovery import Rollback
 
-__all__ = ["Act", "At", "Evidence", "Incident", "Look", "Planning", "Response", "NOTHING_DONE", "Skip", "kind_of",
+__all__ = ["Act", "NoteNow", "ActNow", "ActAtStepEnd", "RestoreAtEnd", "StopAtStart", "Told", "Planning", "Ladder",
+           "Given", "MustRollBack", "At", "Evidence", "Incident", "Look", "Response", "NOTHING_DONE", "Skip", "kind_of",
            "nonfinite_step", "divergence", "spike", "persistent_clipping", "bad_weights", "replicas_drifted",
            "fit_start", "after_stop", "unfinished", "anomaly_error", "SPIKES_BEFORE_LR_CUT"]
 
@@ -33,23 +36,76 @@ __all__ = ["Act", "At", "Evidence", "Incident", "Look", "Planning", "Response", 
 SPIKES_BEFORE_LR_CUT = 3
 
 
-class Act(enum.Enum):
-    """When an incident acts, and how it ends."""
+# ---------------------------------------------------------------------- when an incident acts (its Act)
 
-    RECORD = "record"  # carry out its plan (an LR cut at most) now, warn if nothing was done, record it
-    NOW = "now"  # outside a step: carry out its plan now, record it, give up if the plan says so
-    STEP_END = "step_end"  # its plan waits for the step's end (the optimizer skipped the step): finish()
-    RESTORE = "restore"  # fit end: restore the newest snapshot, record what was restored (stop if nothing was)
-    STOP = "stop"  # fit start: nothing known-good exists; stop or raise
+@dataclass(frozen=True)
+class NoteNow:
+    """Carry out its plan now (an LR cut at most), warn if nothing was done, record it; never a give-up."""
 
 
-class Planning(enum.Enum):
-    """Where an incident's plan comes from."""
+@dataclass(frozen=True)
+class ActNow:
+    """Outside a step: carry out its plan now, record it, give up if the plan says so."""
 
-    NONE = "none"
-    LADDER = "ladder"  # the recovery ladder's (:meth:`.Recovery.plan`)
-    GIVEN = "given"  # the builder's own :attr:`Incident.plan`
-    ROLL_BACK = "roll_back"  # a rollback counted like any (:meth:`.Recovery.must_roll_back`), or a warning
+
+@dataclass(frozen=True)
+class ActAtStepEnd:
+    """Its plan waits for the step's end, after the optimizer skipped the step (:meth:`.Responder.finish`)."""
+
+
+@dataclass(frozen=True)
+class Told:
+    """What a fit-end restore tells in its event once the restore is known (:class:`RestoreAtEnd`)."""
+
+    action: str
+    suggestion: str
+    details: dict[str, Any]
+    stop: bool = False  # nothing could be restored: the fit stops or raises
+
+
+@dataclass(frozen=True)
+class RestoreAtEnd:
+    """Fit end: restore the newest snapshot and record what was restored (stop where nothing was and the incident
+    says so). ``conclude(restored step or None, why nothing was)`` is the event's account once the restore is
+    known."""
+
+    conclude: Callable[[Optional[int], str], Told]
+
+
+@dataclass(frozen=True)
+class StopAtStart:
+    """Fit start: nothing known-good exists; stop or raise with ``message``."""
+
+    message: str
+
+
+Act = Union[NoteNow, ActNow, ActAtStepEnd, RestoreAtEnd, StopAtStart]
+
+
+# ----------------------------------------------------------------- where its plan comes from (its Planning)
+
+@dataclass(frozen=True)
+class Ladder:
+    """The recovery ladder's plan (:meth:`.Recovery.plan`); ``rollback_before``: to a snapshot at or before it."""
+
+    rollback_before: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Given:
+    """The builder's own plan."""
+
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class MustRollBack:
+    """A rollback counted like any (:meth:`.Recovery.must_roll_back`), or a warning without a snapshot."""
+
+    reason: str
+
+
+Planning = Union[Ladder, Given, MustRollBack]
 
 
 class Look(enum.Enum):
@@ -60,7 +116,7 @@ class Look(enum.Enum):
     PARAMETERS = "parameters"  # a step judged late: the buffers hold the next step's writes already
 
 
-@dataclass
+@dataclass(frozen=True)
 class Skip:
     """How an incident keeps its step's update from landing (:meth:`.Responder.respond`'s skip stage)."""
 
@@ -89,9 +145,10 @@ class At:
                         log_step=self.log_step, **self.where)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Incident:
-    """One incident, as its builder describes it (module docstring)."""
+    """One incident, as its builder describes it (module docstring). Frozen: the pipeline's stages return what
+    they found and did; its ``event`` is the user's record, which the pipeline fills in."""
 
     event: NaNEvent
     act: Act
@@ -106,34 +163,44 @@ class Incident:
     own_evidence: Optional[bool] = None  # outside a step: this rank's own evidence, for the account
     replica: bool = False  # the ranks' copies of the reduced gradient disagree (the account compares them)
     detected_at: Optional[str] = None
-    planning: Planning = Planning.NONE
-    plan: Optional[Plan] = None  # Planning.GIVEN
-    rollback_before: Optional[int] = None  # Planning.LADDER: to a snapshot at or before this step
-    reason: str = ""  # Planning.ROLL_BACK: why
+    planning: Optional[Planning] = None  # None: no plan
     skip: Optional[Skip] = None
     clip_to: Optional[float] = None  # clip the step to this norm, and arm adaptive clipping
     keeps_window: bool = False  # the newest step incident: a fit that ends inside its streak reruns it
-    # Act.RESTORE: the event's account once the restore is known (restored step or None, why nothing was);
-    # returns True when nothing could be restored and the fit stops or raises
-    conclude: Optional[Callable[[NaNEvent, Optional[int], str], bool]] = None
-    stop_message: str = ""  # Act.STOP: what the error or the screen says
 
 
 @dataclass(frozen=True)
 class Response:
-    """What :meth:`.Responder.respond` (or :meth:`.Responder.finish`) did about an incident; :data:`NOTHING_DONE`
-    for a step without one (frozen: shared by every healthy step, no allocation on the hot path)."""
+    """What an incident did to its step (:meth:`.Responder.respond`, :meth:`.Responder.finish`);
+    :data:`NOTHING_DONE` for a step without one (frozen: shared by every healthy step, no allocation on the hot
+    path)."""
 
     skipped: bool = False  # the step's update does not land
     queued: bool = False  # its plan is carried out at the step's end (finish)
-    rolled_back: bool = False
-    kept_step: bool = False  # the rollback kept the current step's gradients (:meth:`.Recovery.rollback`)
+    rollback: Optional[Rollback] = None  # the weights went back to a snapshot (:attr:`.Applied.rollback`)
     stopped: bool = False  # the guard gave up or stopped the run
     clip_to: Optional[float] = None  # clip the step to this norm (a loss spike with check.spike_action: clip)
 
+    @property
+    def rolled_back(self) -> bool:
+        return self.rollback is not None
+
+    @property
+    def kept_step(self) -> bool:
+        """The rollback kept the current step's gradients (:meth:`.Recovery.rollback`)."""
+        return self.rollback is not None and self.rollback.kept_step
+
     def merge(self, other: "Response") -> "Response":
+        """Both responses' doings: skipped, queued or stopped if either is; the later rollback and clip win.
+
+        Args:
+            other: what a later incident (or stage) of the same step did.
+
+        Returns:
+            A new :class:`Response` (neither operand changes).
+        """
         return Response(self.skipped or other.skipped, self.queued or other.queued,
-                        self.rolled_back or other.rolled_back, other.kept_step if other.rolled_back else self.kept_step,
+                        other.rollback if other.rollback is not None else self.rollback,
                         self.stopped or other.stopped, other.clip_to if other.clip_to is not None else self.clip_to)
 
 
@@ -142,9 +209,18 @@ NOTHING_DONE = Response()
 
 def kind_of(base: str, param_findings: Sequence[dict] = (), buffers: Collection[str] = (),
             input_findings: Sequence[dict] = ()) -> str:
-    """An event's kind: ``buffer`` or ``parameter`` where non-finite weights were found (buffers only: ``buffer``),
-    else ``input`` where the batch holds them, else ``base`` (the step's flags: :meth:`.StepFlags.incident_kind`,
-    ``replica``, or what the trigger found)."""
+    """An event's kind, the one place that decides it: the weights first, then the inputs, then ``base``.
+
+    Args:
+        base: the kind the trigger found (the step's flags: :meth:`.StepFlags.incident_kind`, ``replica``, ...).
+        param_findings: the non-finite weights found behind it (each with its ``name``).
+        buffers: the module's buffer names.
+        input_findings: the non-finite tensors found in its batch.
+
+    Returns:
+        ``buffer`` where only buffers were non-finite, ``parameter`` where any other weight was, else ``input``
+        where the batch holds them, else ``base``.
+    """
     if param_findings:
         return "buffer" if all(f["name"] in buffers for f in param_findings) else "parameter"
     return "input" if input_findings else base
@@ -159,10 +235,21 @@ def _lrs(record: StepRecord) -> dict[int, float]:
 def nonfinite_step(at: At, record: StepRecord, *, grads_were_finite: Optional[bool], check_parameters: bool,
                    check_inputs: bool, scaler: Optional[tuple[int, Optional[float]]] = None) -> Incident:
     """A step with non-finite evidence (or, DDP, ranks whose copies of the reduced gradient disagree and no rank
-    has evidence of its own). Diagnosed before any state changes (the replay needs the weights and buffers of the
-    bad forward), skipped, its plan carried out at the step's end. A step judged late (not ``ON_HOST``) was skipped
-    on the device (else, applied, it is rolled back); its window replays on the weights it left, which are the ones
-    it ran on when it was skipped. ``scaler``: 16-mixed, the GradScaler's overflow streak and scale."""
+    has evidence of its own): diagnosed before any state changes (the replay needs the bad forward's weights and
+    buffers), skipped, its plan carried out at the step's end. A step judged late was skipped on the device (else,
+    applied, it is rolled back); it looks only at the weights it ran on.
+
+    Args:
+        at: where it happened (:meth:`At.of` the record).
+        record: the judged step, its flags read.
+        grads_were_finite: the previous judged step's gradients were finite (None: unchecked).
+        check_parameters: ``check.parameters``: look at the weights behind it.
+        check_inputs: ``check.inputs`` is not ``off``: look at the batch where no weight explains it.
+        scaler: 16-mixed: the GradScaler's overflow streak and scale.
+
+    Returns:
+        An :class:`Incident` that acts at the step's end (:class:`ActAtStepEnd`) on the ladder's plan.
+    """
     flags = record.read_flags
     replica = record.replica is not None and not flags.local_bad
     base = "replica" if replica else flags.incident_kind()
@@ -177,20 +264,28 @@ def nonfinite_step(at: At, record: StepRecord, *, grads_were_finite: Optional[bo
     flagged = base == "parameter"
     look = (Look.NOTHING if not (check_parameters or flagged) or record.update is UpdateStage.APPLIED and not flagged
             else Look.PARAMETERS if record.update is not UpdateStage.ON_HOST and not flagged else Look.WEIGHTS)
+    overflows, scale = scaler if scaler is not None else (None, None)
     evidence = Evidence(window=record.window, grad_norm=flags.grad_norm, grads_were_finite=grads_were_finite,
                         only_gradients=not flags.local_bad, same_weights=record.update is not UpdateStage.APPLIED,
-                        step_lrs=_lrs(record))
-    if scaler is not None:
-        evidence.scaler_overflows, evidence.grad_scale = scaler
-    return Incident(event, Act.STEP_END, record, evidence, look=look, look_at_inputs=check_inputs, diagnose=True,
-                    share=True, replica=replica, planning=Planning.LADDER,
+                        step_lrs=_lrs(record), scaler_overflows=overflows, grad_scale=scale)
+    return Incident(event, ActAtStepEnd(), record, evidence, look=look, look_at_inputs=check_inputs, diagnose=True,
+                    share=True, replica=replica, planning=Ladder(),
                     skip=Skip(mirrored=True, undo_buffers=False, applied_rolls_back=True), keeps_window=True)
 
 
 def divergence(at: At, record: StepRecord, found: dict, *, act: bool) -> Incident:
-    """A finite loss (or gradient norm) running away (:mod:`.detect.divergence`), diagnosed. With ``act``
-    (``check.divergence: act``) the step is skipped, and at its end the run rolls back to the newest snapshot from
-    before the onset and the LR is cut as the cause allows (the ladder); else a warning."""
+    """A finite loss (or gradient norm) running away (:mod:`.detect.divergence`), diagnosed and shared.
+
+    Args:
+        at: where it happened.
+        record: the judged step.
+        found: the divergence watch's evidence (its ``onset_step``, growth, ...), for ``details.divergence``.
+        act: ``check.divergence: act``: skip the step, and at its end roll back to a snapshot from before the onset
+            and cut the LR as the cause allows (the ladder); else only a warning.
+
+    Returns:
+        An :class:`Incident` acting at the step's end on :class:`Ladder` (``act``), else :class:`NoteNow`.
+    """
     flags = record.read_flags
     event = at.event("divergence")
     event.details.update(divergence=found, loss=flags.loss, grad_norm=flags.grad_norm,
@@ -199,19 +294,33 @@ def divergence(at: At, record: StepRecord, found: dict, *, act: bool) -> Inciden
     # (shared: every rank sees the same running loss, and adopts one account: one rank's diagnosis, its LR cut)
     if not act:
         event.add_action("warn")
-        return Incident(event, Act.RECORD, record, evidence, diagnose=True, share=True)
-    return Incident(event, Act.STEP_END, record, evidence, diagnose=True, share=True, planning=Planning.LADDER,
-                    rollback_before=found.get("onset_step"), skip=Skip(mirrored=False, undo_buffers=True))
+        return Incident(event, NoteNow(), record, evidence, diagnose=True, share=True)
+    return Incident(event, ActAtStepEnd(), record, evidence, diagnose=True, share=True,
+                    planning=Ladder(rollback_before=found.get("onset_step")),
+                    skip=Skip(mirrored=False, undo_buffers=True))
 
 
 def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_norm_zscore: Optional[float],
           cause: str, growth: dict[str, Any], action: str, clip_to: Optional[float], repeated: bool,
           window: int) -> Incident:
-    """A finite loss far above its running statistics, with ``check.spike_action``: skipped (``skip_step``),
-    clipped to ``clip_to`` with adaptive clipping armed (``clip``), or an LR cut (``reduce_lr``). A spike does not
-    climb the ladder (no rollback, no give-up); ``repeated`` (:data:`SPIKES_BEFORE_LR_CUT` within ``window`` steps)
-    cuts the LR whatever the action. Judged late, the spike was skipped or clipped on the device already, by the
-    same test; an LR cut applies from the step after it."""
+    """A finite loss far above its running statistics. It does not climb the ladder (no rollback, no give-up);
+    judged late, it was skipped or clipped on the device already, by the same test.
+
+    Args:
+        at: where it happened.
+        record: the judged step.
+        z: the loss' z-score; ``test``: the detector's statistics (``details.loss_*``).
+        grad_norm_zscore: the gradient norm's z-score (None: not known yet).
+        cause: the spike's cause (:func:`.diagnose.rules.spike_cause`); ``growth``: its evidence, for the details.
+        action: ``check.spike_action``: ``skip_step``, ``clip`` (to ``clip_to``, adaptive clipping armed),
+            ``reduce_lr`` or a warning.
+        clip_to: the norm a ``clip`` clips the step to.
+        repeated: :data:`SPIKES_BEFORE_LR_CUT` spikes within ``window`` steps: the LR is cut whatever the action.
+        window: ``recovery.incident_window``.
+
+    Returns:
+        An :class:`Incident` that acts at once (:class:`NoteNow`), with its own LR cut (:class:`Given`) if any.
+    """
     flags = record.read_flags
     event = at.event("spike")
     event.details.update(loss=flags.loss, loss_zscore=z, **{f"loss_{k}": v for k, v in test.items()},
@@ -221,22 +330,32 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
     event.suggestion = KINDS["spike"].advice
     if clip_to is not None and action == "clip":
         event.details["clip_to"] = clip_to
-    plan = None
+    planning = None
     if action == "reduce_lr" or repeated:  # repeated spikes are a divergence on its way: cut the LR
         reason = (f"{SPIKES_BEFORE_LR_CUT} loss spikes within {window} steps" if repeated and action != "reduce_lr"
                   else "loss spike")
-        plan = Plan(reduce_lr=True, reasons=[reason])
-    return Incident(event, Act.RECORD, record, planning=Planning.GIVEN if plan else Planning.NONE, plan=plan,
+        planning = Given(Plan(reduce_lr=True, reasons=[reason]))
+    return Incident(event, NoteNow(), record, planning=planning,
                     skip=Skip(mirrored=True, undo_buffers=True) if action == "skip_step" else None,
                     clip_to=clip_to if action == "clip" else None)
 
 
 def persistent_clipping(at: At, record: StepRecord, *, streak: int, threshold: Optional[float], cause: str,
                         can_roll_back: bool) -> Incident:
-    """The adaptive clip acted on ``streak`` steps in a row: a divergence that clipping slows but does not stop,
-    with the weights already drifting. The step is skipped, and at its end the run rolls back to the newest snapshot
-    and cuts the LR, like an incident (a ``spike`` event: abnormal, still finite; it does not count towards the
-    ladder's give-up). Judged late, the step was applied; the rollback undoes it."""
+    """The adaptive clip acted on ``streak`` steps in a row: a divergence that clipping slows but does not stop.
+    The step is skipped and at its end the run rolls back and cuts the LR (a ``spike`` event: it does not count
+    towards the ladder's give-up); judged late, the step was applied and the rollback undoes it.
+
+    Args:
+        at: where it happened.
+        record: the judged step.
+        streak: the clipped steps in a row; ``threshold``: the clip's threshold now.
+        cause: its cause (:func:`.diagnose.rules.persistent_clipping_cause`).
+        can_roll_back: a snapshot exists to roll back to.
+
+    Returns:
+        An :class:`Incident` acting at the step's end on its own plan (:class:`Given`).
+    """
     flags = record.read_flags
     event = at.event("spike")
     event.details.update(reason=f"gradient norm clipped by the adaptive clip on {streak} consecutive steps",
@@ -244,27 +363,45 @@ def persistent_clipping(at: At, record: StepRecord, *, streak: int, threshold: O
     event.cause, event.suggestion = cause, KINDS["spike"].advice
     event.add_action("clip")
     plan = Plan(rollback=can_roll_back, reduce_lr=True, reasons=["persistent adaptive clipping"])
-    return Incident(event, Act.STEP_END, record, planning=Planning.GIVEN, plan=plan,
-                    skip=Skip(mirrored=False, undo_buffers=False))
+    return Incident(event, ActAtStepEnd(), record, planning=Given(plan), skip=Skip(mirrored=False, undo_buffers=False))
 
 
 # ------------------------------------------------------------------------------------ outside a step
 
 def bad_weights(at: At, where: str, *, grads_were_finite: Optional[bool], own_evidence: bool = False) -> Incident:
-    """Non-finite weights (or optimizer state) found outside the step decision (before a snapshot or a checkpoint,
-    at validation or at the end of fit): roll back (or give up) right away. Under DDP every rank handles it together
-    (each caller agrees its trigger across ranks) and every rank adopts the account of the rank that found it (its
-    own weights, or ``own_evidence``: e.g. its optimizer state)."""
-    return Incident(at.event("parameter"), Act.NOW, evidence=Evidence(grads_were_finite=grads_were_finite),
+    """Non-finite weights (or optimizer state) found outside the step decision (before a snapshot or a
+    checkpoint, at validation or at the end of fit). Every rank handles it together (each caller agrees its trigger
+    across ranks) and adopts the account of the rank that found it.
+
+    Args:
+        at: where it happened.
+        where: ``details.detected_at`` (``snapshot``, ``checkpoint``, ``validation_start``, ``train_end``).
+        grads_were_finite: the last judged step's gradients were finite (None: unchecked).
+        own_evidence: this rank's own evidence besides its weights (e.g. its optimizer state).
+
+    Returns:
+        An :class:`Incident` that acts now (:class:`ActNow`) on the ladder's plan: roll back, or give up.
+    """
+    return Incident(at.event("parameter"), ActNow(), evidence=Evidence(grads_were_finite=grads_were_finite),
                     look=Look.WEIGHTS, diagnose=True, share=True, own_evidence=own_evidence, detected_at=where,
-                    planning=Planning.LADDER)
+                    planning=Ladder())
 
 
 def replicas_drifted(at: At, gathered: Sequence[dict[str, Any]], odd: list[int], agreed_at: Optional[int],
                      cause: str) -> Incident:
-    """DDP, at a snapshot: the replicas' weights are no longer bitwise the same. ``gathered``: every rank's weights
-    checksum and whereabouts; ``odd``: the ranks a majority tells are wrong (none with two ranks). Every rank rolls
-    back to the newest snapshot (``agreed_at``), on which they agreed, counted like any rollback."""
+    """DDP, at a snapshot: the replicas' weights are no longer bitwise the same; every rank rolls back to the
+    newest snapshot, on which they agreed, counted like any rollback.
+
+    Args:
+        at: where it happened.
+        gathered: every rank's weights checksum and whereabouts.
+        odd: the ranks a majority tells are wrong (none with two ranks).
+        agreed_at: the step of the newest snapshot.
+        cause: its cause (:func:`.diagnose.rules.drifted_replicas_cause`).
+
+    Returns:
+        An :class:`Incident` that acts now (:class:`ActNow`) on a rollback it must make (:class:`MustRollBack`).
+    """
     event = at.event("replica")
     sums = [p["checksum"] for p in gathered]
     for key in ("rank", "host", "device", "local_rank"):  # the same account on every rank (rank 0's: unknown)
@@ -279,45 +416,69 @@ def replicas_drifted(at: At, gathered: Sequence[dict[str, Any]], odd: list[int],
                         "(check.replica_compare: tolerance, or a corruption after the check) or an update that "
                         "one rank made alone. Every rank was rolled "
                         "back to that snapshot. If it comes back, test that GPU or exclude the host.")
-    return Incident(event, Act.NOW, planning=Planning.ROLL_BACK, reason="the DDP replicas' weights differ")
+    return Incident(event, ActNow(), planning=MustRollBack("the DDP replicas' weights differ"))
 
 
 def fit_start(at: At, findings: list[dict], on_give_up: str) -> Incident:
-    """Non-finite parameters before the first step: nothing known-good to roll back to; stop or raise."""
+    """Non-finite parameters before the first step: nothing known-good to roll back to.
+
+    Args:
+        at: where it happened.
+        findings: the non-finite parameters (:meth:`.WeightCheck.find`).
+        on_give_up: ``recovery.on_give_up``: the event's action.
+
+    Returns:
+        An :class:`Incident` that stops or raises (:class:`StopAtStart`), naming up to five of them.
+    """
     event = at.event("parameter")
     event.add_action(on_give_up)
     names = ", ".join(f["name"] for f in findings[:5])
-    return Incident(event, Act.STOP, evidence=Evidence(at_fit_start=True, param_findings=findings), diagnose=True,
-                    detected_at="fit_start", stop_message=f"non-finite parameters before training ({names})")
+    return Incident(event, StopAtStart(f"non-finite parameters before training ({names})"),
+                    evidence=Evidence(at_fit_start=True, param_findings=findings), diagnose=True,
+                    detected_at="fit_start")
 
 
 def after_stop(at: At, findings: list[dict], buffers: Collection[str], on_give_up: str) -> Incident:
-    """Fit ends on non-finite weights after the guard stopped (gave up, or stopped on suspect hardware): restore the
-    newest known-good snapshot; with none, say so and stop or raise (``on_give_up``)."""
+    """Fit ends on non-finite weights after the guard stopped (gave up, or stopped on suspect hardware): restore
+    the newest known-good snapshot; with none, say so and stop or raise.
+
+    Args:
+        at: where it happened.
+        findings: the non-finite weights; ``buffers``: the module's buffer names (the event's kind).
+        on_give_up: ``recovery.on_give_up``, where nothing could be restored.
+
+    Returns:
+        An :class:`Incident` that restores (:class:`RestoreAtEnd`); its ``conclude`` tells the event's account.
+    """
     event = at.event(kind_of("parameter", findings, buffers))
     event.cause = "unknown"
     names = ", ".join(f["name"] for f in findings[:5]) or "(a weight on another rank)"
     event.details.update(detected_at="train_end", after_stop=True, param_findings=findings[:20])
 
-    def conclude(event: NaNEvent, restored: Optional[int], why: str) -> bool:
-        event.details["restored_step"] = restored
+    def conclude(restored: Optional[int], why: str) -> Told:
         if restored is not None:
-            event.add_action("rollback")
-            event.suggestion = (f"Training ended on non-finite weights ({names}) after the guard had stopped: they "
-                                f"were replaced by the last known-good state, the snapshot of step {restored}.")
-            return False
-        event.details["not_restored"] = why
-        event.add_action(on_give_up)
-        event.suggestion = (f"Training ended on NON-FINITE weights ({names}) after the guard had stopped, and "
-                            f"nothing could be restored ({why}).")
-        return True
-    return Incident(event, Act.RESTORE, conclude=conclude)
+            return Told("rollback", f"Training ended on non-finite weights ({names}) after the guard had stopped: "
+                        f"they were replaced by the last known-good state, the snapshot of step {restored}.",
+                        {"restored_step": restored})
+        return Told(on_give_up, f"Training ended on NON-FINITE weights ({names}) after the guard had stopped, and "
+                    f"nothing could be restored ({why}).", {"restored_step": None, "not_restored": why}, stop=True)
+    return Incident(event, RestoreAtEnd(conclude))
 
 
 def unfinished(at: At, kind: str, source: NaNEvent, reason: str, found: dict[str, Any], *, in_a_row: int,
                unconfirmed: int) -> Incident:
-    """Fit ends while recovery is unfinished, on finite weights that are suspect (``reason``; :mod:`.final_weights`
-    tells, from the event ``source`` behind it): restore the newest known-good snapshot and say from which step."""
+    """Fit ends while recovery is unfinished, on finite weights that are suspect: restore the newest known-good
+    snapshot and say from which step.
+
+    Args:
+        at: where it happened.
+        kind: the event's kind; ``source``: the event behind it (its cause, culprit and op are the new one's).
+        reason: why the weights are suspect (:func:`.diagnose.final_weights.suspect`); ``found``: its evidence.
+        in_a_row: incidents in a row; ``unconfirmed``: rollbacks not yet confirmed by a snapshot.
+
+    Returns:
+        An :class:`Incident` that restores (:class:`RestoreAtEnd`); with no snapshot it warns, never stops.
+    """
     event = at.event(kind)
     event.cause, event.culprit, event.op = source.cause, source.culprit, source.op
     event.details.update(detected_at="train_end", reason=reason, source_step=source.step,
@@ -325,28 +486,31 @@ def unfinished(at: At, kind: str, source: NaNEvent, reason: str, found: dict[str
     what = ("Training ended inside a streak of incidents, on finite weights that are suspect"
             if not KINDS[kind].runaway else "Training ended while the loss was running away")
 
-    def conclude(event: NaNEvent, restored: Optional[int], why: str) -> bool:
+    def conclude(restored: Optional[int], why: str) -> Told:
         if restored is None:
-            event.add_action("warn")
-            event.details["not_restored"] = why
-            event.suggestion = (f"{what} ({reason}). There is no snapshot to compare them with or to restore "
-                                f"({why}): the final weights are kept and may be broken. See the event of step "
-                                f"{source.step} for the cause.")
-        else:
-            event.add_action("rollback")
-            event.details["restored_step"] = restored
-            event.suggestion = (f"{what} ({reason}): the weights were restored to the last known-good state, the "
-                                f"snapshot of step {restored}. See the event of step {source.step} for the cause "
-                                "(recovery.restore_at_end: false keeps the final weights).")
-        return False
-    return Incident(event, Act.RESTORE, conclude=conclude)
+            return Told("warn", f"{what} ({reason}). There is no snapshot to compare them with or to restore ({why}): "
+                        f"the final weights are kept and may be broken. See the event of step {source.step} for the "
+                        "cause.", {"not_restored": why})
+        return Told("rollback", f"{what} ({reason}): the weights were restored to the last known-good state, the "
+                    f"snapshot of step {restored}. See the event of step {source.step} for the cause "
+                    "(recovery.restore_at_end: false keeps the final weights).", {"restored_step": restored})
+    return Incident(event, RestoreAtEnd(conclude))
 
 
 def anomaly_error(at: At, base: str, window: Window, found: dict, check_inputs: bool) -> Incident:
-    """torch's anomaly mode raised at the op in backward (``anomaly.mode: always``, or the user's own, e.g.
-    ``Trainer(detect_anomaly=True)``; ``found``: the error, parsed): diagnosed from it and recorded (the error
-    then propagates). ``base``: ``loss`` or ``gradient``, as the step's evidence says."""
+    """torch's anomaly mode raised at the op in backward (``anomaly.mode: always``, or the user's own
+    ``Trainer(detect_anomaly=True)``): diagnosed from the error and recorded; the error then propagates.
+
+    Args:
+        at: where it happened.
+        base: ``loss`` or ``gradient``, as the step's evidence says.
+        window: the step's micro-batches; ``found``: the error, parsed.
+        check_inputs: look at the batch (``check.inputs`` is not ``off``).
+
+    Returns:
+        An :class:`Incident` recorded at once (:class:`NoteNow`), action ``raise``.
+    """
     event = at.event(base)
     event.add_action("raise")
-    return Incident(event, Act.RECORD, evidence=Evidence(window=window), look_at_inputs=check_inputs,
+    return Incident(event, NoteNow(), evidence=Evidence(window=window), look_at_inputs=check_inputs,
                     anomaly=found, history=False, detected_at="anomaly_mode")

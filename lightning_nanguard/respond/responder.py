@@ -3,13 +3,15 @@
 :meth:`Responder.respond` looks at the weights and inputs behind it, diagnoses it, agrees one account across
 ranks, plans (the ladder, or the incident's own plan), skips its step by ``record.update``, arms clipping, and
 acts now or at the step's end (:meth:`Responder.finish`); both return a :class:`~.incident.Response`, what was
-done. Nothing here runs while training is healthy.
+done to the step. Each stage returns what it did (a :class:`~.recover.recovery.Applied`) and only the skeleton
+writes it into the event. The Trainer and the module are bound once per fit (:meth:`Responder.bind`, a
+:class:`Fit`). Nothing here runs while training is healthy.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core.causes import cause as cause_entry
 from ..core.causes import suggest
@@ -19,18 +21,48 @@ from ..detect.flow import REPLAY_OUTPUTS
 from ..detect.placement import whereabouts
 from ..diagnose.context import IncidentContext
 from ..recover.ladder import Plan
-from ..report.recorder import logger_step
+from ..recover.clipping import Clipper
+from ..recover.recovery import Applied, Recovery, Rollback
+from ..report.recorder import Recorder, logger_step
 from ..report.render import ReportText
 from . import incident as incidents
 from .account import Account, recompute_reduced_norm, share_incident
 from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
-from .incident import NOTHING_DONE, Act, At, Incident, Look, Planning, Response, kind_of
+from .incident import (NOTHING_DONE, ActAtStepEnd, ActNow, At, Given, Incident, Ladder, Look, MustRollBack, NoteNow,
+                       Response, RestoreAtEnd, StopAtStart, kind_of)
 from .parts import Parts
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Responder"]
+__all__ = ["CARRIERS", "Fit", "Responder"]
+
+# the one function that carries out each action of core.events.ACTIONS (docs/architecture.md, "Where a new thing
+# goes"); what calls for it is a Plan field (Recovery.apply) or an incident's own (the skip stage: Skip, clip_to)
+CARRIERS: dict[str, Callable[..., Any]] = {
+    "skip_step": Recovery.keep_from_landing,
+    "clip": Clipper.arm,
+    "reduce_lr": Recovery.cut_lr,
+    "rollback": Recovery.rollback,
+    "skip_batches": Recovery.skip,  # each of the batches after the rollback (StepFlow.before_optimizer_step)
+    "stop": stop_or_raise,
+    "raise": stop_or_raise,
+    "warn": Recorder.record,  # recorded only
+}
+
+@dataclass(frozen=True)
+class Fit:
+    """The fit a guard runs in, bound once (:meth:`Responder.bind`, at ``setup``): the incident pipeline reads the
+    Trainer and the module from here instead of receiving them at every call."""
+
+    trainer: "pl.Trainer"
+    module: "pl.LightningModule"
+
+    @property
+    def automatic(self) -> bool:
+        """Lightning's automatic optimization (manual mixes one loss stream per optimizer)."""
+        return bool(getattr(self.module, "automatic_optimization", True))
+
 
 Queued = tuple[Incident, Plan, IncidentContext, Account]  # an incident to conclude: its plan, context and account
 
@@ -49,14 +81,27 @@ class Responder:
         self.last_incident: Optional[tuple[NaNEvent, Window]] = None
         self.left_nonfinite = False
         self._pictured = 0  # events of this fit that keep their gradient-flow window (logging.max_reports)
+        self._fit: Optional[Fit] = None
+
+    def bind(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """The fit this guard runs in, from now on (``setup``: before any other hook)."""
+        self._fit = Fit(trainer, pl_module)
+
+    @property
+    def fit(self) -> Fit:
+        """The bound fit (:meth:`bind`)."""
+        if self._fit is None:
+            raise RuntimeError("NaNGuard: a hook ran before setup bound the guard to its Trainer")
+        return self._fit
 
     def take_last_incident(self) -> Optional[tuple[NaNEvent, Window]]:
         """The newest step incident and its window, forgotten here (the end of fit reruns it once)."""
         last, self.last_incident = self.last_incident, None
         return last
 
-    def at(self, trainer: "pl.Trainer", record: Optional[StepRecord] = None) -> At:
+    def at(self, record: Optional[StepRecord] = None) -> At:
         """Where an incident happens: at the judged step of ``record``, or (outside a step) where the trainer is."""
+        trainer = self.fit.trainer
         if record is not None:
             return At.of(record, whereabouts(trainer))
         return At(trainer.global_step, trainer.current_epoch, self.parts.evidence.batch_idx, logger_step(trainer),
@@ -64,49 +109,75 @@ class Responder:
 
     # ----------------------------------------------------------------------------------------- the pipeline
 
-    def respond(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> Response:
-        """Run ``incident`` through the skeleton (module docstring); returns what was done."""
+    def respond(self, incident: Incident) -> Response:
+        """Run ``incident`` through the skeleton (module docstring): look, diagnose, agree, plan, skip and clip,
+        then act now or queue its plan for :meth:`finish`. Each stage returns what it found or did; only this
+        skeleton writes it into the event.
+
+        Args:
+            incident: what a trigger found (one of the builders of :mod:`.incident`).
+
+        Returns:
+            What the incident did to its step; ``queued``: its plan waits for :meth:`finish`.
+
+        Raises:
+            NaNGuardError: the incident gives up, stops at fit start or restores nothing at fit end under
+                ``recovery.on_give_up: raise``, or a rank's hardware is suspect under ``on_suspect_hardware: raise``.
+        """
         event = incident.event
-        if incident.act is Act.RESTORE:
-            return self._restore(trainer, pl_module, incident)
-        ctx = self._context(trainer, pl_module, incident)
+        if isinstance(incident.act, RestoreAtEnd):
+            return self._restore(incident, incident.act)
+        ctx = self._context(incident)
         if incident.keeps_window and incident.evidence.window is not None:
             self.last_incident = (event, incident.evidence.window.copy())  # (the live window is cleared at step end)
-        account = self._diagnose(trainer, pl_module, incident, ctx)
+        event.kind = self._look(incident, ctx)  # (the diagnosis reads it)
+        account = self._diagnose(incident, ctx)
         if incident.detected_at is not None:
             event.details["detected_at"] = incident.detected_at
-        plan = self._plan(incident, account)
-        response = self._skip_and_clip(incident, plan)
-        return self._act(trainer, pl_module, (incident, plan or Plan(), ctx, account), response)
+        plan, planned = self._plan(incident, account)
+        _tell(event, planned)
+        response, skipped = self._skip_and_clip(incident, plan)
+        _tell(event, skipped)
+        return self._act((incident, plan or Plan(), ctx, account), response)
 
-    def finish(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", keep_step: bool = False) -> Response:
-        """End of the step: carry out the queued plans. ``keep_step``: the current step's gradients were taken on the
-        weights the judged step left (see :meth:`.Recovery.rollback`)."""
+    def finish(self, keep_step: bool = False) -> Response:
+        """End of the step: carry out the queued plans (:class:`~.incident.ActAtStepEnd`).
+
+        Args:
+            keep_step: the current step's gradients were taken on the weights the judged step left (a lagged read;
+                see :meth:`.Recovery.rollback`).
+
+        Returns:
+            What the queued incidents did, merged (:data:`~.incident.NOTHING_DONE` with none queued).
+
+        Raises:
+            NaNGuardError: as :meth:`respond`, for a plan that gives up.
+        """
         queued, self._queued = self._queued, []
         response = NOTHING_DONE
         for item in queued:
-            response = response.merge(self._conclude(trainer, pl_module, item, keep_step))
+            response = response.merge(self._conclude(item, keep_step))
         return response
 
-    def _context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> IncidentContext:
+    def _context(self, incident: Incident) -> IncidentContext:
         """The diagnosis' context of ``incident``: its evidence, and the guard's history where it reads one
         (:meth:`.Parts.history`, which may issue a collective: every rank calls this at the same point)."""
         history = self.parts.history() if incident.history else None
-        return self.parts.diagnoser.context(trainer, pl_module, incident.event, incident.evidence, history)
+        fit = self.fit
+        return self.parts.diagnoser.context(fit.trainer, fit.module, incident.event, incident.evidence, history)
 
-    def _diagnose(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident,
-                  ctx: IncidentContext) -> Account:
+    def _diagnose(self, incident: Incident, ctx: IncidentContext) -> Account:
         """Look at the weights and inputs behind ``incident``, diagnose it and agree one account across ranks (the
         rank that produced the fault: :func:`.account.share_incident`)."""
-        p, event = self.parts, incident.event
-        self._look(pl_module, incident, ctx)
+        p, event, fit = self.parts, incident.event, self.fit
+        self._look(incident, ctx)
         extra, recomputed = "", None
         with p.evidence.activations.paused():
             if incident.anomaly is not None:
                 extra = p.diagnoser.diagnose_error(ctx, incident.anomaly)
             elif incident.diagnose:
                 extra = p.diagnoser.diagnose(ctx, p.recorder.events)
-                recomputed = recompute_reduced_norm(p.ranks, trainer, pl_module, incident.record,
+                recomputed = recompute_reduced_norm(p.ranks, fit.trainer, fit.module, incident.record,
                                                     p.config.anomaly.mode != "off") if incident.replica else None
         if not incident.share:
             return Account(extra, None, ctx.safe_factor)
@@ -119,97 +190,95 @@ class Responder:
             event.suggestion = suggest(event, event.cause)
         return account
 
-    def _look(self, pl_module: "pl.LightningModule", incident: Incident, ctx: IncidentContext) -> None:
-        """The non-finite weights (``incident.look``) or else inputs behind ``incident``, and the kind they make it
-        (:func:`.incident.kind_of`)."""
-        looked = incident.look is not Look.NOTHING
+    def _look(self, incident: Incident, ctx: IncidentContext) -> str:
+        """The non-finite weights (``incident.look``) or else inputs behind ``incident``, into ``ctx``; returns the
+        kind they make it (:func:`.incident.kind_of`)."""
+        looked, pl_module = incident.look is not Look.NOTHING, self.fit.module
         weights, inputs = self.parts.evidence.nonfinite_behind(
             pl_module, ctx.batches, weights=looked, parameters_only=incident.look is Look.PARAMETERS,
             inputs=incident.look_at_inputs)
         if looked:
             ctx.param_findings = weights
         ctx.input_findings = inputs
-        incident.event.kind = kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
+        return kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
 
-    def _plan(self, incident: Incident, account: Account) -> Optional[Plan]:
-        recovery, event = self.parts.recovery, incident.event
-        if incident.planning is Planning.LADDER:
+    def _plan(self, incident: Incident, account: Account) -> tuple[Optional[Plan], Applied]:
+        """The incident's plan (None: it has none) from where its :data:`~.incident.Planning` says, and a warning
+        where a rollback it must make has no snapshot to go to."""
+        recovery, event, planning = self.parts.recovery, incident.event, incident.planning
+        if isinstance(planning, Ladder):
             plan = recovery.plan(event.step, event.kind, event.cause, safe_factor=account.safe_factor,
-                                 clip_armed=self.parts.clipper.armed, rollback_before=incident.rollback_before)
+                                 clip_armed=self.parts.clipper.armed, rollback_before=planning.rollback_before)
             if plan.suggestion is not None:  # the episode's cause (recover/ladder.py): the event reports it
                 event.cause, event.suggestion = plan.cause, plan.suggestion
-            return plan
-        if incident.planning is Planning.ROLL_BACK:
+            return plan, _NONE
+        if isinstance(planning, MustRollBack):
             plan = Plan()
-            recovery.must_roll_back(plan, incident.reason)
-            if not (plan.rollback or plan.give_up):  # no snapshot yet: nothing to roll back to
-                event.add_action("warn")
-            return plan
-        return incident.plan
+            recovery.must_roll_back(plan, planning.reason)
+            return plan, _NONE if plan.rollback or plan.give_up else Applied(("warn",))  # no snapshot yet
+        return (planning.plan if isinstance(planning, Given) else None), _NONE
 
-    def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> Response:
+    def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> tuple[Response, Applied]:
         """Keep the step's update from landing where the incident says so (:meth:`.Recovery.keep_from_landing`; too
         late: the plan rolls it back), and clip: this step (a loss spike's ``clip_to``), or the steps after a step
-        incident (the plan's ``arm_clip``)."""
-        p, event, record = self.parts, incident.event, incident.record
-        skipped = False
+        incident (the plan's ``arm_clip``). Returns what it did to the step, and its actions."""
+        p, record = self.parts, incident.record
+        skipped, actions = False, []
         if incident.skip is not None and record is not None:
             skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,
                                                    undo_buffers=incident.skip.undo_buffers)
             if skipped:
-                event.add_action("skip_step")
+                actions.append("skip_step")
             elif incident.skip.applied_rolls_back and plan is not None:  # too late to skip: undo it
                 p.recovery.step_was_applied(plan)
         if incident.clip_to is not None:
             p.clipper.arm()  # and z-score clipping from now on
-            event.add_action("clip")
+            actions.append("clip")
         if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():
-            event.add_action("clip")
-        return Response(skipped=skipped, queued=incident.act is Act.STEP_END, clip_to=incident.clip_to)
+            actions.append("clip")
+        queued = isinstance(incident.act, ActAtStepEnd)
+        return Response(skipped=skipped, queued=queued, clip_to=incident.clip_to), Applied(tuple(actions))
 
     # ----------------------------------------------------------------------------------------------- acting
 
-    def _act(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", item: Queued,
-             response: Response) -> Response:
+    def _act(self, item: Queued, response: Response) -> Response:
         """Carry out the incident's plan now (:meth:`_conclude`) or at the step's end (:meth:`finish`); record it."""
         p, (incident, plan, ctx, account) = self.parts, item
-        event = incident.event
-        if incident.act is Act.STEP_END:
+        event, act = incident.event, incident.act
+        if isinstance(act, ActAtStepEnd):
             self._queued.append(item)
-        elif incident.act is Act.NOW:
-            response = response.merge(self._conclude(trainer, pl_module, item))
-        elif incident.act is Act.RECORD:
-            if incident.plan is not None:  # an LR cut at most
-                self._apply(trainer, pl_module, event, plan)
+        elif isinstance(act, ActNow):
+            response = response.merge(self._conclude(item))
+        elif isinstance(act, NoteNow):
+            if isinstance(incident.planning, Given):  # an LR cut at most
+                self._apply(event, plan)
             if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
                 event.add_action("warn")
-            self._record(trainer, event, ctx, account.extra)
-        else:  # Act.STOP: nothing known-good exists
+            self._record(event, ctx, account.extra)
+        elif isinstance(act, StopAtStart):  # nothing known-good exists
             p.recovery.stop()
             self.left_nonfinite = True
             response = replace(response, stopped=True)
-            self._record(trainer, event, ctx, account.extra)
-            stop_or_raise(trainer, p.config.recovery.on_give_up, f"NaNGuard: {incident.stop_message}. "
+            self._record(event, ctx, account.extra)
+            stop_or_raise(self.fit.trainer, p.config.recovery.on_give_up, f"NaNGuard: {act.message}. "
                           f"{event.suggestion} Report: {p.recorder.report_path(event)}")
         return response
 
-    def _apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, plan: Plan,
-               keep_step: bool = False) -> Response:
-        done = self.parts.recovery.apply(trainer, pl_module, plan, event.step, self.parts.overflow.overflows,
+    def _apply(self, event: NaNEvent, plan: Plan, keep_step: bool = False) -> Response:
+        """Carry out ``plan`` (:meth:`.Recovery.apply`) and write what was done into ``event``."""
+        fit = self.fit
+        done = self.parts.recovery.apply(fit.trainer, fit.module, plan, event.step, self.parts.overflow.overflows,
                                          keep_step)
-        for action in done.actions:
-            event.add_action(action)
-        event.details.update(done.details)
-        return Response(rolled_back=done.rolled_back, kept_step=done.kept_step)
+        _tell(event, done)
+        return Response(rollback=done.rollback)
 
-    def _conclude(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", item: Queued,
-                  keep_step: bool = False) -> Response:
+    def _conclude(self, item: Queued, keep_step: bool = False) -> Response:
         """Carry out the plan, record the event, and stop or raise if the plan gives up (or the rank's hardware is
         suspect, :func:`.endings.suspect_hardware`)."""
         p, (incident, plan, ctx, account) = self.parts, item
-        event, cfg = incident.event, p.config.recovery
+        event, cfg, trainer = incident.event, p.config.recovery, self.fit.trainer
         rollbacks = p.counters["rollbacks"]
-        response = self._apply(trainer, pl_module, event, plan, keep_step)
+        response = self._apply(event, plan, keep_step)
         p.evidence.weights.refresh()  # a rollback replaced the tensors, and the flag computed on them
         p.evidence.forget_state()
         if plan.give_up:
@@ -218,10 +287,10 @@ class Responder:
         steps = (p.recovery.hardware.fault(event.rank, event.step) if not plan.give_up and account.ranks != []
                  and cause_entry(event.cause).hardware_fault else None)
         message = None if steps is None else suspect_hardware(event, steps, cfg)
-        self._record(trainer, event, ctx, account.extra)
+        self._record(event, ctx, account.extra)
         report = p.recorder.report_path(event)
         if plan.give_up:
-            bad = [] if response.rolled_back else p.evidence.weights.find(pl_module)  # (restored: finite)
+            bad = [] if response.rolled_back else p.evidence.weights.find(self.fit.module)  # (restored: finite)
             self.left_nonfinite = bool(bad)
             stop_or_raise(trainer, cfg.on_give_up,
                           give_up_message(event, p.counters["incidents"], rollbacks, bad, str(report)))
@@ -230,39 +299,58 @@ class Responder:
                                     f"NaNGuard at step {event.step}: {message} Report: {report}")
         return replace(response, stopped=p.recovery.stopped)
 
-    def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: Incident) -> Response:
-        """Fit end: restore the newest known-good snapshot, record what was restored (the incident's
-        ``conclude``), and stop or raise where nothing could be and the incident says so."""
-        p, event = self.parts, incident.event
-        restored = p.recovery.restore_newest(trainer, pl_module, p.overflow.overflows)
+    def _restore(self, incident: Incident, act: RestoreAtEnd) -> Response:
+        """Fit end: restore the newest known-good snapshot, record what was restored (``act.conclude``), and stop
+        or raise where nothing could be and the incident says so."""
+        p, event, trainer = self.parts, incident.event, self.fit.trainer
+        restored = p.recovery.restore_newest(trainer, self.fit.module, p.overflow.overflows)
         p.evidence.weights.refresh()
-        assert incident.conclude is not None
         refused = p.recovery.refusals_untold()
         if refused:
             event.details["refused"] = refused
-        stop = incident.conclude(event, restored.step,
-                                 p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
-        self._record(trainer, event, self._context(trainer, pl_module, incident), "")
-        if stop:
+        told = act.conclude(restored.step, p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
+        _tell(event, Applied((told.action,), told.details))
+        event.suggestion = told.suggestion
+        self._record(event, self._context(incident), "")
+        if told.stop:
             self.left_nonfinite = True
             stop_or_raise(trainer, p.config.recovery.on_give_up,
                           f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
-        return Response(rolled_back=restored.snapshot is not None, stopped=stop)
+        return Response(rollback=Rollback() if restored.snapshot is not None else None, stopped=told.stop)
 
-    def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
+    def _record(self, event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
         text = ReportText(ctx.norm_history, ctx.loss_history, extra)
         outputs = event.details.pop(REPLAY_OUTPUTS, [])  # the replay's, of the account every rank adopted
         if ctx.flow is not None and self._pictured < self.parts.config.logging.max_reports:
             event.flow = ctx.flow.for_event(event.step, event.culprit, outputs).to_dict()
             self._pictured += 1
-        self.parts.recorder.record(event, text, lambda: self.parts.scalars(trainer))
+        self.parts.recorder.record(event, text, lambda: self.parts.scalars(self.fit.trainer))
 
     # ------------------------------------------------------------------------------------- outside a step
 
-    def bad_weights(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", where: str,
-                    own_evidence: bool = False) -> Response:
-        """Non-finite weights (or optimizer state: ``own_evidence``) found outside a step, ``where``; every rank calls
-        it together: :func:`.incident.bad_weights`."""
-        found = incidents.bad_weights(self.at(trainer), where, grads_were_finite=self.parts.evidence.grads_were_finite,
+    def bad_weights(self, where: str, own_evidence: bool = False) -> Response:
+        """Non-finite weights found outside a step: every rank calls it together (:func:`.incident.bad_weights`).
+
+        Args:
+            where: ``details.detected_at`` (``snapshot``, ``checkpoint``, ``validation_start``, ``train_end``).
+            own_evidence: this rank's own evidence besides its weights (its optimizer state).
+
+        Returns:
+            What the incident did (a rollback, or a give-up: ``stopped``).
+
+        Raises:
+            NaNGuardError: it gave up under ``recovery.on_give_up: raise``.
+        """
+        found = incidents.bad_weights(self.at(), where, grads_were_finite=self.parts.evidence.grads_were_finite,
                                       own_evidence=own_evidence)
-        return self.respond(trainer, pl_module, found)
+        return self.respond(found)
+
+
+_NONE = Applied()  # nothing done
+
+
+def _tell(event: NaNEvent, done: Applied) -> None:
+    """Write what a stage did into ``event``, the user's record: its actions, in order, and their details."""
+    for action in done.actions:
+        event.add_action(action)
+    event.details.update(done.details)

@@ -84,10 +84,19 @@ class StepFlow:
 
     # -------------------------------------------------------------------------- on_before_optimizer_step
 
-    def before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                              optimizer: torch.optim.Optimizer) -> None:
+    def before_optimizer_step(self, trainer: "pl.Trainer", optimizer: torch.optim.Optimizer) -> None:
         """``on_before_optimizer_step``: judge the step now (eager), or stage it to be judged one step later
-        (lagged) after reading the previous one's flags."""
+        (lagged) after reading the previous one's flags. The step's verdict is kept in :attr:`outcome` until
+        :meth:`end`.
+
+        Args:
+            trainer: read once here, for the step, epoch, logger step and GradScaler of the step.
+            optimizer: the optimizer about to step (its parameters are skipped or clipped here, eager).
+
+        Raises:
+            NaNGuardError: an incident of the step (or, lagged, of the previous one) gave up under
+                ``recovery.on_give_up: raise`` (:meth:`.Responder.respond`).
+        """
         p = self.parts
         p.recovery.before_update()  # a snapshot's device copies finish before the update writes (no host wait)
         params = [q for group in optimizer.param_groups for q in group["params"]]
@@ -96,7 +105,7 @@ class StepFlow:
             ensure_unscaled(scaler, optimizer)
         # lagged: the previous step's flags, read now that this step's work is queued; a rollback they call for
         # skips this step too, unless its gradients were taken on the very weights restored
-        skip_now = self._unread is not None and self._judge_late(trainer, pl_module)[1]
+        skip_now = self._unread is not None and self._judge_late()[1]
         if p.recovery.stopped or p.recovery.skipping_batches or skip_now:
             p.recovery.skip(params)
             self.outcome = Outcome.SKIPPED
@@ -124,7 +133,7 @@ class StepFlow:
         record.local = p.ranks.last_local
         # several processes: the flags were reduced over ranks, so everything below is identical on every rank
         record.norm = p.ranks.global_norm(norm, record.flags.grad_norm)
-        self.outcome, self.response = self._judge(trainer, pl_module, record)
+        self.outcome, self.response = self._judge(record)
         self._marked(record, self.outcome, self.response)
 
     def _stage(self, record: StepRecord, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any],
@@ -156,8 +165,7 @@ class StepFlow:
 
     # ------------------------------------------------------------------------------------------- the verdict
 
-    def _judge(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-               record: StepRecord) -> tuple[Outcome, Response]:
+    def _judge(self, record: StepRecord) -> tuple[Outcome, Response]:
         """The step's outcome from its flags, and what its incidents did on the host."""
         p = self.parts
         cfg, flags, loss = p.config, record.read_flags, record.loss
@@ -171,16 +179,16 @@ class StepFlow:
         outcome = classify(flags, grads_bad, record.scaled, p.overflow.observe(flags, grads_bad, record.scaled),
                            record.replica is not None)
         if outcome is Outcome.HEALTHY:
-            return self._healthy(trainer, pl_module, record, loss, spike_z)
+            return self._healthy(record, loss, spike_z)
         if outcome is not Outcome.INCIDENT:
             return outcome, NOTHING_DONE
         if record.update is UpdateStage.ON_HOST:  # its bad forward's buffer writes, before anything reads the weights
             p.recovery.undo_buffers()  # (judged late, the device undid them where it skipped the step)
         found = incidents.nonfinite_step(
-            self.responder.at(trainer, record), record, grads_were_finite=p.evidence.grads_were_finite,
+            self.responder.at(record), record, grads_were_finite=p.evidence.grads_were_finite,
             check_parameters=cfg.check.parameters, check_inputs=cfg.check.inputs != "off",
             scaler=(p.overflow.overflows, p.overflow.scale) if record.scaled else None)
-        response = self.responder.respond(trainer, pl_module, found)
+        response = self.responder.respond(found)
         p.evidence.judged(flags.grad_norm)
         return outcome, response
 
@@ -192,13 +200,13 @@ class StepFlow:
             window.mark(record.step, _FLOW_MARKS.get(outcome, "s" if skipped else "?") if not skipped or
                         outcome is Outcome.INCIDENT else "s")
 
-    def _healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord,
-                 loss: Optional[float], spike_z: Optional[float]) -> tuple[Outcome, Response]:
+    def _healthy(self, record: StepRecord, loss: Optional[float],
+                 spike_z: Optional[float]) -> tuple[Outcome, Response]:
         """A step with finite evidence: its divergence and loss spike (:meth:`_finite_incidents`), then clipping
         (and clipping that persists)."""
         p, response = self.parts, NOTHING_DONE
-        for found in self._finite_incidents(trainer, pl_module, record, loss, spike_z):
-            response = response.merge(self.responder.respond(trainer, pl_module, found))
+        for found in self._finite_incidents(record, loss, spike_z):
+            response = response.merge(self.responder.respond(found))
             if response.queued:  # skipped; the rollback and LR cut follow at the end of the step
                 return Outcome.INCIDENT, response
             if response.skipped:
@@ -209,32 +217,32 @@ class StepFlow:
         self._clip(record, response.clip_to)
         if record.has_norm and p.clipper.clipping_persists():
             zclip = p.clipper.zclip
-            found = incidents.persistent_clipping(self.responder.at(trainer, record), record, streak=zclip.streak,
+            found = incidents.persistent_clipping(self.responder.at(record), record, streak=zclip.streak,
                                                   threshold=zclip.threshold(), cause=persistent_clipping_cause(),
                                                   can_roll_back=p.recovery.can_roll_back)
             p.clipper.reset_streak()
-            response = response.merge(self.responder.respond(trainer, pl_module, found))
+            response = response.merge(self.responder.respond(found))
             outcome = Outcome.INCIDENT
         p.losses.healthy(loss)
         return outcome, response
 
-    def _finite_incidents(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", record: StepRecord,
-                          loss: Optional[float], spike_z: Optional[float]) -> Iterator[Incident]:
+    def _finite_incidents(self, record: StepRecord, loss: Optional[float],
+                          spike_z: Optional[float]) -> Iterator[Incident]:
         """The incidents of a finite step, in order, each built only once the one before it let the step go on: a
         divergence (:mod:`.detect.divergence`; automatic optimization only: manual mixes one loss stream per
         optimizer), then a loss spike."""
         p, flags = self.parts, record.read_flags
         check = p.config.check
-        if getattr(pl_module, "automatic_optimization", True):
+        if self.responder.fit.automatic:
             found = p.divergence.observe(record.step, loss, flags.grad_norm)
             if found is not None:
-                yield incidents.divergence(self.responder.at(trainer, record), record, found,
+                yield incidents.divergence(self.responder.at(record), record, found,
                                            act=check.divergence != "warn")
         if spike_z is not None:
             cause, growth = spike_cause(flags.grad_norm, list(p.clipper.history), check.divergence_growth,
                                         check.divergence_steps)
             window = p.config.recovery.incident_window
-            yield incidents.spike(self.responder.at(trainer, record), record, z=spike_z,
+            yield incidents.spike(self.responder.at(record), record, z=spike_z,
                                   test=p.losses.detector.last, grad_norm_zscore=p.clipper.zscore(flags.grad_norm),
                                   cause=cause, growth=growth, action=check.spike_action,
                                   clip_to=p.clipper.zclip.mean,
@@ -252,15 +260,14 @@ class StepFlow:
 
     # ------------------------------------------------------------------------------------- lagged reads
 
-    def _judge_late(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                    current: bool = True) -> tuple[Outcome, bool]:
+    def _judge_late(self, current: bool = True) -> tuple[Outcome, bool]:
         """Read and judge the lagged step: its outcome, and (``current``: a step is under way whose gradients were
         taken on the weights that step left) whether that step must be skipped (its weights were rolled back)."""
         p = self.parts
         record, self._unread = self._unread, None
         assert record is not None
         record.flags = flags = p.evidence.take()
-        outcome, response = self._judge(trainer, pl_module, record)
+        outcome, response = self._judge(record)
         self._marked(record, outcome, response)
         # what the device did with its skip flag: skipped where the optimizer honours it (under a GradScaler, also on
         # an overflow)
@@ -271,26 +278,39 @@ class StepFlow:
         if outcome is Outcome.HEALTHY:
             p.recovery.healthy_step()
         if outcome in (Outcome.HEALTHY, Outcome.ROUTINE_OVERFLOW):  # at its own batch's logger step
-            p.recorder.scalars(trainer, lambda: p.scalars(trainer), record.log_step)
+            self._scalars(record.log_step)
         if not response.queued:
             return outcome, False
         # the current step's gradients hold for the restored weights only if nothing was applied since them
-        done = self.responder.finish(trainer, pl_module, keep_step=current and not applied)
+        done = self.responder.finish(keep_step=current and not applied)
         return outcome, current and (done.stopped or done.rolled_back and not done.kept_step)
 
-    def flush(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
-        """Judge the lagged step now (train end, epoch end, validation, a checkpoint, a due snapshot); True if
-        there was one."""
+    def flush(self) -> bool:
+        """Judge the lagged step now (train end, epoch end, validation, a checkpoint, a due snapshot).
+
+        Returns:
+            True if a lagged step was waiting to be judged (its verdict may have rolled the weights back).
+
+        Raises:
+            NaNGuardError: as :meth:`before_optimizer_step`.
+        """
         if self._unread is None:
             return False
-        self._judge_late(trainer, pl_module, current=False)
+        self._judge_late(current=False)
         return True
 
     # ----------------------------------------------------------------------------------- on_train_batch_end
 
-    def end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
-        """``on_train_batch_end``: carry out what the step's outcome calls for; False after a non-final
-        micro-batch of gradient accumulation (no optimizer step yet)."""
+    def end(self) -> bool:
+        """``on_train_batch_end``: carry out what the step's outcome calls for (its queued plans, the buffer and
+        metric undo, the weight flag for the next read, a due snapshot).
+
+        Returns:
+            False after a non-final micro-batch of gradient accumulation (no optimizer step yet), else True.
+
+        Raises:
+            NaNGuardError: a queued plan gave up under ``recovery.on_give_up: raise``.
+        """
         p = self.parts
         outcome, self.outcome = self.outcome, None
         response, self.response = self.response, NOTHING_DONE
@@ -298,29 +318,35 @@ class StepFlow:
             return False
         p.evidence.step_end()
         if outcome is Outcome.STAGED:
-            self._after_staged(trainer, pl_module)
+            self._after_staged()
         elif response.queued:
-            if not self.responder.finish(trainer, pl_module).stopped:  # weights can go bad during a skipped step too
-                p.evidence.after_step(pl_module)
+            if not self.responder.finish().stopped:  # weights can go bad during a skipped step too
+                p.evidence.after_step(self.responder.fit.module)
         elif outcome is Outcome.HEALTHY:
-            self._after_healthy(trainer, pl_module)
+            self._after_healthy()
         elif outcome is Outcome.SKIPPED and p.recovery.skipping_batches:
             p.recovery.batch_skipped()
         if outcome in (Outcome.INCIDENT, Outcome.SKIPPED) and not p.recovery.stopped:
             # a rescued step leaves no trace in what the user logged; a failed run (given up) is not hidden
             p.recovery.undo_metrics()
         if outcome is Outcome.ROUTINE_OVERFLOW:  # log the lowered scale like a healthy step
-            p.recorder.scalars(trainer, lambda: p.scalars(trainer))
+            self._scalars()
         return True
 
-    def _after_healthy(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def _scalars(self, step: Optional[int] = None) -> None:
+        """The guard's scalars of a step without an event, at the logger ``step`` of its batch (default: the
+        current batch's)."""
+        p, trainer = self.parts, self.responder.fit.trainer
+        p.recorder.scalars(trainer, lambda: p.scalars(trainer), step)
+
+    def _after_healthy(self) -> None:
         p = self.parts
         p.recovery.healthy_step()
-        p.evidence.after_step(pl_module)  # read with the next step's flags
-        self._maybe_snapshot(trainer, pl_module)
-        p.recorder.scalars(trainer, lambda: p.scalars(trainer))
+        p.evidence.after_step(self.responder.fit.module)  # read with the next step's flags
+        self._maybe_snapshot()
+        self._scalars()
 
-    def _after_staged(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def _after_staged(self) -> None:
         """End of a lagged step: undo its buffer writes where it was skipped (on the device), flag the weights
         it left, and leave its flags to the next step; read them now only if a snapshot may be due."""
         p = self.parts
@@ -329,22 +355,24 @@ class StepFlow:
         clear_device_skip(staged.optimizer, staged.skip)
         p.recovery.undo_buffers_where(staged.skip)
         p.recovery.undo_metrics_where(staged.skip)  # settled once its flags are read
-        p.evidence.after_step(pl_module)  # read with the next step's flags
+        p.evidence.after_step(self.responder.fit.module)  # read with the next step's flags
         self._unread = staged
         # a snapshot copies the weights to the host and waits anyway: judge the step first, never keep unread state
         if p.recovery.snapshot_due(ahead=1) and not p.recovery.stopped:
-            outcome, _ = self._judge_late(trainer, pl_module, current=False)
+            outcome, _ = self._judge_late(current=False)
             if outcome is Outcome.HEALTHY:
-                self._maybe_snapshot(trainer, pl_module)
+                self._maybe_snapshot()
 
-    def _maybe_snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def _maybe_snapshot(self) -> None:
         # never snapshot a run whose gradient norm is running away: finite is not known-good
         p = self.parts
         if p.recovery.snapshot_due() and not p.clipper.diverging() and not p.divergence.growing():
-            self.snapshot(trainer, pl_module)
+            self.snapshot()
 
-    def snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        p = self.parts
+    def snapshot(self) -> None:
+        """Take a known-good snapshot where one is due and the weights (and, several ranks, the replicas) agree."""
+        p, fit = self.parts, self.responder.fit
+        trainer, pl_module = fit.trainer, fit.module
         if p.recovery.store is None:
             return
         # several processes: every rank takes the same decision (one all-reduce of 4 numbers, before any rank-local
@@ -359,12 +387,12 @@ class StepFlow:
         if not agree:  # every rank rolls back to the newest snapshot, on which they agreed
             gathered, odd = drifted_replicas(p.ranks, trainer, pl_module)
             newest = p.recovery.store.newest
-            self.responder.respond(trainer, pl_module, incidents.replicas_drifted(
-                self.responder.at(trainer), gathered, odd, newest.step if newest else None, drifted_replicas_cause()))
+            self.responder.respond(incidents.replicas_drifted(
+                self.responder.at(), gathered, odd, newest.step if newest else None, drifted_replicas_cause()))
             return
         # an inf Adam moment leaves the weights finite (and freezes them): roll back instead of keeping it
         if state_bad:
-            self.responder.bad_weights(trainer, pl_module, "snapshot", own_evidence=own_state_bad)
+            self.responder.bad_weights("snapshot", own_evidence=own_state_bad)
             return
         p.recovery.take_snapshot(trainer, pl_module)
         p.evidence.weights.refresh()  # re-collect parameters and buffers (a module added mid-fit) now and then
