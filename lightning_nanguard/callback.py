@@ -212,7 +212,7 @@ class NaNGuardBase:
     def state_key(self) -> str:
         return self._generate_state_key(name=self.name) if self.name else "NaNGuard"
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"version": _STATE_VERSION, "counters": self._counters.state_dict(),
                 "recorder": self._recorder.state_dict(), "recovery": self._recovery.state_dict(),
                 "clipper": self._clipper.state_dict(), "losses": self._parts.losses.state_dict(),

@@ -128,7 +128,7 @@ class OverflowWatch:
         scale = flags.grad_scale
         return self.overflows >= self.patience or (math.isfinite(scale) and scale < self.min_scale)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"overflows": self.overflows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -190,7 +190,7 @@ class DivergenceWatch:
 
     # ---------------------------------------------------------------------------------------- persistence
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"first_loss": self.first_loss, "window": [list(w) for w in self.window], "loss_max": self.loss_max,
                 "norm_max": self.norm_max, "above": [list(a) for a in self.above], "latched": self.latched,
                 "onset": list(self.onset), "seen_max": self.seen_max, "above_floor": self.above_floor,

@@ -201,7 +201,7 @@ class Recorder:
         for sink in self.sinks:
             self._write(sink, sink.flush)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"index": self._index}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
