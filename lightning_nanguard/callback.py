@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NaNGuardBase", "NaNGuardError"]
 
-_Section = Union[Mapping[str, Any], None]
+_Section = Union[Mapping[str, object], None]
 _STATE_VERSION = 3
 
 
@@ -120,7 +120,7 @@ class NaNGuardBase:
     """
 
     if TYPE_CHECKING:  # from the Lightning Callback that classic.py and lightning.py add as a base class
-        def _generate_state_key(self, **kwargs: Any) -> str: ...
+        def _generate_state_key(self, **kwargs: object) -> str: ...
 
     def __init__(
         self,
@@ -323,7 +323,7 @@ class NaNGuardBase:
 
     # ------------------------------------------------------------------------------------- the step
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: object,
                              batch_idx: int) -> None:
         if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):
             self._recovery.step_start(trainer)
@@ -335,7 +335,7 @@ class NaNGuardBase:
                                  optimizer: torch.optim.Optimizer) -> None:
         self._flow.before_optimizer_step(trainer, pl_module, optimizer)
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: object, batch: object,
                            batch_idx: int) -> None:
         if self._flow.end(trainer, pl_module) and self.config.logging.progress_bar:
             self._status.update(trainer, pl_module, self._counters["incidents"], self._recovery.lr_scale)
@@ -343,7 +343,7 @@ class NaNGuardBase:
     # ----------------------------------------------------------------------------------- checkpoints
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                           checkpoint: dict[str, Any]) -> None:
+                           checkpoint: dict[str, object]) -> None:
         # the lagged step's verdict belongs in the checkpoint (and may roll back)
         if self._flow.flush(trainer, pl_module):
             rebuild(checkpoint, trainer, self.state_key, self.state_dict())
