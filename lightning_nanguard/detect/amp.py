@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
 from .vector import StepFlags
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
 __all__ = ["grad_scaler", "scale_tensor", "unscale_value", "scale_flag", "ensure_unscaled", "reads_found_inf",
            "skip_on_device", "clear_device_skip", "OverflowWatch"]
 
 
-def grad_scaler(trainer: Any) -> Optional[Any]:
+def grad_scaler(trainer: "pl.Trainer") -> Optional[Any]:
     """The enabled GradScaler of the trainer's precision plugin, or None (duck-typed)."""
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
     return scaler if scaler is not None and hasattr(scaler, "unscale_") and scaler.is_enabled() else None

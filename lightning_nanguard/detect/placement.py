@@ -8,18 +8,21 @@ same whole state (DDP: :func:`replicates`), and this process's rank, host and de
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from ..core.dtensors import local
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["whereabouts", "replicates", "shards_gradients", "local_tensor"]
 
 _SHARDING_NAMES = ("FSDP", "FullyShardedDataParallel", "ModelParallel")
 
 
-def whereabouts(trainer: Any) -> dict[str, Any]:
+def whereabouts(trainer: "pl.Trainer") -> dict[str, Any]:
     """Where this process runs: ``rank`` (global), ``host``, ``device`` (``cuda:3``, ``cpu``), ``local_rank``."""
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)
     return {"rank": int(getattr(trainer, "global_rank", 0) or 0), "host": socket.gethostname(),

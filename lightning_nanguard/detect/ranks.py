@@ -25,7 +25,7 @@ account, :func:`~..account.share_incident`) and :meth:`Ranks.reduced_norm` recom
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from .replicas import (
     weights_checksum,
 )
 from .vector import SCHEMA
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["Ranks", "local_norm_power", "local_norm_powers"]
 
@@ -128,7 +131,7 @@ class Ranks:
         self._primes: dict[torch.device, Tensor] = {}
 
     @classmethod
-    def for_trainer(cls, trainer: Any, norm_type: float = 2.0, replicas: bool = False,
+    def for_trainer(cls, trainer: "pl.Trainer", norm_type: float = 2.0, replicas: bool = False,
                     tolerance: float = 1e-3, exact: bool = True) -> "Ranks":
         strategy = getattr(trainer, "strategy", None)
         replicas = replicas and replicates(strategy, getattr(trainer, "lightning_module", None))

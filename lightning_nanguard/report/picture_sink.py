@@ -18,12 +18,15 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..core.console import say
 from ..core.events import NaNEvent
 from .pictures import PLOTS_OFF, figures, plots_available, png_bytes, rgb_array
 from .render import ReportText
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["PictureSink", "dashboard_layout", "FLUSH_TIMEOUT"]
 
@@ -58,7 +61,7 @@ class PictureSink:
     name = "the incident pictures"
     retry = "later events try again"
 
-    def __init__(self, trainer: Any, loggers: Sequence[Any], directory: Optional[Path],
+    def __init__(self, trainer: "pl.Trainer", loggers: Sequence[Any], directory: Optional[Path],
                  prefix: str = "nanguard/") -> None:
         self.directory = Path(directory) if directory is not None else None
         self.prefix = prefix

@@ -26,11 +26,14 @@ import re
 import stat
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from ..core.console import say
 from ..core.events import NaNEvent
 from .render import ReportText, render_report
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["Sink", "JsonlSink", "LoggerSink", "ReportSink", "ScreenSink", "highest_index", "highest_report"]
 
@@ -276,7 +279,7 @@ class ScreenSink:
     where = "the console"
     retry = "later events try again"
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
 
     def event(self, event: NaNEvent, text: ReportText, scalars: dict[str, float]) -> None:
