@@ -191,7 +191,7 @@ class Recorder:
         for sink in self.sinks:
             self._write(sink, lambda: sink.event(event, text, values))  # noqa: B023  (called at once)
 
-    # trainer: Any, as it reads log_every_n_steps, which Lightning sets on its Trainer without declaring it
+    # trainer untyped: it reads log_every_n_steps, which Lightning sets on its Trainer without declaring it
     def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]], step: Optional[int] = None) -> None:
         """The guard's scalars of a step without an event, at the logger ``step`` of its batch (:func:`logger_step`,
         by default the current batch's), on the batches where Lightning logs (``(step + 1) % log_every_n_steps``)."""
