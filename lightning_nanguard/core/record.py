@@ -48,11 +48,11 @@ class Window:
     __slots__ = ("batches", "rng", "step")
 
     def __init__(self) -> None:
-        self.batches: list[tuple[Any, int]] = []  # (batch, batch_idx)
+        self.batches: list[tuple[object, int]] = []  # (batch, batch_idx)
         self.rng: list[Optional[dict[str, Any]]] = []  # None when replays are off
         self.step: Optional[int] = None
 
-    def add(self, batch: Any, batch_idx: int, rng: Optional[dict[str, Any]] = None) -> None:
+    def add(self, batch: object, batch_idx: int, rng: Optional[dict[str, Any]] = None) -> None:
         self.batches.append((batch, batch_idx))
         self.rng.append(rng)
 
@@ -91,7 +91,7 @@ class StepRecord:
     window: Window
     lrs: list[float]  # the learning rates of the optimizer's param groups it ran at
     loss_checked: bool
-    optimizer: Any
+    optimizer: torch.optim.Optimizer
     update: UpdateStage
     scaled: bool  # a GradScaler was active
     has_norm: bool  # its gradient norm was computed
