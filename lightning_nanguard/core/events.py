@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from .causes import NAMES as CAUSES
+from .jsonvalue import JSONDict, JSONValue
 from .tree import children, keyed
 
 __all__ = ["NaNEvent", "Kind", "KINDS", "ACTIONS", "CAUSES", "to_jsonable"]
@@ -107,10 +108,15 @@ class NaNEvent:
         if bad:
             raise ValueError(f"unknown action {bad[0]!r}; allowed: {tuple(ACTIONS)}")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONDict:
+        """The event as its ``events.jsonl`` line holds it.
+
+        Returns:
+            Every field but ``log_step``, as JSON types (:func:`to_jsonable`).
+        """
         record = asdict(self)
         del record["log_step"]
-        return to_jsonable(record)
+        return {str(k): to_jsonable(v) for k, v in record.items()}
 
     def summary(self) -> str:
         """One line for logs and error messages."""
@@ -129,7 +135,7 @@ class NaNEvent:
         return "\n".join(lines)
 
 
-def _jsonable_leaf(obj: Any) -> Any:
+def _jsonable_leaf(obj: object) -> JSONValue:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else repr(obj)  # "nan" / "inf": strict JSON has no literal for them
     if isinstance(obj, (str, int, bool)) or obj is None:
@@ -141,7 +147,7 @@ def _jsonable_leaf(obj: Any) -> Any:
     return str(obj)
 
 
-def to_jsonable(obj: Any) -> Any:
+def to_jsonable(obj: object) -> JSONValue:
     """``obj`` as JSON types: mappings and dataclasses become dicts with string keys, other containers lists;
     tensors, numpy values and sets become lists, non-finite floats the strings ``"nan"``/``"inf"``."""
     kids = children(obj)

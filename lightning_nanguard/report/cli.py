@@ -25,10 +25,11 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO, Union
 
 from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
 from ..core.causes import CAUSES
+from ..core.jsonvalue import JSONDict
 
 __all__ = ["main", "read_events", "scan_events", "find_event_files", "InputError", "Totals"]
 
@@ -67,7 +68,7 @@ class _NotText(ValueError):
         self.binary = binary
 
 
-def _records(fh: BinaryIO, end: Optional[int] = None) -> Iterator[tuple[int, int, Any]]:
+def _records(fh: BinaryIO, end: Optional[int] = None) -> Iterator[tuple[int, int, Union[JSONDict, ValueError]]]:
     """``(line number, offset after the line, event or ValueError)`` for every non-blank line, up to byte ``end``.
 
     One line in memory at a time, and at most :data:`MAX_LINE` bytes of it (the rest of a longer line is read in
@@ -99,7 +100,7 @@ def _open(path: Path) -> BinaryIO:
         raise InputError(f"{path}: cannot read ({err.strerror or err})") from None
 
 
-def scan_events(path: Path, warn: TextIO, each: Callable[[dict[str, Any]], None]) -> tuple[int, int]:
+def scan_events(path: Path, warn: TextIO, each: Callable[[JSONDict], None]) -> tuple[int, int]:
     """Read one events.jsonl as a stream, calling ``each`` on every event; returns ``(events, end)``, ``end`` the
     byte offset after the last valid event (:func:`read_events` stops there). A bad last line is reported on
     ``warn`` and skipped (a run killed while writing it); any other bad line, a file that is not text, or a file
@@ -136,7 +137,7 @@ def _bad_line(path: Path, lineno: int, err: ValueError, events_before: int) -> I
     return InputError(f"{path}:{lineno}: malformed event line: {err}")
 
 
-def read_events(path: Path, end: Optional[int] = None) -> Iterator[dict[str, Any]]:
+def read_events(path: Path, end: Optional[int] = None) -> Iterator[JSONDict]:
     """The events of one events.jsonl, read as a stream up to byte ``end`` (what :func:`scan_events` checked);
     bad lines are skipped."""
     with _open(path) as fh:
@@ -145,7 +146,7 @@ def read_events(path: Path, end: Optional[int] = None) -> Iterator[dict[str, Any
                 yield item
 
 
-def _parse_line(raw: bytes) -> dict[str, Any]:
+def _parse_line(raw: bytes) -> JSONDict:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -170,7 +171,7 @@ def _parse_line(raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def _depth(obj: Any) -> int:
+def _depth(obj: object) -> int:
     """How deep lists and objects nest in ``obj`` (without recursion)."""
     deepest, stack = 0, [(obj, 1)]
     while stack:
@@ -190,7 +191,7 @@ MAX_CELL = 100  # characters of a table cell (a culprit name is ~40; a longer va
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     if value is None:
         return "-"
     if isinstance(value, (list, tuple)):
@@ -240,7 +241,7 @@ class Totals:
         self.counts: dict[str, Counter] = {"kinds": Counter(), "actions": Counter(), "causes": Counter()}
         self.rows: dict[tuple[str, str], dict[str, Any]] = {}
 
-    def add(self, e: dict[str, Any]) -> None:
+    def add(self, e: JSONDict) -> None:
         self.incidents += 1
         for name, key in (("kinds", "kind"), ("actions", "actions"), ("causes", "cause")):
             vals = e.get(key)
@@ -248,7 +249,7 @@ class Totals:
                 self.counts[name][str(v) if v is not None else "none"] += 1
         self._place(e)
 
-    def _place(self, e: dict[str, Any]) -> None:
+    def _place(self, e: JSONDict) -> None:
         """Per host and rank: its incidents, their causes, its faults that did not come back (their steps). An
         event of several ranks that names none (``details.ranks: []``) counts on host and rank ``?``."""
         details = e.get("details")
@@ -299,7 +300,7 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for f in files:
         table = _Table(COLUMNS)
 
-        def each(e: dict[str, Any], table: _Table = table) -> None:
+        def each(e: JSONDict, table: _Table = table) -> None:
             totals.add(e)
             if not args.json:
                 table.fit([_cell(e.get(c)) for c in COLUMNS])
@@ -395,14 +396,14 @@ def _write_places(places: list[dict[str, Any]], out: TextIO) -> None:
 # ----------------------------------------------------------------------------------------------- validate
 
 
-def resolve_config(data: Any, where: str) -> NaNGuardConfig:
+def resolve_config(data: object, where: str) -> NaNGuardConfig:
     """Sections (optionally under ``nanguard:``), or the NaNGuard ``init_args`` of a LightningCLI config."""
     if isinstance(data, Mapping) and "trainer" in data and not set(data) & set(SECTIONS):
         return _from_lightning_cli(data, where)
     return NaNGuardConfig.from_mapping(data, where=where)
 
 
-def _from_lightning_cli(data: Mapping[str, Any], where: str) -> NaNGuardConfig:
+def _from_lightning_cli(data: Mapping[str, object], where: str) -> NaNGuardConfig:
     trainer = data.get("trainer") or {}
     callbacks = trainer.get("callbacks") if isinstance(trainer, Mapping) else None
     if isinstance(callbacks, Mapping):
