@@ -11,7 +11,7 @@ no logging handlers of its own.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["say", "warn"]
 
 
-def _bar_on_screen(bar: Any) -> bool:
+def _bar_on_screen(bar: object) -> bool:
     """Is a progress bar drawn right now? (TQDM: one of its bars exists; Rich: its live display runs.)"""
     if bar is None or not getattr(bar, "is_enabled", False):
         return False

@@ -212,12 +212,12 @@ class Recorder:
         self._index = int(state.get("index", 0))
 
 
-def _name(sink: Any) -> str:
+def _name(sink: object) -> str:
     """What a sink is called in a warning (a sink of the user's own may have no ``name``)."""
     return str(getattr(sink, "name", type(sink).__name__))
 
 
-def _where_and_why(sink: Any, exc: BaseException) -> tuple[str, str]:
+def _where_and_why(sink: object, exc: BaseException) -> tuple[str, str]:
     """Where a sink's write failed (the file the OS names, else the sink's place) and why, in the OS's words."""
     where = str(getattr(sink, "where", ""))
     if isinstance(exc, OSError):
