@@ -24,14 +24,15 @@ import argparse
 import json
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO, Union
+from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO, Union
 
 from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
 from ..core.causes import CAUSES
-from ..core.jsonvalue import JSONDict
+from ..core.jsonvalue import JSONDict, JSONValue
 
-__all__ = ["main", "read_events", "scan_events", "find_event_files", "InputError", "Totals"]
+__all__ = ["main", "read_events", "scan_events", "find_event_files", "InputError", "Totals", "Place"]
 
 EVENTS_FILE = "events.jsonl"
 COLUMNS = ("step", "kind", "actions", "cause", "culprit")
@@ -233,15 +234,40 @@ REPEATED = 2  # faults that did not come back, on one rank, that make its row co
 FAULTS = next(c.name for c in CAUSES.values() if c.hardware_fault)
 
 
+@dataclass
+class Place:
+    """The incidents of one host and rank (:meth:`Totals.places`)."""
+
+    host: str
+    rank: str
+    device: JSONValue
+    local_rank: JSONValue
+    incidents: int = 0
+    causes: Counter[str] = field(default_factory=Counter)
+    faults: int = 0  # of the cause FAULTS: faults that did not come back
+    fault_steps: list[JSONValue] = field(default_factory=list)
+
+    def as_dict(self) -> JSONDict:
+        """The place as ``--json`` writes it (its causes most frequent first)."""
+        return {"host": self.host, "rank": self.rank, "device": self.device, "local_rank": self.local_rank,
+                "incidents": self.incidents, "causes": dict(self.causes.most_common()), FAULTS: self.faults,
+                FAULTS + "_steps": list(self.fault_steps)}
+
+
 class Totals:
     """Totals over the events, added one at a time: counts by kind, action and cause, and per host and rank."""
 
     def __init__(self) -> None:
         self.incidents = 0
-        self.counts: dict[str, Counter] = {"kinds": Counter(), "actions": Counter(), "causes": Counter()}
-        self.rows: dict[tuple[str, str], dict[str, Any]] = {}
+        self.counts: dict[str, Counter[str]] = {"kinds": Counter(), "actions": Counter(), "causes": Counter()}
+        self.rows: dict[tuple[str, str], Place] = {}
 
     def add(self, e: JSONDict) -> None:
+        """Count one event.
+
+        Args:
+            e: the event, as its ``events.jsonl`` line holds it.
+        """
         self.incidents += 1
         for name, key in (("kinds", "kind"), ("actions", "actions"), ("causes", "cause")):
             vals = e.get(key)
@@ -260,29 +286,39 @@ class Totals:
         rank = str(e.get("rank", 0)) if known else UNKNOWN_RANK
         row = self.rows.get((host, rank))
         if row is None:
-            row = self.rows[(host, rank)] = {
-                "host": host, "rank": rank, "device": (e.get("device") or "-") if known else "-",
-                "local_rank": e.get("local_rank"), "incidents": 0, "causes": Counter(), FAULTS: 0,
-                FAULTS + "_steps": []}
-        row["incidents"] += 1
-        row["causes"][str(e.get("cause") or "none")] += 1
+            row = self.rows[(host, rank)] = Place(host, rank, (e.get("device") or "-") if known else "-",
+                                                  e.get("local_rank"))
+        row.incidents += 1
+        row.causes[str(e.get("cause") or "none")] += 1
         if e.get("cause") == FAULTS:
-            row[FAULTS] += 1
-            row[FAULTS + "_steps"].append(e.get("step"))
+            row.faults += 1
+            row.fault_steps.append(e.get("step"))
 
-    def places(self) -> list[dict[str, Any]]:
-        """The rows of :meth:`_place`, hosts with repeated faults that did not come back first, ``?`` last."""
-        host_transients: Counter = Counter()
+    def places(self) -> list[Place]:
+        """The places of :meth:`_place`, hosts with repeated faults that did not come back first, ``?`` last.
+
+        Returns:
+            One :class:`Place` per host and rank.
+        """
+        host_transients: Counter[str] = Counter()
         for row in self.rows.values():
-            host_transients[row["host"]] += row[FAULTS]
-        ordered = sorted(self.rows.values(), key=lambda r: (
-            r["host"] == UNKNOWN_RANK, -(host_transients[r["host"]] >= REPEATED), -host_transients[r["host"]],
-            r["host"], -r[FAULTS], -r["incidents"], r["rank"]))
-        return [dict(r, causes=dict(r["causes"].most_common())) for r in ordered]
+            host_transients[row.host] += row.faults
+        return sorted(self.rows.values(), key=lambda r: (
+            r.host == UNKNOWN_RANK, -(host_transients[r.host] >= REPEATED), -host_transients[r.host],
+            r.host, -r.faults, -r.incidents, r.rank))
 
-    def as_dict(self, files: int) -> dict[str, Any]:
-        return {"incidents": self.incidents, "files": files,
-                **{name: dict(c.most_common()) for name, c in self.counts.items()}, "places": self.places()}
+    def as_dict(self, files: int) -> JSONDict:
+        """The totals as ``--json`` writes them.
+
+        Args:
+            files: how many events files were read.
+
+        Returns:
+            ``incidents``, ``files``, the counts by ``kinds``, ``actions`` and ``causes``, and the ``places``.
+        """
+        counts: dict[str, JSONValue] = {name: dict(c.most_common()) for name, c in self.counts.items()}
+        return {"incidents": self.incidents, "files": files, **counts,
+                "places": [p.as_dict() for p in self.places()]}
 
 
 def _fmt_counts(counts: Mapping[str, int]) -> str:
@@ -321,11 +357,11 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         for e in read_events(f, end):
             out.write(table.line([_cell(e.get(c)) for c in COLUMNS]) + "\n")
         out.write("\n")
-    out.write(f"total: {summary['incidents']} incident(s) in {summary['files']} file(s)\n")
-    out.write(f"  kinds:   {_fmt_counts(summary['kinds'])}\n")
-    out.write(f"  actions: {_fmt_counts(summary['actions'])}\n")
-    out.write(f"  causes:  {_fmt_counts(summary['causes'])}\n")
-    _write_places(summary["places"], out)
+    out.write(f"total: {totals.incidents} incident(s) in {len(files)} file(s)\n")
+    out.write(f"  kinds:   {_fmt_counts(dict(totals.counts['kinds'].most_common()))}\n")
+    out.write(f"  actions: {_fmt_counts(dict(totals.counts['actions'].most_common()))}\n")
+    out.write(f"  causes:  {_fmt_counts(dict(totals.counts['causes'].most_common()))}\n")
+    _write_places(totals.places(), out)
     if args.plot is not None:
         _write_pictures(root, scanned, Path(args.plot), out, err)
     return 0
@@ -365,7 +401,7 @@ def _write_pictures(root: Path, scanned: list[tuple[Path, int, int]], folder: Pa
               " (no event kept a gradient-flow window: logging.flow_window 0, or none was recorded)") + "\n")
 
 
-def _write_json(scanned: list[tuple[Path, int, int]], summary: dict[str, Any], out: TextIO) -> None:
+def _write_json(scanned: list[tuple[Path, int, int]], summary: JSONDict, out: TextIO) -> None:
     """``{"events": [...], "totals": {...}}`` as ``json.dump(..., indent=2, sort_keys=True)`` writes it, one event
     at a time."""
     out.write('{\n  "events": [')
@@ -378,18 +414,18 @@ def _write_json(scanned: list[tuple[Path, int, int]], summary: dict[str, Any], o
     out.write("\n  ],\n  \"totals\": " + json.dumps(summary, indent=2, sort_keys=True).replace("\n", "\n  ") + "\n}\n")
 
 
-def _write_places(places: list[dict[str, Any]], out: TextIO) -> None:
+def _write_places(places: list[Place], out: TextIO) -> None:
     """Where the incidents happened, hosts with repeated faults that did not come back first."""
     header = ("host", "rank", "device", "incidents", FAULTS, "causes")
-    rows = [[_cell(p["host"]), _cell(p["rank"]), _cell(p["device"]), str(p["incidents"]), str(p[FAULTS]),
-             _fmt_counts(p["causes"])] for p in places]
+    rows = [[_cell(p.host), _cell(p.rank), _cell(p.device), str(p.incidents), str(p.faults),
+             _fmt_counts(dict(p.causes.most_common()))] for p in places]
     out.write("\nby host and rank (hosts with repeated faults that did not come back first):\n")
     out.write(_table(rows, header) + "\n")
     for p in places:
-        if p[FAULTS] >= REPEATED:
-            rank = "an unknown rank" if p["rank"] == UNKNOWN_RANK else f"rank {_cell(p['rank'])}"
-            steps = ", ".join(_cell(s) for s in p[FAULTS + "_steps"])
-            out.write(f"suspect: {rank} on host {_cell(p['host'])} ({_cell(p['device'])}) had {p[FAULTS]} faults "
+        if p.faults >= REPEATED:
+            rank = "an unknown rank" if p.rank == UNKNOWN_RANK else f"rank {_cell(p.rank)}"
+            steps = ", ".join(_cell(s) for s in p.fault_steps)
+            out.write(f"suspect: {rank} on host {_cell(p.host)} ({_cell(p.device)}) had {p.faults} faults "
                       f"that did not come back (steps {steps}): test that device or exclude the host\n")
 
 
