@@ -50,7 +50,17 @@ MAX_DEPTH = 64  # nesting of an event's JSON: the guard's are 5 deep; deeper is 
 
 
 def find_event_files(path: Path) -> list[Path]:
-    """``path`` itself if it is a file, else every ``events.jsonl`` below it (sorted)."""
+    """The events files to read.
+
+    Args:
+        path: a file, or a folder to search.
+
+    Returns:
+        ``path`` itself if it is a file, else every ``events.jsonl`` below it (sorted).
+
+    Raises:
+        InputError: ``path`` does not exist or cannot be searched.
+    """
     try:
         if not path.exists():
             raise InputError(f"{path}: no such file or directory")
@@ -102,10 +112,20 @@ def _open(path: Path) -> BinaryIO:
 
 
 def scan_events(path: Path, warn: TextIO, each: Callable[[JSONDict], None]) -> tuple[int, int]:
-    """Read one events.jsonl as a stream, calling ``each`` on every event; returns ``(events, end)``, ``end`` the
-    byte offset after the last valid event (:func:`read_events` stops there). A bad last line is reported on
-    ``warn`` and skipped (a run killed while writing it); any other bad line, a file that is not text, or a file
-    without a valid event raises :class:`InputError`."""
+    """Read one events.jsonl as a stream, one line in memory at a time.
+
+    Args:
+        path: the file.
+        warn: where a bad last line is reported (a run killed while writing it: skipped).
+        each: called on every event.
+
+    Returns:
+        ``(events, end)``: how many events, and the byte offset after the last valid one (:func:`read_events`
+        stops there).
+
+    Raises:
+        InputError: a bad line that is not the last, a file that is not text, or one without a valid event.
+    """
     events = end = 0
     pending: Optional[tuple[int, ValueError]] = None  # a bad line: fatal unless it is the last
     with _open(path) as fh:
@@ -139,8 +159,15 @@ def _bad_line(path: Path, lineno: int, err: ValueError, events_before: int) -> I
 
 
 def read_events(path: Path, end: Optional[int] = None) -> Iterator[JSONDict]:
-    """The events of one events.jsonl, read as a stream up to byte ``end`` (what :func:`scan_events` checked);
-    bad lines are skipped."""
+    """The events of one events.jsonl, read as a stream; bad lines are skipped.
+
+    Args:
+        path: the file.
+        end: the byte to stop at (what :func:`scan_events` checked); None: the whole file.
+
+    Returns:
+        The events, in file order.
+    """
     with _open(path) as fh:
         for _, _, item in _records(fh, end):
             if not isinstance(item, ValueError):
@@ -496,6 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``nanguard`` command: ``report`` (summarise events.jsonl files) and ``validate`` (check a config).
+
+    Args:
+        argv: the arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, 2 for bad input (printed as one line on stderr), 130 when interrupted.
+    """
     args = build_parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
     for stream in (out, err):  # a name or an event string that the terminal cannot encode: escaped, not a traceback
