@@ -6,7 +6,7 @@ imports no Lightning package it did not ask for, and the ``nanguard`` command (w
 without torch.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .config import NaNGuardConfig
 from .errors import ConfigError, NaNGuardError
@@ -22,7 +22,8 @@ __version__ = "0.1.0"
 _LAZY = {"NaNGuard": ".classic", "NaNEvent": ".core.events"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "type[NaNGuard] | type[NaNEvent]":
+    """``NaNGuard`` and ``NaNEvent``, imported on first access."""
     if name in _LAZY:
         import importlib
 

@@ -9,7 +9,7 @@ other way round). ``lightning_nanguard.NaNGuard`` (:mod:`.classic`) adds ``pytor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["NaNGuardBase", "NaNGuardError"]
 
-_Section = Union[Mapping[str, Any], None]
+_Section = Union[Mapping[str, object], None]
+_Guard = TypeVar("_Guard", bound="NaNGuardBase")
 _STATE_VERSION = 3
 
 
@@ -120,7 +121,7 @@ class NaNGuardBase:
     """
 
     if TYPE_CHECKING:  # from the Lightning Callback that classic.py and lightning.py add as a base class
-        def _generate_state_key(self, **kwargs: Any) -> str: ...
+        def _generate_state_key(self, **kwargs: object) -> str: ...
 
     def __init__(
         self,
@@ -148,8 +149,18 @@ class NaNGuardBase:
         self._resumed = False
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path]) -> "NaNGuardBase":
-        """Build from a YAML file of sections (optionally nested under ``nanguard:``)."""
+    def from_yaml(cls: type[_Guard], path: Union[str, Path]) -> _Guard:
+        """Build from a YAML file of sections (optionally nested under ``nanguard:``).
+
+        Args:
+            path: the YAML file.
+
+        Returns:
+            The guard with that configuration.
+
+        Raises:
+            ConfigError: the file cannot be read, is malformed, or holds an invalid configuration.
+        """
         return cls(config=NaNGuardConfig.from_yaml(path))
 
     def _build(self) -> None:
@@ -203,7 +214,14 @@ class NaNGuardBase:
         return self._recorder.out_dir
 
     def report_path(self, event: NaNEvent) -> Path:
-        """The incident report file of ``event``."""
+        """The incident report file of an event.
+
+        Args:
+            event: one of :attr:`events`.
+
+        Returns:
+            Its Markdown report under :attr:`report_dir`.
+        """
         return self._recorder.report_path(event)
 
     # ------------------------------------------------------------------------------------ persistence
@@ -212,7 +230,13 @@ class NaNGuardBase:
     def state_key(self) -> str:
         return self._generate_state_key(name=self.name) if self.name else "NaNGuard"
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
+        """The guard's state for a checkpoint (Lightning calls it).
+
+        Returns:
+            Its versioned sections: counters, event numbering, the recovery ladder and LR scale, the learned
+            statistics.
+        """
         return {"version": _STATE_VERSION, "counters": self._counters.state_dict(),
                 "recorder": self._recorder.state_dict(), "recovery": self._recovery.state_dict(),
                 "clipper": self._clipper.state_dict(), "losses": self._parts.losses.state_dict(),
@@ -222,7 +246,14 @@ class NaNGuardBase:
         """Continue from a saved state: checked first (:mod:`~lightning_nanguard.state_schema`), so that a state of
         another version than the current one (the older ones were never released) or a malformed decision raises
         :class:`NaNGuardError` naming its key before anything is loaded, and malformed statistics are reset with one
-        warning."""
+        warning.
+
+        Args:
+            state_dict: what :meth:`state_dict` returned (Lightning passes it from the checkpoint).
+
+        Raises:
+            NaNGuardError: another version, or a malformed decision (naming its key).
+        """
         source = f"checkpoint['callbacks'][{self.state_key!r}]"
         check_version(state_dict, _STATE_VERSION, source)
         checked = check_state(state_dict, source)
@@ -324,7 +355,7 @@ class NaNGuardBase:
 
     # ------------------------------------------------------------------------------------- the step
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: object,
                              batch_idx: int) -> None:
         if self._evidence.micro_batch(batch, batch_idx, trainer.global_step):
             self._recovery.step_start(trainer)
@@ -336,7 +367,7 @@ class NaNGuardBase:
                                  optimizer: torch.optim.Optimizer) -> None:
         self._flow.before_optimizer_step(trainer, optimizer)
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: object, batch: object,
                            batch_idx: int) -> None:
         if self._flow.end() and self.config.logging.progress_bar:
             self._status.update(trainer, pl_module, self._counters["incidents"], self._recovery.lr_scale)
@@ -344,7 +375,7 @@ class NaNGuardBase:
     # ----------------------------------------------------------------------------------- checkpoints
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                           checkpoint: dict[str, Any]) -> None:
+                           checkpoint: dict[str, object]) -> None:
         # the lagged step's verdict belongs in the checkpoint (and may roll back)
         if self._flow.flush():
             rebuild(checkpoint, trainer, self.state_key, self.state_dict())

@@ -15,10 +15,14 @@ import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, TypeVar, Union
 
+from .core.jsonvalue import JSONDict
 from .errors import ConfigError
 from .usage_errors import usage_errors
+
+if TYPE_CHECKING:
+    import yaml
 
 __all__ = [
     "ConfigError",
@@ -35,8 +39,11 @@ __all__ = [
 ]
 
 
-def _opt(default: Any, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,
-         lo_open: bool = False, hi_open: bool = False, inf_ok: bool = False) -> Any:
+_T = TypeVar("_T")
+
+
+def _opt(default: _T, help: str, *, lo: Optional[float] = None, hi: Optional[float] = None,
+         lo_open: bool = False, hi_open: bool = False, inf_ok: bool = False) -> _T:
     """A dataclass field with a one-line ``help`` and an optional numeric range.
 
     Numbers must be finite unless ``inf_ok`` (an infinite clip, z-score or factor means nothing; ``null``
@@ -50,7 +57,7 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     """A bounded one-line repr for messages (a 5,000-deep list must not raise RecursionError)."""
     return _REPR.repr(value)
 
@@ -81,7 +88,12 @@ class _Section:
     def _validate(self) -> None:
         """Cross-field checks; overridden where a section has them."""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JSONDict:
+        """The config as plain data.
+
+        Returns:
+            Its keys and values (a :class:`NaNGuardConfig`: one mapping per section).
+        """
         return dataclasses.asdict(self)
 
 
@@ -288,8 +300,19 @@ class NaNGuardConfig:
                 object.__setattr__(self, name, _section(name, cls, getattr(self, name)))
 
     @classmethod
-    def from_mapping(cls, data: Any, *, where: str = "") -> "NaNGuardConfig":
-        """Build from a mapping of sections (optionally nested under ``nanguard:``)."""
+    def from_mapping(cls, data: object, *, where: str = "") -> "NaNGuardConfig":
+        """Build from a mapping of sections (optionally nested under ``nanguard:``).
+
+        Args:
+            data: ``{section: {key: value}}`` (None: every default).
+            where: what ``data`` was read from, for the error messages.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ConfigError: not a mapping, an unknown section or key, or a value outside what its key allows.
+        """
         if data is None:
             data = {}
         if not isinstance(data, Mapping):
@@ -304,16 +327,32 @@ class NaNGuardConfig:
 
     @classmethod
     def from_yaml(cls, path: Union[str, Path]) -> "NaNGuardConfig":
+        """Build from a YAML file (see :meth:`from_mapping`).
+
+        Args:
+            path: the file.
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ConfigError: the file cannot be read, is malformed YAML, or holds an invalid config.
+        """
         return cls.from_mapping(load_yaml(path), where=str(path))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JSONDict:
+        """The config as plain data.
+
+        Returns:
+            Its keys and values (a :class:`NaNGuardConfig`: one mapping per section).
+        """
         return dataclasses.asdict(self)
 
 
 # ------------------------------------------------------------------------------------------- validation
 
 
-def _section(name: str, cls: type, value: Any) -> Any:
+def _section(name: str, cls: type, value: object) -> object:
     if isinstance(value, cls):
         return value
     if value is None:
@@ -331,7 +370,7 @@ def _section(name: str, cls: type, value: Any) -> Any:
     return cls(**value)
 
 
-def _unknown(key: Any, known: list[str], prefix: str) -> str:
+def _unknown(key: object, known: list[str], prefix: str) -> str:
     key = key if isinstance(key, str) and key.isprintable() and len(key) <= 60 else _show(key)
     msg = f"{prefix}{key}: unknown key; allowed: {', '.join(known)}"
     close = difflib.get_close_matches(key, known, n=1)
@@ -340,7 +379,7 @@ def _unknown(key: Any, known: list[str], prefix: str) -> str:
     return msg
 
 
-def _describe(tp: Any) -> str:
+def _describe(tp: object) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
@@ -349,7 +388,7 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(path: str, value: Any, tp: Any) -> Any:
+def _coerce(path: str, value: object, tp: object) -> object:
     """Return ``value`` as type ``tp`` or raise ConfigError naming ``path`` and the allowed values."""
     origin = typing.get_origin(tp)
     if origin is Union:
@@ -391,7 +430,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                       f"{_bool_hint(value, tp)}")
 
 
-def _null_hint(path: str, value: Any, tp: Any) -> str:
+def _null_hint(path: str, value: object, tp: object) -> str:
     """jsonargparse hands ``--trainer.callbacks.init_args.clip.max_norm=null`` over as the string 'None' (and
     drops the section's other keys): say how to write null on the command line."""
     if value not in ("None", "null") or type(None) not in typing.get_args(tp):
@@ -401,7 +440,7 @@ def _null_hint(path: str, value: Any, tp: Any) -> str:
             f"through its section, --trainer.callbacks.init_args.{section}='{{{key}: null}}')")
 
 
-def _bool_hint(value: Any, tp: Any) -> str:
+def _bool_hint(value: object, tp: object) -> str:
     """YAML 1.1 (PyYAML, jsonargparse) reads an unquoted ``off`` as false: say so where 'off' is allowed."""
     arms = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
     choices = {a for arm in arms if typing.get_origin(arm) is Literal for a in typing.get_args(arm)}
@@ -410,7 +449,7 @@ def _bool_hint(value: Any, tp: Any) -> str:
     return ""
 
 
-def _check_range(path: str, value: Any, meta: Mapping[str, Any], nullable: bool = False) -> None:
+def _check_range(path: str, value: object, meta: Mapping[str, Any], nullable: bool = False) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return
     lo, hi = meta.get("lo"), meta.get("hi")
@@ -427,8 +466,18 @@ def _check_range(path: str, value: Any, meta: Mapping[str, Any], nullable: bool 
         raise ConfigError(f"{path}: got {value!r}; allowed: {kind} in {rng}{' or null' if nullable else ''}")
 
 
-def load_yaml(path: Union[str, Path]) -> Any:
-    """Read a YAML file, turning every failure into a ConfigError that names the file."""
+def load_yaml(path: Union[str, Path]) -> object:
+    """Read a YAML file (duplicate keys refused), turning every failure into a ConfigError that names the file.
+
+    Args:
+        path: the file.
+
+    Returns:
+        What the YAML holds (mappings, lists and scalars).
+
+    Raises:
+        ConfigError: the file cannot be read or is malformed.
+    """
     import yaml
 
     p = Path(path)
@@ -457,12 +506,12 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def _strict_loader() -> Any:
+def _strict_loader() -> "type[yaml.SafeLoader]":
     """A SafeLoader that refuses duplicate keys (plain PyYAML silently keeps the last one)."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        def construct_mapping(self, node: "yaml.MappingNode", deep: bool = False) -> "dict[object, object]":
             seen: set = set()
             for key_node, _ in getattr(node, "value", []):
                 if key_node.tag == "tag:yaml.org,2002:merge":
@@ -481,10 +530,13 @@ def _strict_loader() -> Any:
     return StrictLoader
 
 
-def iter_keys() -> list[tuple[str, Any, str]]:
-    """Every configuration key as ``(section.key, default, help)``, section by section: each section's
-    :data:`EVERYDAY_KEYS` first, then its advanced keys, each tier in declaration order (the order of
-    ``configs/default.yaml`` and of the reference in ``docs/configuration.md``)."""
+def iter_keys() -> list[tuple[str, object, str]]:
+    """Every configuration key, section by section: each section's :data:`EVERYDAY_KEYS` first, then its
+    advanced keys, each tier in declaration order (that of ``configs/default.yaml`` and ``docs/configuration.md``).
+
+    Returns:
+        ``(section.key, default, help)`` per key.
+    """
     out = []
     for name, cls in SECTIONS.items():
         keys = [(f"{name}.{f.name}", f.default, f.metadata.get("help", "")) for f in dataclasses.fields(cls)]

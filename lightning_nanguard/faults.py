@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Protocol, Sequence, TypeVar, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from .core.dtensors import local
+from .core.jsonvalue import JSONDict
 from .core.layouts import raw_values
 from .core.tree import iter_tensors, map_tensors
 
@@ -22,6 +24,19 @@ FAULT_KINDS = ("input", "loss", "activation", "gradient", "parameter", "optimize
 FAULT_VALUES = ("nan", "inf", "-inf")
 _NUMBERS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _PER_MICRO_BATCH = ("input", "loss", "activation", "gradient")
+
+
+class _Trainer(Protocol):
+    """What the injector reads of a Trainer (either Lightning package's)."""
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def current_epoch(self) -> int: ...
 
 
 def _as_tuple(value: Union[str, Sequence[str]], allowed: Sequence[str], name: str) -> tuple[str, ...]:
@@ -47,6 +62,10 @@ class Fault:
             ``gradient`` faults (0 = the first).
         state_key: the optimizer-state entry poisoned by ``optimizer_state``.
         ranks: global ranks that inject (default: all).
+
+    Raises:
+        ValueError: a kind or value outside ``FAULT_KINDS``/``FAULT_VALUES``, a negative step or micro-batch, or a
+            rate outside [0, 1].
     """
 
     kind: Union[str, tuple[str, ...]]
@@ -87,7 +106,12 @@ class Injection:
     applied: bool = True
     note: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONDict:
+        """The record as JSON (what a test or a report writes out).
+
+        Returns:
+            Its fields by name.
+        """
         return asdict(self)
 
 
@@ -109,8 +133,11 @@ def _element(t: Tensor, rng: random.Random) -> tuple[int, ...]:
     return tuple(reversed(index))
 
 
-def _first_float(out: Any) -> Optional[Tensor]:
+def _first_float(out: object) -> Optional[Tensor]:
     return next((t for _, t in iter_tensors(out) if t.is_floating_point() and t.numel()), None)
+
+
+_Injector = TypeVar("_Injector", bound="FaultInjectorBase")
 
 
 class FaultInjectorBase:
@@ -123,6 +150,9 @@ class FaultInjectorBase:
     Args:
         faults: a :class:`Fault` or a list of them.
         seed: seed of the injector's own random draws (never the global RNG).
+
+    Raises:
+        ValueError: ``faults`` holds something that is no :class:`Fault`.
     """
 
     def __init__(self, faults: Union[Fault, Iterable[Fault]], *, seed: int = 0) -> None:
@@ -137,18 +167,42 @@ class FaultInjectorBase:
         self._stepped = False
         self._restore: list[tuple[Tensor, tuple[int, ...], Tensor]] = []  # this step's poisoned inputs
         self._pending: list[tuple[Tensor, tuple[int, ...], Tensor]] = []  # the previous step's, written back later
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     @classmethod
-    def at_rate(cls, rate: float, kinds: Sequence[str] = FAULT_KINDS, values: Sequence[str] = FAULT_VALUES,
-                *, seed: int = 0, **fault_kwargs: Any) -> "FaultInjectorBase":
-        """At each optimizer step, with probability ``rate``, one fault of a kind and value drawn at random."""
-        return cls(Fault(tuple(kinds), rate=rate, value=tuple(values), **fault_kwargs), seed=seed)
+    def at_rate(cls: type[_Injector], rate: float, kinds: Sequence[str] = FAULT_KINDS,
+                values: Sequence[str] = FAULT_VALUES, *, seed: int = 0, steps: Sequence[int] = (),
+                target: Optional[str] = None, micro_batch: int = 0, state_key: str = "exp_avg_sq",
+                ranks: Optional[Sequence[int]] = None) -> _Injector:
+        """At each optimizer step, with probability ``rate``, one fault of a kind and value drawn at random.
+
+        Args:
+            rate: the probability in [0, 1] that a fault fires at a step.
+            kinds: the kinds to draw from (``FAULT_KINDS``).
+            values: the values to draw from (``FAULT_VALUES``).
+            seed: seed of the injector's own draws.
+            steps, target, micro_batch, state_key, ranks: as :class:`Fault` has them.
+
+        Returns:
+            An injector with that one :class:`Fault`.
+
+        Raises:
+            ValueError: a kind, value, rate or step outside what :class:`Fault` allows.
+        """
+        return cls(Fault(tuple(kinds), steps=steps, rate=rate, value=tuple(values), target=target,
+                         micro_batch=micro_batch, state_key=state_key, ranks=ranks), seed=seed)
 
     # ----------------------------------------------------------------------------------------- planning
 
     def fires_at(self, step: int) -> list[tuple[str, str]]:
-        """The ``(kind, value)`` faults planned for optimizer ``step`` (a pure function of seed and step)."""
+        """The faults planned for an optimizer step (a pure function of the seed and the step).
+
+        Args:
+            step: the optimizer step (``trainer.global_step``).
+
+        Returns:
+            ``(kind, value)`` of each fault that fires at ``step``, on any rank.
+        """
         return [(p.kind, p.value) for p in self._draw(step, rank=None)]
 
     def _draw(self, step: int, rank: Optional[int]) -> list[_Planned]:
@@ -175,11 +229,11 @@ class FaultInjectorBase:
 
     # ------------------------------------------------------------------------------------------- hooks
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_fit_start(self, trainer: _Trainer, pl_module: nn.Module) -> None:
         self.log = []
         self._plan, self._micro, self._stepped = [], -1, False
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: _Trainer, pl_module: nn.Module, batch: object, batch_idx: int) -> None:
         if self._micro < 0:  # first micro-batch of an optimizer step
             self._plan = self._draw(trainer.global_step, rank=trainer.global_rank)
             for p in self._plan:
@@ -193,7 +247,7 @@ class FaultInjectorBase:
         for p in self._due(("activation",)):
             self._hook_activation(p, pl_module)
 
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Tensor) -> None:
+    def on_before_backward(self, trainer: _Trainer, pl_module: nn.Module, loss: Tensor) -> None:
         for p in self._due(("loss",)):
             number = _NUMBERS[p.value]
             loss.data.fill_(number)  # the value, without bumping the version autograd checks
@@ -201,7 +255,7 @@ class FaultInjectorBase:
                 loss.register_hook(lambda g, n=number: torch.full_like(g, n))
             self._mark(p, "loss", ())
 
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+    def on_after_backward(self, trainer: _Trainer, pl_module: nn.Module) -> None:
         for p in self._due(("gradient",)):
             named = [(n, q) for n, q in pl_module.named_parameters() if q.grad is not None]
             name, param = self._pick(p, named)
@@ -210,7 +264,8 @@ class FaultInjectorBase:
                 continue
             self._mark(p, name, self._poison(param.grad, p))
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: _Trainer, pl_module: nn.Module,
+                                 optimizer: torch.optim.Optimizer) -> None:
         self._stepped = True
         for p in self._due(("optimizer_state",)):
             names = {id(q): n for n, q in pl_module.named_parameters()}
@@ -224,7 +279,8 @@ class FaultInjectorBase:
                 continue
             self._mark(p, f"{name}.{key}", self._poison(optimizer.state[param][key], p))
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: _Trainer, pl_module: nn.Module, outputs: object, batch: object,
+                           batch_idx: int) -> None:
         if not self._stepped:
             return  # a non-final micro-batch of gradient accumulation
         for p in self._due(("parameter",)):
@@ -235,13 +291,13 @@ class FaultInjectorBase:
             self._mark(p, name, self._poison(param, p))
         self._end_window()
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: _Trainer, pl_module: nn.Module) -> None:
         self._end_window()  # (a lagged guard judges the last step after this hook: its inputs stay until teardown)
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def on_exception(self, trainer: _Trainer, pl_module: nn.Module, exception: BaseException) -> None:
         self._end_window(restore_all=True)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def teardown(self, trainer: _Trainer, pl_module: nn.Module, stage: str) -> None:
         self._end_window(restore_all=True)
 
     # ------------------------------------------------------------------------------------------ poison
@@ -252,7 +308,7 @@ class FaultInjectorBase:
             for tensor, index, original in reversed(entries):
                 tensor[index] = original
 
-    def _release_shared(self, batch: Any) -> None:
+    def _release_shared(self, batch: object) -> None:
         """Write back now the previous step's poisoned inputs whose storage this batch shares (a dataset handing
         out views of one tensor): the new batch must not see an old fault."""
         storages = {t.untyped_storage().data_ptr() for t in
@@ -282,7 +338,7 @@ class FaultInjectorBase:
         self._plan, self._micro, self._stepped = [], -1, False
 
     @staticmethod
-    def _pick(p: _Planned, named: list[tuple[str, Tensor]]) -> tuple[Optional[str], Optional[Tensor]]:
+    def _pick(p: _Planned, named: Sequence[tuple[str, Tensor]]) -> tuple[Optional[str], Optional[Tensor]]:
         named = [(n, t) for n, t in named if t.is_floating_point() and local(t).numel()]  # a DTensor: its own shard
         if p.fault.target is not None:
             named = [(n, t) for n, t in named if n == p.fault.target]
@@ -300,7 +356,7 @@ class FaultInjectorBase:
             values[index] = _NUMBERS[p.value]
         return index
 
-    def _poison_input(self, p: _Planned, batch: Any) -> None:
+    def _poison_input(self, p: _Planned, batch: object) -> None:
         # a sparse tensor: one of its stored values (a view of its storage, so the restore reaches it)
         named = [(path, v) for path, v in ((p, raw_values(t)) for p, t in iter_tensors(batch)) if v is not None]
         where, tensor = self._pick(p, named)
@@ -313,7 +369,7 @@ class FaultInjectorBase:
             tensor.detach()[index] = _NUMBERS[p.value]
         self._mark(p, where, index)
 
-    def _hook_activation(self, p: _Planned, pl_module: Any) -> None:
+    def _hook_activation(self, p: _Planned, pl_module: nn.Module) -> None:
         modules = dict(pl_module.named_modules())
         name = p.fault.target
         if name is None:
@@ -324,7 +380,7 @@ class FaultInjectorBase:
             return
         record = p.record
 
-        def hook(module: Any, args: Any, output: Any) -> Any:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> object:
             out = _first_float(output)
             if out is None:
                 return None

@@ -41,12 +41,12 @@ _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 60, 60, 4, 4
 class Malformed(Exception):
     """A value that does not fit its key: ``path`` (dotted), what was found and what is allowed."""
 
-    def __init__(self, path: str, found: Any, allowed: str) -> None:
+    def __init__(self, path: str, found: object, allowed: str) -> None:
         super().__init__(f"{path}: got {_shown(found)}; expected {allowed}")
         self.path = path
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     """A short, one-line rendering of a found value, with its type where the repr alone hides it."""
     text = _repr.repr(value)
     if isinstance(value, (str, list, tuple, dict)) or not isinstance(value, numbers.Number):
@@ -54,20 +54,20 @@ def _shown(value: Any) -> str:
     return text
 
 
-Check = Callable[[Any, str], Any]  # (value, dotted path) -> the value to load; raises Malformed
+Check = Callable[[object, str], object]  # (value, dotted path) -> the value to load; raises Malformed
 
 
 # ------------------------------------------------------------------------------------------- value checks
 
 
-def count(value: Any, path: str) -> int:
+def count(value: object, path: str) -> int:
     """An integer >= 0 (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise Malformed(path, value, "an integer >= 0")
     return int(value)
 
 
-def flag(value: Any, path: str) -> bool:
+def flag(value: object, path: str) -> bool:
     if not isinstance(value, bool):
         raise Malformed(path, value, "true or false")
     return value
@@ -84,7 +84,7 @@ def real(*, nan: bool = False, neg_inf: bool = False, pos_inf: bool = False, lo:
     extra = [name for ok, name in ((nan, "nan"), (neg_inf, "-inf"), (pos_inf, "inf")) if ok]
     text = " ".join(allowed) + (f" (or {', '.join(extra)})" if extra else "")
 
-    def check(value: Any, path: str) -> float:
+    def check(value: object, path: str) -> float:
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise Malformed(path, value, text)
         v = float(value)
@@ -106,7 +106,7 @@ def real(*, nan: bool = False, neg_inf: bool = False, pos_inf: bool = False, lo:
 def optional(inner: Check) -> Check:
     """``None`` or what ``inner`` allows."""
 
-    def check(value: Any, path: str) -> Any:
+    def check(value: object, path: str) -> object:
         return None if value is None else inner(value, path)
 
     return check
@@ -115,7 +115,7 @@ def optional(inner: Check) -> Check:
 def list_of(item: Check) -> Check:
     """A list (or tuple) whose every item passes ``item`` (named ``path[i]``)."""
 
-    def check(value: Any, path: str) -> list[Any]:
+    def check(value: object, path: str) -> list[object]:
         if not isinstance(value, (list, tuple)):
             raise Malformed(path, value, "a list")
         return [item(v, f"{path}[{i}]") for i, v in enumerate(value)]
@@ -126,7 +126,7 @@ def list_of(item: Check) -> Check:
 def row(*items: Check) -> Check:
     """A list (or tuple) of exactly ``len(items)`` values, each passing its check."""
 
-    def check(value: Any, path: str) -> list[Any]:
+    def check(value: object, path: str) -> list[object]:
         if not isinstance(value, (list, tuple)) or len(value) != len(items):
             raise Malformed(path, value, f"a list of {len(items)} values")
         return [c(v, f"{path}[{i}]") for i, (c, v) in enumerate(zip(items, value))]
@@ -141,7 +141,7 @@ class section:
     def __init__(self, fields: Mapping[str, Check]) -> None:
         self.fields = dict(fields)
 
-    def __call__(self, value: Any, path: str) -> dict[str, Any]:
+    def __call__(self, value: object, path: str) -> dict[str, object]:
         if not isinstance(value, Mapping):
             raise Malformed(path, value, "a mapping")
         out = dict(value)
@@ -151,11 +151,11 @@ class section:
         return out
 
 
-def _rank_faults(value: Any, path: str) -> dict[str, list[int]]:
+def _rank_faults(value: object, path: str) -> dict[str, object]:
     """``recovery.hardware.faults``: global rank (a decimal string, or an int) -> steps of its recent faults."""
     if not isinstance(value, Mapping):
         raise Malformed(path, value, "a mapping of rank -> list of steps")
-    out = {}
+    out: dict[str, object] = {}
     for rank, steps in value.items():
         if isinstance(rank, bool) or not (isinstance(rank, numbers.Integral) and int(rank) >= 0
                                           or isinstance(rank, str) and rank.isdecimal()):
@@ -219,7 +219,7 @@ _TOGETHER = {("clipper", "history"): ("history_end",), ("clipper", "history_end"
 class Checked:
     """The state to load, and the statistics that were reset (``"clipper.zclip: got {...}; expected ..."``)."""
 
-    state: dict[str, Any]
+    state: dict[str, Any]  # each section as its part's load_state_dict reads it
     reset: list[str] = field(default_factory=list)
 
 
@@ -230,7 +230,7 @@ def _where(source: str) -> str:
 _NEVER_RELEASED = (1, 2)  # the layouts of development builds before 0.1.0: no upgrade path
 
 
-def check_version(state: Any, current: int, source: str = "checkpoint['callbacks']['NaNGuard']") -> int:
+def check_version(state: object, current: int, source: str = "checkpoint['callbacks']['NaNGuard']") -> int:
     """The state's ``version``, which must be ``current``; raises :class:`~lightning_nanguard.errors.NaNGuardError`
     for a state that is not a mapping, a version that is absent or not an integer, an older one (versions 1 and 2
     were layouts of development builds, never released, and are not read) or a newer one (written by a later
@@ -260,7 +260,7 @@ _REMEDY = ("To go on: {first}resume from another checkpoint, or delete {source} 
            "fresh guard state (counters, event numbering and LR scale start over).")
 
 
-def check_state(state: Mapping[str, Any], source: str = "checkpoint['callbacks']['NaNGuard']") -> Checked:
+def check_state(state: Mapping[str, object], source: str = "checkpoint['callbacks']['NaNGuard']") -> Checked:
     """Check every known section of ``state`` (the current layout; :func:`check_version` first); see the module
     docstring for which keys raise and which are reset. A state holding none of them (a version key alone) is no
     state a guard wrote: it raises too, rather than resume every decision from its default."""
@@ -280,11 +280,12 @@ def check_state(state: Mapping[str, Any], source: str = "checkpoint['callbacks']
     for name, units in STATISTICS.items():
         if name not in out:
             continue
-        if not isinstance(out[name], Mapping):
-            reset.append(str(Malformed(name, out[name], "a mapping")))
+        found = out[name]
+        if not isinstance(found, Mapping):
+            reset.append(str(Malformed(name, found, "a mapping")))
             out[name] = {}
             continue
-        sec = dict(out[name])
+        sec: dict[str, object] = dict(found)
         for key, check in units.items():
             value = sec if key == "" else sec.get(key, _ABSENT)
             if value is _ABSENT:
@@ -300,7 +301,8 @@ def check_state(state: Mapping[str, Any], source: str = "checkpoint['callbacks']
                     sec.pop(k, None)
                 continue
             if key == "":
-                sec = checked
+                if isinstance(checked, dict):  # (a section's check returns a dict)
+                    sec = checked
             else:
                 sec[key] = checked
         out[name] = sec

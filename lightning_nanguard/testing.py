@@ -53,7 +53,7 @@ rank's local shard, drawn among the tensors whose shard on that rank is not empt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .faults import FAULT_KINDS, FAULT_VALUES, Fault, FaultInjectorBase, Injection
 
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # provided lazily by __getattr__ below: importing this module
 __all__ = ["Fault", "FaultInjector", "FaultInjectorBase", "Injection", "FAULT_KINDS", "FAULT_VALUES"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "type[FaultInjector]":
     """``FaultInjector``: a ``pytorch_lightning.Callback``, imported on first access (the unified package's is
     ``lightning_nanguard.lightning.FaultInjector``), so that importing this module imports no Lightning package."""
     if name == "FaultInjector":

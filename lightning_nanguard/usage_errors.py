@@ -11,17 +11,18 @@ propagates as is. jsonargparse is never imported here: it is only looked for whe
 
 from __future__ import annotations
 
+import argparse
 import sys
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 from .errors import ConfigError
 
 __all__ = ["usage_errors"]
 
 
-def _command_line_parser() -> Optional[Any]:
+def _command_line_parser() -> Optional[argparse.ArgumentParser]:
     """The jsonargparse parser of the command line being parsed or instantiated, if any.
 
     A section is built under one of jsonargparse's inner parsers (one per class, ``exit_on_error=False``,

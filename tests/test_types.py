@@ -21,17 +21,43 @@ from lightning_nanguard.testing import FaultInjectorBase
 ROOT = Path(__file__).resolve().parents[1]
 
 USER_SCRIPT = '''
-from lightning_nanguard import NaNEvent, NaNGuard, NaNGuardConfig
-from lightning_nanguard.config import CheckConfig, RecoveryConfig
-from lightning_nanguard.testing import Fault, FaultInjector
+from pathlib import Path
+
+from lightning_nanguard import ConfigError, NaNEvent, NaNGuard, NaNGuardConfig, NaNGuardError
+from lightning_nanguard.config import CheckConfig, ClipConfig, RecoveryConfig, iter_keys, load_yaml
+from lightning_nanguard.testing import Fault, FaultInjector, Injection
 
 guard = NaNGuard(recovery=RecoveryConfig(lr_factor=0.5), check=CheckConfig(), clip={"max_norm": 1.0})
+other = NaNGuard(config=NaNGuardConfig.from_mapping({"check": {"spike_z": 8.0}}), name="second")
+from_file: NaNGuard = NaNGuard.from_yaml("nanguard.yaml")
 config: NaNGuardConfig = guard.config
 factor: float = config.recovery.lr_factor
+max_norm: float | None = config.clip.max_norm
+clip: ClipConfig = other.config.clip
+as_dict: dict[str, object] = dict(config.to_dict())
+keys: list[str] = [key for key, _, _ in iter_keys()]
+loaded: object = load_yaml(Path("nanguard.yaml"))
 events: list[NaNEvent] = guard.events
 steps: list[int] = [e.step for e in events]
 culprits: list[str | None] = [e.culprit for e in events]
+causes: list[str | None] = [e.cause for e in events]
+actions: list[list[str]] = [e.actions for e in events]
+lines: list[str] = [e.summary() for e in events]
+records: list[dict[str, object]] = [dict(e.to_dict()) for e in events]
+reports: list[Path] = [guard.report_path(e) for e in events]
+counts: dict[str, int] = guard.counters
+scale: float = guard.lr_scale
+state: dict[str, object] = guard.state_dict()
+errors: tuple[type[Exception], ...] = (ConfigError, NaNGuardError)
+
 injector = FaultInjector(Fault("loss", steps=[3]))
+drawn: FaultInjector = FaultInjector.at_rate(0.01, kinds=("gradient", "parameter"), seed=1, target="net.0.weight")
+planned: list[tuple[str, str]] = drawn.fires_at(5)
+fault: Fault = injector.faults[0]
+target: str | None = fault.target
+log: list[Injection] = injector.log
+where: list[str | None] = [i.where for i in log]
+applied: list[bool] = [i.applied for i in log]
 '''
 
 

@@ -11,14 +11,17 @@ no logging handlers of its own.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["say", "warn"]
 
 
-def _bar_on_screen(bar: Any) -> bool:
+def _bar_on_screen(bar: object) -> bool:
     """Is a progress bar drawn right now? (TQDM: one of its bars exists; Rich: its live display runs.)"""
     if bar is None or not getattr(bar, "is_enabled", False):
         return False
@@ -29,14 +32,14 @@ def _bar_on_screen(bar: Any) -> bool:
     return getattr(bar, "progress", None) is not None  # RichProgressBar
 
 
-def _logger(trainer: Any) -> logging.Logger:
+def _logger(trainer: "pl.Trainer") -> logging.Logger:
     """The rank-zero logger of the package ``trainer`` comes from (``lightning.pytorch`` or ``pytorch_lightning``)."""
     modules = [cls.__module__ for cls in type(trainer).__mro__]  # a user's Trainer subclass: its base's package
     unified = any(m.startswith("lightning.pytorch.") for m in modules)
     return logging.getLogger(f"{'lightning.pytorch' if unified else 'pytorch_lightning'}.utilities.rank_zero")
 
 
-def say(trainer: Any, message: str) -> None:
+def say(trainer: "pl.Trainer", message: str) -> None:
     """One line for the user, from global rank 0 only."""
     if getattr(trainer, "global_rank", 0) != 0:
         return

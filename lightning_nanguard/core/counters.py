@@ -25,7 +25,7 @@ class Counters:
     def as_dict(self) -> dict[str, int]:
         return dict(self._counts)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return dict(self._counts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

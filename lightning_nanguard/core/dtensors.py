@@ -18,9 +18,9 @@ Duck-typed (``placements`` and ``to_local``), so a run without DTensors never im
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, TypeGuard
 
-from torch import Tensor
+from torch import Tensor, nn
 
 if TYPE_CHECKING:  # for the type checker only: at run time the check is duck-typed
     from torch.distributed.tensor import DTensor
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # for the type checker only: at run time the check is duck-ty
 __all__ = ["is_dtensor", "local", "reduced", "norm_share", "like", "sharded"]
 
 
-def is_dtensor(t: Any) -> TypeGuard[DTensor]:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """Is ``t`` a ``DTensor``?"""
     return hasattr(t, "placements") and hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
@@ -67,7 +67,7 @@ def norm_share(t: Tensor, world: int) -> float:
     return 1.0 if size >= world else size / world
 
 
-def like(saved: Tensor, live: Any) -> Tensor:
+def like(saved: Tensor, live: object) -> Tensor:
     """``saved`` (a local shard kept by a snapshot) as a DTensor laid out as ``live`` (no communication), for a
     load into the live DTensor; ``saved`` as it is where ``live`` is not a DTensor or its shard's shape differs."""
     if not is_dtensor(live) or is_dtensor(saved) or tuple(saved.shape) != tuple(live.to_local().shape):
@@ -78,7 +78,7 @@ def like(saved: Tensor, live: Any) -> Tensor:
                               stride=live.stride())
 
 
-def sharded(module: Any) -> bool:
+def sharded(module: nn.Module) -> bool:
     """Does ``module`` hold DTensor parameters? (Its forward and backward are then collectives: FSDP2 all-gathers
     and reduce-scatters, tensor parallel all-reduces, so every rank must run the same passes.)"""
     return any(is_dtensor(p) for p in module.parameters())

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from .causes import NAMES as CAUSES
+from .jsonvalue import JSONDict, JSONValue
 from .tree import children, keyed
 
 __all__ = ["NaNEvent", "Kind", "KINDS", "ACTIONS", "CAUSES", "to_jsonable"]
@@ -64,7 +65,20 @@ ACTIONS: dict[str, str] = {
 
 @dataclass
 class NaNEvent:
-    """One incident: what was abnormal, where, why, and what the guard did about it."""
+    """One incident: what was abnormal, where, why, and what the guard did about it.
+
+    Attributes:
+        step, epoch, batch_idx: the optimizer step (``trainer.global_step``), epoch and batch it happened at.
+        kind: what was abnormal (:data:`KINDS`).
+        rank, host, device, local_rank: the process it was seen on.
+        actions: what the guard did, in order (:data:`ACTIONS`).
+        cause: why (:data:`CAUSES`), None when no cause is known.
+        culprit: the module or parameter where it started, if found.
+        op: the first operation that produced it (anomaly replay), if found.
+        details: the evidence, as ``events.jsonl`` holds it.
+        suggestion: what to change.
+        index: the event's number in the run (1, 2, ...).
+    """
 
     step: int
     epoch: int
@@ -86,19 +100,31 @@ class NaNEvent:
     log_step: Optional[int] = field(default=None, repr=False, compare=False)
     # the gradient-flow window up to the event and the replay's module outputs (detect.flow.Flow.to_dict), kept with
     # the first logging.max_reports events of a fit: what its pictures are drawn from, then and later
-    flow: Optional[dict[str, Any]] = field(default=None, repr=False)
+    flow: Optional[JSONDict] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown event kind {self.kind!r}; allowed: {tuple(KINDS)}")
 
     def add_action(self, action: str) -> None:
+        """Record what the guard did.
+
+        Args:
+            action: one of :data:`ACTIONS`.
+
+        Raises:
+            ValueError: an action outside :data:`ACTIONS`.
+        """
         if action not in ACTIONS:
             raise ValueError(f"unknown action {action!r}; allowed: {tuple(ACTIONS)}")
         self.actions.append(action)
 
     def validate(self) -> None:
-        """Raise ``ValueError`` for a kind, action or cause outside the documented vocabularies."""
+        """Check the event against the documented vocabularies.
+
+        Raises:
+            ValueError: a kind, action or cause outside :data:`KINDS`, :data:`ACTIONS` or :data:`CAUSES`.
+        """
         if self.kind not in KINDS:
             raise ValueError(f"unknown event kind {self.kind!r}; allowed: {tuple(KINDS)}")
         if self.cause is not None and self.cause not in CAUSES:
@@ -107,13 +133,22 @@ class NaNEvent:
         if bad:
             raise ValueError(f"unknown action {bad[0]!r}; allowed: {tuple(ACTIONS)}")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONDict:
+        """The event as its ``events.jsonl`` line holds it.
+
+        Returns:
+            Every field but ``log_step``, as JSON types (:func:`to_jsonable`).
+        """
         record = asdict(self)
         del record["log_step"]
-        return to_jsonable(record)
+        return {str(k): to_jsonable(v) for k, v in record.items()}
 
     def summary(self) -> str:
-        """One line for logs and error messages."""
+        """One line for logs and error messages.
+
+        Returns:
+            ``[nanguard] step S (epoch E, batch B): what in culprit (op), cause=... -> actions``.
+        """
         where = f" in {self.culprit}" if self.culprit else ""
         op = f" ({self.op})" if self.op else ""
         cause = f", cause={self.cause}" if self.cause else ""
@@ -122,6 +157,11 @@ class NaNEvent:
                 f"{what}{where}{op}{cause} -> {', '.join(self.actions) or 'none'}")
 
     def markdown(self) -> str:
+        """The event as a Markdown table (what the loggers' text panels show).
+
+        Returns:
+            One row per field: kind, actions, cause, culprit, op, suggestion.
+        """
         rows = [("kind", self.kind), ("actions", ", ".join(self.actions)), ("cause", self.cause),
                 ("culprit", self.culprit), ("op", self.op), ("suggestion", self.suggestion)]
         lines = ["| field | value |", "|---|---|"]
@@ -129,7 +169,7 @@ class NaNEvent:
         return "\n".join(lines)
 
 
-def _jsonable_leaf(obj: Any) -> Any:
+def _jsonable_leaf(obj: object) -> JSONValue:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else repr(obj)  # "nan" / "inf": strict JSON has no literal for them
     if isinstance(obj, (str, int, bool)) or obj is None:
@@ -141,9 +181,16 @@ def _jsonable_leaf(obj: Any) -> Any:
     return str(obj)
 
 
-def to_jsonable(obj: Any) -> Any:
-    """``obj`` as JSON types: mappings and dataclasses become dicts with string keys, other containers lists;
-    tensors, numpy values and sets become lists, non-finite floats the strings ``"nan"``/``"inf"``."""
+def to_jsonable(obj: object) -> JSONValue:
+    """A value as JSON types: mappings and dataclasses become dicts with string keys, other containers lists;
+    tensors, numpy values and sets become lists, non-finite floats the strings ``"nan"``/``"inf"``.
+
+    Args:
+        obj: any value.
+
+    Returns:
+        Its JSON form (what ``json.dumps(..., allow_nan=False)`` accepts).
+    """
     kids = children(obj)
     if kids is None:
         return _jsonable_leaf(obj)

@@ -17,23 +17,33 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 from torch import Tensor
 
-__all__ = ["StepRecord", "UpdateStage", "Window", "rng_state", "set_rng_state"]
+__all__ = ["StepRecord", "UpdateStage", "Window", "RngState", "rng_state", "set_rng_state"]
 
 
-def rng_state() -> dict[str, Any]:
+class _CpuRng(TypedDict):
+    cpu: Tensor
+
+
+class RngState(_CpuRng, total=False):
+    """The RNG states a micro-batch ran with: the CPU's, and every CUDA device's once CUDA is initialised."""
+
+    cuda: list[Tensor]
+
+
+def rng_state() -> RngState:
     """The CPU and (initialised) CUDA RNG states, to replay a micro-batch with the same dropout masks."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    state: RngState = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: Optional[dict[str, Any]]) -> None:
+def set_rng_state(state: Optional[RngState]) -> None:
     if not state:
         return
     torch.set_rng_state(state["cpu"])
@@ -48,11 +58,11 @@ class Window:
     __slots__ = ("batches", "rng", "step")
 
     def __init__(self) -> None:
-        self.batches: list[tuple[Any, int]] = []  # (batch, batch_idx)
-        self.rng: list[Optional[dict[str, Any]]] = []  # None when replays are off
+        self.batches: list[tuple[object, int]] = []  # (batch, batch_idx)
+        self.rng: list[Optional[RngState]] = []  # None when replays are off
         self.step: Optional[int] = None
 
-    def add(self, batch: Any, batch_idx: int, rng: Optional[dict[str, Any]] = None) -> None:
+    def add(self, batch: object, batch_idx: int, rng: Optional[RngState] = None) -> None:
         self.batches.append((batch, batch_idx))
         self.rng.append(rng)
 
@@ -91,7 +101,7 @@ class StepRecord:
     window: Window
     lrs: list[float]  # the learning rates of the optimizer's param groups it ran at
     loss_checked: bool
-    optimizer: Any
+    optimizer: torch.optim.Optimizer
     update: UpdateStage
     scaled: bool  # a GradScaler was active
     has_norm: bool  # its gradient norm was computed

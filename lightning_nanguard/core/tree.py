@@ -11,23 +11,30 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, TypeGuard
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["children", "keyed", "iter_leaves", "iter_tensors", "map_leaves", "map_tensors", "flatten", "unflatten",
            "slot"]
 
 
-def _is_namedtuple(obj: Any) -> bool:
+class _NamedTuple(Protocol):
+    _fields: tuple[str, ...]
+
+
+def _is_namedtuple(obj: object) -> TypeGuard[_NamedTuple]:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-def _is_dataclass(obj: Any) -> bool:
+def _is_dataclass(obj: object) -> TypeGuard["DataclassInstance"]:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
 
-def _children(obj: Any, path: str) -> Optional[list[tuple[Any, str, Any]]]:
+def _children(obj: object, path: str) -> Optional[list[tuple[object, str, object]]]:
     """``[(key, child path, child)]`` of a container, or None for a leaf."""
     if isinstance(obj, Mapping):
         return [(k, f"{path}[{k!r}]", v) for k, v in obj.items()]
@@ -40,18 +47,18 @@ def _children(obj: Any, path: str) -> Optional[list[tuple[Any, str, Any]]]:
     return None
 
 
-def children(obj: Any) -> Optional[list[tuple[Any, Any]]]:
+def children(obj: object) -> Optional[list[tuple[object, object]]]:
     """``[(key, child)]`` of a container (keys: mapping keys, field names or indices), or None for a leaf."""
     found = _children(obj, "")
     return None if found is None else [(key, child) for key, _, child in found]
 
 
-def keyed(obj: Any) -> bool:
+def keyed(obj: object) -> bool:
     """Is ``obj`` a container whose children have names (a mapping or a dataclass)?"""
     return isinstance(obj, Mapping) or _is_dataclass(obj)
 
 
-def iter_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+def iter_leaves(obj: object, path: str = "") -> Iterator[tuple[str, object]]:
     """Every leaf of ``obj`` with its path, depth first, in container order."""
     children = _children(obj, path)
     if children is None:
@@ -61,17 +68,17 @@ def iter_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         yield from iter_leaves(child, child_path)
 
 
-def iter_tensors(obj: Any, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
+def iter_tensors(obj: object, path: str = "batch") -> Iterator[tuple[str, Tensor]]:
     """``(path, tensor)`` for every tensor in ``obj``."""
     return ((p, t) for p, t in iter_leaves(obj, path) if isinstance(t, Tensor))
 
 
-def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+def map_leaves(obj: Any, fn: Callable[[object], object]) -> Any:  # (any container, rebuilt by its own constructor)
     """``obj`` rebuilt with ``fn`` applied to every leaf (container types kept)."""
     children = _children(obj, "")
     if children is None:
         return fn(obj)
-    values = {key: map_leaves(child, fn) for key, _, child in children}
+    values: dict[Any, object] = {key: map_leaves(child, fn) for key, _, child in children}
     if isinstance(obj, Mapping):
         try:
             return type(obj)(values)  # type: ignore[call-arg]  # dict, OrderedDict and their kin
@@ -87,7 +94,7 @@ def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
     return type(obj)(values[i] for i in range(len(obj)))
 
 
-def map_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
+def map_tensors(obj: object, fn: Callable[[Tensor], object]) -> Any:
     """``obj`` rebuilt with ``fn`` applied to every tensor; other leaves kept as they are."""
     return map_leaves(obj, lambda leaf: fn(leaf) if isinstance(leaf, Tensor) else leaf)
 
@@ -101,12 +108,12 @@ class _Slot:
         self.i = i
 
 
-def flatten(obj: Any) -> tuple[Any, list[Tensor]]:
+def flatten(obj: object) -> tuple[object, list[Tensor]]:
     """``(skeleton, tensors)``: the tensors of ``obj`` (detached, in order) and a skeleton holding deep copies
     of every other leaf, for :func:`unflatten`."""
     tensors: list[Tensor] = []
 
-    def take(leaf: Any) -> Any:
+    def take(leaf: object) -> object:
         if isinstance(leaf, Tensor):
             tensors.append(leaf.detach())
             return _Slot(len(tensors) - 1)
@@ -115,16 +122,16 @@ def flatten(obj: Any) -> tuple[Any, list[Tensor]]:
     return map_leaves(obj, take), tensors
 
 
-def slot(leaf: Any) -> Optional[int]:
+def slot(leaf: object) -> Optional[int]:
     """The index into :func:`flatten`'s tensors that a skeleton leaf stands for (None: not a tensor's place)."""
     return leaf.i if isinstance(leaf, _Slot) else None
 
 
-def unflatten(skeleton: Any, tensors: Sequence[Optional[Tensor]], clone: bool = False) -> Any:
+def unflatten(skeleton: object, tensors: Sequence[Optional[Tensor]], clone: bool = False) -> Any:
     """The structure of :func:`flatten` with ``tensors`` (cloned if ``clone``) back in their places (``tensors``
     may hold None where ``skeleton`` has no slot: a part of a flattened state that was not loaded)."""
 
-    def put(leaf: Any) -> Any:
+    def put(leaf: object) -> object:
         if isinstance(leaf, _Slot):
             t = tensors[leaf.i]
             return t.clone() if clone and t is not None else t

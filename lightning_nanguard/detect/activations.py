@@ -9,10 +9,11 @@ so validation and other loops are never recorded.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from ..core.dtensors import local
 from ..core.layouts import is_strided, stored_values
@@ -47,7 +48,7 @@ class ActivationCheck:
     def __init__(self, activations: Union[str, int]) -> None:
         self.activations = activations
         self.root: Optional[nn.Module] = None
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._outs: dict[int, Tensor] = {}
         self._flag: Optional[Tensor] = None
         self._recording = False
@@ -116,7 +117,7 @@ class ActivationCheck:
         self._handles = []
         self._outs = {}
 
-    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _hook(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if not self._recording:
             return
         if type(output) is Tensor:

@@ -11,24 +11,28 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
 from .vector import StepFlags
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from torch.amp import GradScaler
+
 __all__ = ["grad_scaler", "scale_tensor", "unscale_value", "scale_flag", "ensure_unscaled", "reads_found_inf",
            "skip_on_device", "clear_device_skip", "OverflowWatch"]
 
 
-def grad_scaler(trainer: Any) -> Optional[Any]:
+def grad_scaler(trainer: "pl.Trainer") -> Optional["GradScaler"]:
     """The enabled GradScaler of the trainer's precision plugin, or None (duck-typed)."""
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
     return scaler if scaler is not None and hasattr(scaler, "unscale_") and scaler.is_enabled() else None
 
 
-def scale_tensor(scaler: Optional[Any]) -> Optional[Tensor]:
+def scale_tensor(scaler: Optional["GradScaler"]) -> Optional[Tensor]:
     """The scaler's current scale as a device tensor (no sync), or None before its first use."""
     if scaler is None:
         return None
@@ -36,13 +40,13 @@ def scale_tensor(scaler: Optional[Any]) -> Optional[Tensor]:
     return scale if isinstance(scale, Tensor) else None
 
 
-def unscale_value(value: Tensor, scaler: Optional[Any]) -> Tensor:
+def unscale_value(value: Tensor, scaler: Optional["GradScaler"]) -> Tensor:
     """``value`` (e.g. a scaled loss) divided by the current scale, on device; unchanged without a scaler."""
     scale = scale_tensor(scaler)
     return value if scale is None else value / scale.to(value.device).float()
 
 
-def scale_flag(scaler: Optional[Any], device: torch.device) -> Tensor:
+def scale_flag(scaler: Optional["GradScaler"], device: torch.device) -> Tensor:
     """The ``grad_scale`` entry of the step's :class:`StepFlags` vector: the scale, or nan without one."""
     scale = scale_tensor(scaler)
     if scale is None:
@@ -50,7 +54,7 @@ def scale_flag(scaler: Optional[Any], device: torch.device) -> Tensor:
     return scale.detach().float().to(device).reshape(())
 
 
-def ensure_unscaled(scaler: Any, optimizer: Any) -> None:
+def ensure_unscaled(scaler: "GradScaler", optimizer: torch.optim.Optimizer) -> None:
     """Lightning leaves a fused optimizer's grads scaled; unscale them so norms and checks are real.
 
     ``scaler.step`` then sees the optimizer as unscaled and passes no ``grad_scale`` to the fused kernel;
@@ -63,7 +67,7 @@ def ensure_unscaled(scaler: Any, optimizer: Any) -> None:
         scaler.unscale_(optimizer)
 
 
-def reads_found_inf(optimizer: Any) -> bool:
+def reads_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Does ``optimizer.step()`` honour a device ``found_inf`` tensor (skip the whole update when it is 1)?
 
     The GradScaler contract: an optimizer that sets ``_step_supports_amp_scaling`` (torch's Adam, AdamW, SGD,
@@ -79,7 +83,8 @@ def reads_found_inf(optimizer: Any) -> bool:
         return False
 
 
-def skip_on_device(optimizer: Any, skip: Tensor, scaler: Optional[Any]) -> bool:
+def skip_on_device(optimizer: Any,  # (it gains the found_inf attribute, which Optimizer does not declare)
+                    skip: Tensor, scaler: Optional["GradScaler"]) -> bool:
     """Make the coming ``optimizer.step()`` skip when the 0-dim float ``skip`` is 1, without a host read.
 
     Under a GradScaler the flag joins the scaler's own ``found_inf`` of this optimizer (after ``unscale_``):
@@ -128,7 +133,7 @@ class OverflowWatch:
         scale = flags.grad_scale
         return self.overflows >= self.patience or (math.isfinite(scale) and scale < self.min_scale)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"overflows": self.overflows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -97,7 +97,7 @@ class DivergenceWatch:
         return bool(self.above) or (self.enabled and len(losses) == len(self.window)
                                     and growth_streak(losses, self.growth) >= self.steps - 1)
 
-    def observe(self, step: int, loss: Optional[float], grad_norm: float) -> Optional[dict[str, Any]]:
+    def observe(self, step: int, loss: Optional[float], grad_norm: float) -> Optional[dict[str, object]]:
         if not self.enabled or (loss is not None and not math.isfinite(loss)):
             return None
         if loss is not None and self.first_loss is None:
@@ -114,7 +114,7 @@ class DivergenceWatch:
         self.window.append((step, loss, grad_norm))
         return self._far_above(step, loss) or self._streak()
 
-    def _streak(self) -> Optional[dict[str, Any]]:
+    def _streak(self) -> Optional[dict[str, object]]:
         if len(self.window) < 2:
             return None
         (_, loss0, norm0), (_, loss1, norm1) = self.window[-2], self.window[-1]
@@ -155,7 +155,7 @@ class DivergenceWatch:
             evidence["grad_norm_max_before"] = self.norm_max
         return evidence
 
-    def _far_above(self, step: int, loss: Optional[float]) -> Optional[dict[str, Any]]:
+    def _far_above(self, step: int, loss: Optional[float]) -> Optional[dict[str, object]]:
         first = self.first_loss
         if loss is None or first is None or not self.positive:
             return None
@@ -164,7 +164,7 @@ class DivergenceWatch:
         finally:
             self.seen_max = max(self.seen_max, loss)
 
-    def _above(self, step: int, loss: float, first: float) -> Optional[dict[str, Any]]:
+    def _above(self, step: int, loss: float, first: float) -> Optional[dict[str, object]]:
         if loss < self.factor * first:
             self.above, self.latched = [], False  # back near the early level: re-armed
             return None
@@ -190,7 +190,7 @@ class DivergenceWatch:
 
     # ---------------------------------------------------------------------------------------- persistence
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"first_loss": self.first_loss, "window": [list(w) for w in self.window], "loss_max": self.loss_max,
                 "norm_max": self.norm_max, "above": [list(a) for a in self.above], "latched": self.latched,
                 "onset": list(self.onset), "seen_max": self.seen_max, "above_floor": self.above_floor,

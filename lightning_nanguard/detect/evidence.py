@@ -12,7 +12,7 @@ the step.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,9 @@ from .kernels import dense_nonfinite_flag
 from .ranks import Ranks
 from .vector import SCHEMA, StepFlags
 from .weights import WeightCheck
+
+if TYPE_CHECKING:
+    from torch.amp import GradScaler
 
 __all__ = ["StepEvidence", "HostCopy"]
 
@@ -68,7 +71,7 @@ class StepEvidence:
     def loss_checked(self) -> bool:
         return self._loss_sum is not None
 
-    def micro_batch(self, batch: Any, batch_idx: int, step: int) -> bool:
+    def micro_batch(self, batch: object, batch_idx: int, step: int) -> bool:
         """A micro-batch starts; returns True when it is the first of an optimizer step."""
         first = not len(self.window)
         if first:
@@ -82,7 +85,7 @@ class StepEvidence:
                 self._input_bad = flag if self._input_bad is None else self._input_bad | flag
         return first
 
-    def loss(self, loss: Tensor, scaler: Optional[Any]) -> None:
+    def loss(self, loss: Tensor, scaler: Optional["GradScaler"]) -> None:
         """A micro-batch's loss before backward (scaled under 16-mixed)."""
         self.activations.fold()
         if not self.check.loss:
@@ -108,7 +111,7 @@ class StepEvidence:
         snapshot, checkpoint or validation, and at the end of fit (``check.parameters``)."""
         return self.check.parameters and not (self.check.loss and self.check.gradients)
 
-    def nonfinite_behind(self, module: nn.Module, batches: Sequence[tuple[Any, int]], *, weights: bool,
+    def nonfinite_behind(self, module: nn.Module, batches: Sequence[tuple[object, int]], *, weights: bool,
                          parameters_only: bool, inputs: bool) -> tuple[list[dict], list[dict]]:
         """What holds the non-finite values behind an incident (syncs: incident only): the ``weights`` (only the
         parameters with ``parameters_only``), and where none is, with ``inputs``, the floating tensors of the
@@ -149,7 +152,7 @@ class StepEvidence:
         """Drop the pending parameter/buffer flag (a rollback replaced the weights it was computed on)."""
         self._state_bad = self._state_module = None
 
-    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], ranks: Ranks,
+    def vector(self, norm: Optional[Tensor], device: torch.device, scaler: Optional["GradScaler"], ranks: Ranks,
                grads: Sequence[Tensor] = ()) -> Tensor:
         """The step's evidence vector (:data:`~.vector.SCHEMA`) on the device, stacked with ``norm`` (of ``grads``)
         and agreed across ranks (one all-reduce under DDP); nothing is read."""
@@ -176,7 +179,7 @@ class StepEvidence:
         self._read = True
         return ranks.reduce(SCHEMA.build(parts, consts))
 
-    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional[Any], ranks: Ranks,
+    def read(self, norm: Optional[Tensor], device: torch.device, scaler: Optional["GradScaler"], ranks: Ranks,
              grads: Sequence[Tensor] = ()) -> StepFlags:
         """Stack the step's flags with ``norm``, agree on them across ranks, read them: the step's one sync."""
         return SCHEMA.read(self.vector(norm, device, scaler, ranks, grads).tolist())
@@ -205,7 +208,7 @@ class HostCopy:
 
     def __init__(self) -> None:
         self.buffer: Optional[Tensor] = None
-        self._event: Optional[Any] = None
+        self._event: Optional[torch.cuda.Event] = None
 
     def put(self, vec: Tensor) -> None:
         vec = vec.detach()

@@ -5,7 +5,7 @@ These synchronise freely and return plain Python evidence; nothing here runs whi
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, TypedDict
 
 import torch
 from torch import Tensor
@@ -14,13 +14,31 @@ from ..core.dtensors import local
 from ..core.layouts import coo_parts, is_strided, stored_values
 from ..core.tree import iter_tensors
 
-__all__ = ["find_nonfinite_tensors", "find_batch_nonfinite", "nonfinite_rows"]
+__all__ = ["find_nonfinite_tensors", "find_batch_nonfinite", "nonfinite_rows", "BatchFinding"]
+
+
+class _Positions(TypedDict, total=False):
+    samples: list[int]  # indices along dim 0
+    features: list[int]  # indices along the last dim
+
+
+class _Field(TypedDict):
+    field: str
+    nan: int
+    inf: int
+    shape: list[int]
+
+
+class BatchFinding(_Field, _Positions, total=False):
+    """A tensor of a batch holding NaN/Inf: its path, counts, shape, and which samples and features."""
+
+    layout: str
 
 
 def find_nonfinite_tensors(named: Iterable[tuple[str, Tensor]], limit: int = 20) -> list[dict[str, Any]]:
     """Names and counts of the floating tensors that hold NaN/Inf (a sparse tensor: among its stored values,
     with ``nnz`` and ``layout``)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for name, t in named:
         if t is None or not (t.is_floating_point() or t.is_complex()):
             continue
@@ -31,23 +49,25 @@ def find_nonfinite_tensors(named: Iterable[tuple[str, Tensor]], limit: int = 20)
         n_nan = int(torch.isnan(values).sum())
         n_inf = int(torch.isinf(values).sum())
         if n_nan or n_inf:
-            entry = {"name": name, "nan": n_nan, "inf": n_inf, "numel": t.numel(), "shape": list(t.shape)}
+            entry: dict[str, Any] = {"name": name, "nan": n_nan, "inf": n_inf, "numel": t.numel(),
+                                     "shape": list(t.shape)}
             if not is_strided(t):
-                entry.update(layout=str(t.layout).replace("torch.", ""), nnz=values.shape[0] if values.dim() else 1)
+                entry["layout"] = str(t.layout).replace("torch.", "")
+                entry["nnz"] = values.shape[0] if values.dim() else 1
             out.append(entry)
             if len(out) >= limit:
                 break
     return out
 
 
-def find_batch_nonfinite(batch: Any, limit: int = 50) -> list[dict[str, Any]]:
+def find_batch_nonfinite(batch: object, limit: int = 50) -> list[BatchFinding]:
     """For every floating tensor of ``batch`` holding NaN/Inf: where it is, which samples and features.
 
     ``samples`` are indices along dim 0 (the batch dimension); ``features`` are indices along the last
     dimension for tensors of rank >= 2. A sparse tensor (COO, CSR, ...) is read through its stored values and
     their indices.
     """
-    found = []
+    found: list[BatchFinding] = []
     for path, t in iter_tensors(batch):
         if not t.is_floating_point():
             continue
@@ -57,7 +77,7 @@ def find_batch_nonfinite(batch: Any, limit: int = 50) -> list[dict[str, Any]]:
         bad_values = ~torch.isfinite(values.detach())
         if not bool(bad_values.any()):
             continue
-        entry: dict[str, Any] = {
+        entry: BatchFinding = {
             "field": path,
             "nan": int(torch.isnan(values).sum()),
             "inf": int(torch.isinf(values).sum()),
@@ -78,7 +98,7 @@ def find_batch_nonfinite(batch: Any, limit: int = 50) -> list[dict[str, Any]]:
     return found
 
 
-def _sparse_positions(t: Tensor, limit: int) -> dict[str, list[int]]:
+def _sparse_positions(t: Tensor, limit: int) -> _Positions:
     """``samples`` and ``features`` of a sparse tensor's non-finite stored entries."""
     parts = coo_parts(t)
     if parts is None:  # nested tensors: no sample index to give
@@ -86,7 +106,7 @@ def _sparse_positions(t: Tensor, limit: int) -> dict[str, list[int]]:
     indices, values = parts
     bad = ~torch.isfinite(values)
     per_entry = bad.reshape(values.shape[0], -1).any(dim=1)
-    out = {}
+    out: _Positions = {}
     if t.dim() >= 1:
         out["samples"] = indices[0][per_entry].unique()[:limit].tolist()
     if t.dim() >= 2:

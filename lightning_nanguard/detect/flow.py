@@ -21,9 +21,15 @@ import base64
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypedDict
 
-__all__ = ["FlowWindow", "FlowWindows", "Flow", "fastest_growing", "module_of", "replay_outputs", "MARKS",
+from ..core.jsonvalue import JSONDict
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
+__all__ = ["FlowWindow", "FlowWindows", "Flow", "Growing", "fastest_growing", "module_of", "replay_outputs", "MARKS",
            "CULPRIT_GROWTH", "FLOW_VERSION", "REPLAY_OUTPUTS"]
 
 FLOW_VERSION = 1  # the stored window's format (Flow.to_dict)
@@ -56,8 +62,8 @@ class FlowWindow:
         self.norm_type = float(norm_type)
         self.names: list[str] = []
         self.powers = False
-        self._ring: Any = None  # (size, tensors) float32 on the device
-        self._rows: list[Any] = []  # its rows (views)
+        self._ring: Optional[Tensor] = None  # (size, tensors) float32 on the device
+        self._rows: list[Tensor] = []  # its rows (views)
         self._key: tuple = ()
         self._count = 0  # rows written since the layout was set
         self._steps: list[int] = [-1] * self.size
@@ -81,8 +87,8 @@ class FlowWindow:
 
     # ------------------------------------------------------------------------------------------ every step
 
-    def record(self, step: int, params: Sequence[Any], with_grads: int, parts: Any, names: Any,
-               powers: bool = False) -> None:
+    def record(self, step: int, params: Sequence[Tensor], with_grads: int, parts: Optional[Tensor],
+               names: Callable[[Tensor], str], powers: bool = False) -> None:
         """A step's per-tensor norms ``parts`` (a 1-dim device tensor, one per parameter of ``params`` that has a
         gradient: ``with_grads`` of them) go into the ring: one copy, no read. ``names``: parameter -> name, called
         only when the layout changes. The step's host facts follow with :meth:`judged`."""
@@ -105,7 +111,8 @@ class FlowWindow:
         self._slot[step] = slot
         self._count += 1
 
-    def _new_layout(self, key: tuple, params: list[Any], parts: Any, names: Any, powers: bool) -> None:
+    def _new_layout(self, key: tuple, params: list[Tensor], parts: Tensor, names: Callable[[Tensor], str],
+                    powers: bool) -> None:
         import torch
 
         self._key, self.powers, self._count = key, powers, 0
@@ -140,7 +147,7 @@ class FlowWindow:
 
     # ------------------------------------------------------------------------------------------ an incident
 
-    def capture(self, reduce: Any = None) -> Optional["Flow"]:
+    def capture(self, reduce: Optional[Callable[[Tensor], Tensor]] = None) -> Optional["Flow"]:
         """The window as it is now, grouped by module (one host read; with ``reduce``, the sharded shares are first
         summed over ranks: a collective, every rank at the same point). None when nothing was kept."""
         n = len(self)
@@ -193,20 +200,20 @@ class FlowWindows:
     def enabled(self) -> bool:
         return self.size > 0
 
-    def start(self, module: Any) -> None:
+    def start(self, module: nn.Module) -> None:
         """Fit start: the parameter names (a parameter outside the module is named by its position)."""
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._windows, self.latest = {}, None
 
-    def name(self, param: Any) -> str:
+    def name(self, param: Tensor) -> str:
         return self._names.get(id(param), f"param{len(self._names)}")
 
-    def window(self, optimizer: Any) -> Optional[FlowWindow]:
+    def window(self, optimizer: torch.optim.Optimizer) -> Optional[FlowWindow]:
         """The window of ``optimizer`` (None: off, or nothing recorded for it yet)."""
         return self._windows.get(id(optimizer)) if self.size else None
 
-    def record(self, optimizer: Any, step: int, params: Sequence[Any], with_grads: int, parts: Any,
-               powers: bool = False) -> None:
+    def record(self, optimizer: torch.optim.Optimizer, step: int, params: Sequence[Tensor], with_grads: int,
+               parts: Optional[Tensor], powers: bool = False) -> None:
         """A step's row (:meth:`FlowWindow.record`)."""
         if not self.size or parts is None:
             return
@@ -268,10 +275,10 @@ class Flow:
     culprit: Optional[str] = None
     activations: list[dict] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONDict:
         """Compact JSON: the float arrays as base64 float32 (NaN and Inf survive), one letter per step's mark."""
         flat = [v for row in self.norms for v in row]
-        out: dict[str, Any] = {
+        out: JSONDict = {
             "version": FLOW_VERSION, "modules": list(self.modules), "first_step": self.steps[0] if self.steps else 0,
             "n_steps": len(self.steps), "steps": _steps_text(self.steps), "norms": _pack(flat),
             "loss": _pack(self.loss),
@@ -285,7 +292,7 @@ class Flow:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any) -> "Flow":
+    def from_dict(cls, data: object) -> "Flow":
         """Read :meth:`to_dict` back; ``ValueError`` on anything else."""
         if not isinstance(data, dict) or data.get("version") != FLOW_VERSION:
             raise ValueError("not a stored gradient-flow window (or of another version)")
@@ -348,7 +355,19 @@ def _steps_back(first: int, n: int, text: str) -> list[int]:
     return steps[:n]
 
 
-def fastest_growing(flow: Flow, onset: Optional[int] = None) -> Optional[dict[str, Any]]:
+class Growing(TypedDict):
+    """The module whose gradient norm grew the most over a window (:func:`fastest_growing`)."""
+
+    module: str
+    growth: float  # newest / baseline
+    baseline: float
+    newest: float
+    runner_up: Optional[float]  # the next module's growth
+    from_step: int
+    to_step: int
+
+
+def fastest_growing(flow: Flow, onset: Optional[int] = None) -> Optional[Growing]:
     """The module whose gradient norm grew the most over the window: its newest finite level (the largest of the last
     three finite steps) against its baseline (the median of its finite norms up to the ``onset`` step, or of the
     window's first half), when that is :data:`CULPRIT_GROWTH` times or more and the most of any module. Returns its

@@ -25,11 +25,11 @@ account, :func:`~..account.share_incident`) and :meth:`Ranks.reduced_norm` recom
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..core.dtensors import norm_share, reduced
 from .kernels import total_norm, total_norm_parts
@@ -47,7 +47,10 @@ from .replicas import (
     replicas_disagree,
     weights_checksum,
 )
-from .vector import SCHEMA
+from .vector import SCHEMA, StepFlags
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["Ranks", "local_norm_power", "local_norm_powers"]
 
@@ -100,13 +103,16 @@ def local_norm_powers(grads: Sequence[Tensor], norm_type: float, world: int = 1)
     return powers
 
 
+_T = TypeVar("_T")
+
+
 class Ranks:
     """How the guard's evidence agrees across ranks: the one all-reduce per step (:meth:`reduce`), the snapshot
     agreement (:meth:`snapshot_agreement`), the gathers of an incident (:meth:`gather`, :meth:`reduced_norm`).
     ``distributed`` is False on one process."""
 
     def __init__(self, world_size: int = 1, sharded: bool = False, norm_type: float = 2.0,
-                 group: Optional[Any] = None, replicas: bool = False, tolerance: float = 1e-3,
+                 group: Optional[dist.ProcessGroup] = None, replicas: bool = False, tolerance: float = 1e-3,
                  exact: bool = True) -> None:
         self.world_size = int(world_size)
         self.distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
@@ -128,7 +134,7 @@ class Ranks:
         self._primes: dict[torch.device, Tensor] = {}
 
     @classmethod
-    def for_trainer(cls, trainer: Any, norm_type: float = 2.0, replicas: bool = False,
+    def for_trainer(cls, trainer: "pl.Trainer", norm_type: float = 2.0, replicas: bool = False,
                     tolerance: float = 1e-3, exact: bool = True) -> "Ranks":
         strategy = getattr(trainer, "strategy", None)
         replicas = replicas and replicates(strategy, getattr(trainer, "lightning_module", None))
@@ -169,7 +175,7 @@ class Ranks:
             return (bad > 0) & (bad < self.world_size) | checksums_disagree(vec[first:first + len(CHECKSUM_FIELDS)])
         return replicas_disagree(own, signed, sq, bad, self.world_size, self.signed_limit, self.sq_limit)
 
-    def disagreement(self, flags: Any) -> Optional[dict[str, Any]]:
+    def disagreement(self, flags: StepFlags) -> Optional[dict[str, object]]:
         """The replicas' disagreement in a step's flags (read on the host, identical on every rank), with its
         evidence; None when they agree (or without the check)."""
         if not self.replicas:
@@ -185,7 +191,7 @@ class Ranks:
             return None
         world, n = self.world_size, self.world_size - int(bad)
         mean = own / n if n else math.nan
-        found: dict[str, Any] = {"compared": "tolerance", "nonfinite_copies": int(bad), "mean_grad_norm": mean,
+        found: dict[str, object] = {"compared": "tolerance", "nonfinite_copies": int(bad), "mean_grad_norm": mean,
                                  "tolerance": self.tolerance, "signed_limit": self.signed_limit,
                                  "square_limit": self.sq_limit}
         if not bad and mean:
@@ -219,7 +225,7 @@ class Ranks:
                 residues = tuple(int(v) for v in torch.remainder(checksum.cpu(), torch.tensor(self.primes)).tolist())
         return float(torch.linalg.vector_norm(mean, self.norm_type)), residues
 
-    def snapshot_agreement(self, module: Any, flags: Sequence[bool]) -> tuple[bool, list[bool]]:
+    def snapshot_agreement(self, module: nn.Module, flags: Sequence[bool]) -> tuple[bool, list[bool]]:
         """Before a snapshot, on every rank: (are the weights bitwise the same on every rank?, is each of ``flags``
         set on any rank?). The weights' checksum (:func:`weights_checksum`; with the replica check) and the flags
         (e.g. a non-finite weight, a non-finite optimizer state) are compared with one all-reduce of 2 + len(flags)
@@ -235,7 +241,7 @@ class Ranks:
         high, minus_low, *agreed = found.tolist()
         return high == -minus_low, [bool(f) for f in agreed]
 
-    def gather(self, payload: Any) -> list[Any]:
+    def gather(self, payload: _T) -> list[_T]:
         """Every rank's ``payload`` (one ``all_gather_object``; incident only)."""
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, payload, group=self.group)
@@ -313,7 +319,7 @@ class Ranks:
         """This rank's vector of the last :meth:`reduce`, before the reduction (None on one process)."""
         return self._local
 
-    def any_rank(self, flag: bool, device: Any = None) -> bool:
+    def any_rank(self, flag: bool, device: Optional[torch.device] = None) -> bool:
         """Is ``flag`` set on any rank? One all-reduce; for rare decisions (checkpoint time), never per step."""
         if not self.distributed:
             return flag

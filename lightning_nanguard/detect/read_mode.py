@@ -7,16 +7,19 @@ Nothing to do with how the ranks agree under DDP (:mod:`.ranks`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .amp import grad_scaler, reads_found_inf
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
 __all__ = ["choose_read_mode"]
 
 
-def choose_read_mode(mode: str, trainer: Any, pl_module: Any) -> tuple[bool, str]:
+def choose_read_mode(mode: str, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> tuple[bool, str]:
     """``check.sync`` for this fit: (read the flags lagged?, why, in words for the user).
 
     ``auto`` is lagged when the device is not the CPU (where every op has finished when it returns, so a

@@ -25,7 +25,7 @@ import struct
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = ["replicas_disagree", "odd_ranks", "weights_checksum", "bits_checksum", "checksum_weight",
            "checksum_primes", "checksum_parts", "checksums_disagree", "own_residues", "odd_checksums",
@@ -136,7 +136,7 @@ def bits_checksum(tensors: Iterable[Tensor]) -> Optional[Tensor]:
     return torch.stack(parts if same else [p.to(first) for p in parts]).sum(dtype=torch.int32).long()
 
 
-def weights_checksum(module: Any) -> Optional[Tensor]:
+def weights_checksum(module: nn.Module) -> Optional[Tensor]:
     """0-dim int64 tensor: :func:`bits_checksum` of every parameter of ``module``; None without parameters."""
     return bits_checksum(module.parameters())
 
@@ -183,7 +183,7 @@ def checksum_parts(checksum: Tensor, weight: int, primes: Tensor) -> Tensor:
     return (torch.remainder(checksum, primes) * weight).float()
 
 
-def checksums_disagree(summed: Union[Tensor, Sequence[Any]]) -> Any:
+def checksums_disagree(summed: Union[Tensor, Sequence[float]]) -> Union[Tensor, bool]:
     """Do the ranks' checksums differ? From the checksum fields summed over ranks: identical checksums cancel
     (the weights sum to 0), so every field is 0; one rank whose checksum differs by ``d`` leaves ``weight x (d mod
     p)`` in each, 0 for all of them only when ``d`` is a multiple of every prime. Exact: an integer compared with

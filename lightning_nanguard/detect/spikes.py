@@ -88,7 +88,7 @@ class RunningStats:
         std = max(self.std, rel_floor * abs(self.mean), 1e-12)
         return (value - self.mean) / std
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"count": self.count, "mean": self.mean, "var": self.var, "m2": self._m2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -225,7 +225,7 @@ class SpikeDetector:
         stats.update(capped)
         return z if z > self.z_threshold else None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return dict(self.stats.state_dict(), peak=self.peak, recent=list(self._recent))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,7 +267,7 @@ class LossWatch:
         if loss is not None:
             self.history.append(loss)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"spikes": self.detector.state_dict(), "history": list(self.history)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

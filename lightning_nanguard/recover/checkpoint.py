@@ -7,7 +7,9 @@ fused flag over every floating tensor; names are looked up only when it fires.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import torch
 
 from torch import Tensor
 
@@ -17,10 +19,13 @@ from ..detect.find import find_nonfinite_tensors
 from ..detect.kernels import any_nonfinite_flag, dense_nonfinite_flag
 from ..detect.placement import local_tensor
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
 __all__ = ["iter_checkpoint_tensors", "nonfinite_entries", "optimizer_state_nonfinite", "rebuild"]
 
 
-def iter_checkpoint_tensors(checkpoint: dict[str, Any]) -> Iterable[tuple[str, Tensor]]:
+def iter_checkpoint_tensors(checkpoint: Mapping[str, object]) -> Iterable[tuple[str, Tensor]]:
     """``(name, tensor)`` for the model weights and every optimizer state tensor of a checkpoint dict."""
     for key in ("state_dict", "optimizer_states"):
         if key in checkpoint:
@@ -28,7 +33,8 @@ def iter_checkpoint_tensors(checkpoint: dict[str, Any]) -> Iterable[tuple[str, T
                 yield name, local_tensor(t)
 
 
-def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20, exempt: Iterable[str] = ()) -> list[dict[str, Any]]:
+def nonfinite_entries(checkpoint: Mapping[str, object], limit: int = 20,
+                      exempt: Iterable[str] = ()) -> list[dict[str, Any]]:
     """The non-finite tensors of ``checkpoint`` (weights and optimizer states); [] when all are finite.
 
     ``exempt``: state-dict names that are non-finite by design (a causal mask buffer holding -inf)."""
@@ -40,7 +46,7 @@ def nonfinite_entries(checkpoint: dict[str, Any], limit: int = 20, exempt: Itera
     return find_nonfinite_tensors(named, limit=limit)
 
 
-def optimizer_state_nonfinite(optimizers: Iterable[Any]) -> bool:
+def optimizer_state_nonfinite(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
     """Does any optimizer of this rank hold a non-finite state tensor (its local shards under a sharding strategy)?
     One fused flag, one read (snapshot time only; the ranks agree on it: :meth:`.Ranks.snapshot_agreement`)."""
     tensors = [local_tensor(t) for opt in optimizers for state in opt.state.values() for t in state.values()
@@ -49,7 +55,8 @@ def optimizer_state_nonfinite(optimizers: Iterable[Any]) -> bool:
     return flag is not None and bool(flag)
 
 
-def rebuild(checkpoint: dict[str, Any], trainer: Any, guard_key: str, guard_state: dict[str, Any]) -> None:
+def rebuild(checkpoint: dict[str, object], trainer: "pl.Trainer", guard_key: str,
+            guard_state: Mapping[str, object]) -> None:
     """Overwrite the training state of ``checkpoint`` with the trainer's live (restored) state."""
     strategy = trainer.strategy
     checkpoint["state_dict"] = strategy.lightning_module_state_dict()
@@ -61,5 +68,6 @@ def rebuild(checkpoint: dict[str, Any], trainer: Any, guard_key: str, guard_stat
     key = type(plugin).__qualname__ if plugin is not None else None
     if plugin is not None and key in checkpoint:
         checkpoint[key] = plugin.state_dict()
-    if "callbacks" in checkpoint and guard_key in checkpoint["callbacks"]:
-        checkpoint["callbacks"][guard_key] = guard_state
+    callbacks = checkpoint.get("callbacks")
+    if isinstance(callbacks, dict) and guard_key in callbacks:  # (Lightning's checkpoint: a dict of callback states)
+        callbacks[guard_key] = guard_state

@@ -90,7 +90,7 @@ class ZClip:
         self.streak = self.streak + 1 if limit is not None and norm > limit else 0
         return limit
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return self.stats.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,7 +259,7 @@ class Clipper:
         far_above = z is not None and z > DIVERGING_Z * self.zclip.z_threshold
         return far_above or norm_growth(list(self.history)[-DIVERGING_WINDOW:]) is not None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"zclip": self.zclip.state_dict(), "armed": self.armed, "history": list(self.history),
                 "history_end": self.history_end, "last_norm": self.last_norm}
 

@@ -37,7 +37,7 @@ class HardwareWatch:
         """Faults of ``rank`` counted so far (within the window of its newest)."""
         return len(self._faults.get(rank, []))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"faults": {str(rank): list(steps) for rank, steps in self._faults.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ Independent of Lightning: it takes optimizers and schedulers.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")
 _SCHED_LR_ATTRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min", "end_lr")
 
 
-def _scaled(value: Any, factor: float) -> Any:
+def _scaled(value: object, factor: float) -> object:
     if isinstance(value, Tensor):
         return value.mul_(factor) if value.is_floating_point() else value
     if isinstance(value, bool):
@@ -31,13 +31,13 @@ def _scaled(value: Any, factor: float) -> Any:
     return value
 
 
-def _iter_schedulers(scheduler: Any) -> Iterable[Any]:
+def _iter_schedulers(scheduler: object) -> Iterable[object]:
     yield scheduler
     for inner in getattr(scheduler, "_schedulers", None) or []:  # SequentialLR, ChainedScheduler
         yield from _iter_schedulers(inner)
 
 
-def scale_lr(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], factor: float) -> None:
+def scale_lr(optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[object], factor: float) -> None:
     """Multiply every learning rate by ``factor`` so that no torch LR scheduler undoes it.
 
     Scaling only ``param_groups[i]["lr"]`` is overwritten by schedulers that recompute the LR from stored

@@ -20,7 +20,7 @@ given up, the failed steps are not hidden: the run stops with them in its logs.)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -47,8 +47,8 @@ class _Saved:
         self.sources: dict[str, Tensor] = {}  # attr -> the state tensor last backed up (same object: same buffer)
         self.lists: dict[str, list] = {}
         self.update_count = 0
-        self.forward_cache: Any = None
-        self.has_reset: Any = _UNSET
+        self.forward_cache: Any = None  # (torchmetrics declares _forward_cache as None)
+        self.has_reset: object = _UNSET
 
     def keep(self, src: list[Tensor], dst: list[Tensor]) -> None:
         """Back up the metric's state as it is now: its host fields at once, each tensor state as a (state, buffer)
@@ -116,7 +116,7 @@ class MetricUndo:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
 
-    def _watched(self, results: Optional[dict]) -> list[Any]:
+    def _watched(self, results: Optional[dict]) -> Sequence[object]:
         """The module's metrics and, given Lightning's result collection, the logged values and the metric objects
         they hold (of which :meth:`arm` keeps the ``Metric`` objects only)."""
         if not results:

@@ -24,13 +24,15 @@ import argparse
 import json
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO
+from typing import BinaryIO, Callable, Iterator, Mapping, Optional, Sequence, TextIO, Union
 
 from ..config import SECTIONS, ConfigError, NaNGuardConfig, load_yaml
 from ..core.causes import CAUSES
+from ..core.jsonvalue import JSONDict, JSONValue
 
-__all__ = ["main", "read_events", "scan_events", "find_event_files", "InputError", "Totals"]
+__all__ = ["main", "read_events", "scan_events", "find_event_files", "InputError", "Totals", "Place"]
 
 EVENTS_FILE = "events.jsonl"
 COLUMNS = ("step", "kind", "actions", "cause", "culprit")
@@ -48,7 +50,17 @@ MAX_DEPTH = 64  # nesting of an event's JSON: the guard's are 5 deep; deeper is 
 
 
 def find_event_files(path: Path) -> list[Path]:
-    """``path`` itself if it is a file, else every ``events.jsonl`` below it (sorted)."""
+    """The events files to read.
+
+    Args:
+        path: a file, or a folder to search.
+
+    Returns:
+        ``path`` itself if it is a file, else every ``events.jsonl`` below it (sorted).
+
+    Raises:
+        InputError: ``path`` does not exist or cannot be searched.
+    """
     try:
         if not path.exists():
             raise InputError(f"{path}: no such file or directory")
@@ -67,7 +79,7 @@ class _NotText(ValueError):
         self.binary = binary
 
 
-def _records(fh: BinaryIO, end: Optional[int] = None) -> Iterator[tuple[int, int, Any]]:
+def _records(fh: BinaryIO, end: Optional[int] = None) -> Iterator[tuple[int, int, Union[JSONDict, ValueError]]]:
     """``(line number, offset after the line, event or ValueError)`` for every non-blank line, up to byte ``end``.
 
     One line in memory at a time, and at most :data:`MAX_LINE` bytes of it (the rest of a longer line is read in
@@ -99,11 +111,21 @@ def _open(path: Path) -> BinaryIO:
         raise InputError(f"{path}: cannot read ({err.strerror or err})") from None
 
 
-def scan_events(path: Path, warn: TextIO, each: Callable[[dict[str, Any]], None]) -> tuple[int, int]:
-    """Read one events.jsonl as a stream, calling ``each`` on every event; returns ``(events, end)``, ``end`` the
-    byte offset after the last valid event (:func:`read_events` stops there). A bad last line is reported on
-    ``warn`` and skipped (a run killed while writing it); any other bad line, a file that is not text, or a file
-    without a valid event raises :class:`InputError`."""
+def scan_events(path: Path, warn: TextIO, each: Callable[[JSONDict], None]) -> tuple[int, int]:
+    """Read one events.jsonl as a stream, one line in memory at a time.
+
+    Args:
+        path: the file.
+        warn: where a bad last line is reported (a run killed while writing it: skipped).
+        each: called on every event.
+
+    Returns:
+        ``(events, end)``: how many events, and the byte offset after the last valid one (:func:`read_events`
+        stops there).
+
+    Raises:
+        InputError: a bad line that is not the last, a file that is not text, or one without a valid event.
+    """
     events = end = 0
     pending: Optional[tuple[int, ValueError]] = None  # a bad line: fatal unless it is the last
     with _open(path) as fh:
@@ -136,16 +158,23 @@ def _bad_line(path: Path, lineno: int, err: ValueError, events_before: int) -> I
     return InputError(f"{path}:{lineno}: malformed event line: {err}")
 
 
-def read_events(path: Path, end: Optional[int] = None) -> Iterator[dict[str, Any]]:
-    """The events of one events.jsonl, read as a stream up to byte ``end`` (what :func:`scan_events` checked);
-    bad lines are skipped."""
+def read_events(path: Path, end: Optional[int] = None) -> Iterator[JSONDict]:
+    """The events of one events.jsonl, read as a stream; bad lines are skipped.
+
+    Args:
+        path: the file.
+        end: the byte to stop at (what :func:`scan_events` checked); None: the whole file.
+
+    Returns:
+        The events, in file order.
+    """
     with _open(path) as fh:
         for _, _, item in _records(fh, end):
             if not isinstance(item, ValueError):
                 yield item
 
 
-def _parse_line(raw: bytes) -> dict[str, Any]:
+def _parse_line(raw: bytes) -> JSONDict:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -170,7 +199,7 @@ def _parse_line(raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def _depth(obj: Any) -> int:
+def _depth(obj: object) -> int:
     """How deep lists and objects nest in ``obj`` (without recursion)."""
     deepest, stack = 0, [(obj, 1)]
     while stack:
@@ -190,7 +219,7 @@ MAX_CELL = 100  # characters of a table cell (a culprit name is ~40; a longer va
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     if value is None:
         return "-"
     if isinstance(value, (list, tuple)):
@@ -232,15 +261,40 @@ REPEATED = 2  # faults that did not come back, on one rank, that make its row co
 FAULTS = next(c.name for c in CAUSES.values() if c.hardware_fault)
 
 
+@dataclass
+class Place:
+    """The incidents of one host and rank (:meth:`Totals.places`)."""
+
+    host: str
+    rank: str
+    device: JSONValue
+    local_rank: JSONValue
+    incidents: int = 0
+    causes: Counter[str] = field(default_factory=Counter)
+    faults: int = 0  # of the cause FAULTS: faults that did not come back
+    fault_steps: list[JSONValue] = field(default_factory=list)
+
+    def as_dict(self) -> JSONDict:
+        """The place as ``--json`` writes it (its causes most frequent first)."""
+        return {"host": self.host, "rank": self.rank, "device": self.device, "local_rank": self.local_rank,
+                "incidents": self.incidents, "causes": dict(self.causes.most_common()), FAULTS: self.faults,
+                FAULTS + "_steps": list(self.fault_steps)}
+
+
 class Totals:
     """Totals over the events, added one at a time: counts by kind, action and cause, and per host and rank."""
 
     def __init__(self) -> None:
         self.incidents = 0
-        self.counts: dict[str, Counter] = {"kinds": Counter(), "actions": Counter(), "causes": Counter()}
-        self.rows: dict[tuple[str, str], dict[str, Any]] = {}
+        self.counts: dict[str, Counter[str]] = {"kinds": Counter(), "actions": Counter(), "causes": Counter()}
+        self.rows: dict[tuple[str, str], Place] = {}
 
-    def add(self, e: dict[str, Any]) -> None:
+    def add(self, e: JSONDict) -> None:
+        """Count one event.
+
+        Args:
+            e: the event, as its ``events.jsonl`` line holds it.
+        """
         self.incidents += 1
         for name, key in (("kinds", "kind"), ("actions", "actions"), ("causes", "cause")):
             vals = e.get(key)
@@ -248,7 +302,7 @@ class Totals:
                 self.counts[name][str(v) if v is not None else "none"] += 1
         self._place(e)
 
-    def _place(self, e: dict[str, Any]) -> None:
+    def _place(self, e: JSONDict) -> None:
         """Per host and rank: its incidents, their causes, its faults that did not come back (their steps). An
         event of several ranks that names none (``details.ranks: []``) counts on host and rank ``?``."""
         details = e.get("details")
@@ -259,29 +313,39 @@ class Totals:
         rank = str(e.get("rank", 0)) if known else UNKNOWN_RANK
         row = self.rows.get((host, rank))
         if row is None:
-            row = self.rows[(host, rank)] = {
-                "host": host, "rank": rank, "device": (e.get("device") or "-") if known else "-",
-                "local_rank": e.get("local_rank"), "incidents": 0, "causes": Counter(), FAULTS: 0,
-                FAULTS + "_steps": []}
-        row["incidents"] += 1
-        row["causes"][str(e.get("cause") or "none")] += 1
+            row = self.rows[(host, rank)] = Place(host, rank, (e.get("device") or "-") if known else "-",
+                                                  e.get("local_rank"))
+        row.incidents += 1
+        row.causes[str(e.get("cause") or "none")] += 1
         if e.get("cause") == FAULTS:
-            row[FAULTS] += 1
-            row[FAULTS + "_steps"].append(e.get("step"))
+            row.faults += 1
+            row.fault_steps.append(e.get("step"))
 
-    def places(self) -> list[dict[str, Any]]:
-        """The rows of :meth:`_place`, hosts with repeated faults that did not come back first, ``?`` last."""
-        host_transients: Counter = Counter()
+    def places(self) -> list[Place]:
+        """The places of :meth:`_place`, hosts with repeated faults that did not come back first, ``?`` last.
+
+        Returns:
+            One :class:`Place` per host and rank.
+        """
+        host_transients: Counter[str] = Counter()
         for row in self.rows.values():
-            host_transients[row["host"]] += row[FAULTS]
-        ordered = sorted(self.rows.values(), key=lambda r: (
-            r["host"] == UNKNOWN_RANK, -(host_transients[r["host"]] >= REPEATED), -host_transients[r["host"]],
-            r["host"], -r[FAULTS], -r["incidents"], r["rank"]))
-        return [dict(r, causes=dict(r["causes"].most_common())) for r in ordered]
+            host_transients[row.host] += row.faults
+        return sorted(self.rows.values(), key=lambda r: (
+            r.host == UNKNOWN_RANK, -(host_transients[r.host] >= REPEATED), -host_transients[r.host],
+            r.host, -r.faults, -r.incidents, r.rank))
 
-    def as_dict(self, files: int) -> dict[str, Any]:
-        return {"incidents": self.incidents, "files": files,
-                **{name: dict(c.most_common()) for name, c in self.counts.items()}, "places": self.places()}
+    def as_dict(self, files: int) -> JSONDict:
+        """The totals as ``--json`` writes them.
+
+        Args:
+            files: how many events files were read.
+
+        Returns:
+            ``incidents``, ``files``, the counts by ``kinds``, ``actions`` and ``causes``, and the ``places``.
+        """
+        counts: dict[str, JSONValue] = {name: dict(c.most_common()) for name, c in self.counts.items()}
+        return {"incidents": self.incidents, "files": files, **counts,
+                "places": [p.as_dict() for p in self.places()]}
 
 
 def _fmt_counts(counts: Mapping[str, int]) -> str:
@@ -299,7 +363,7 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for f in files:
         table = _Table(COLUMNS)
 
-        def each(e: dict[str, Any], table: _Table = table) -> None:
+        def each(e: JSONDict, table: _Table = table) -> None:
             totals.add(e)
             if not args.json:
                 table.fit([_cell(e.get(c)) for c in COLUMNS])
@@ -320,11 +384,11 @@ def cmd_report(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         for e in read_events(f, end):
             out.write(table.line([_cell(e.get(c)) for c in COLUMNS]) + "\n")
         out.write("\n")
-    out.write(f"total: {summary['incidents']} incident(s) in {summary['files']} file(s)\n")
-    out.write(f"  kinds:   {_fmt_counts(summary['kinds'])}\n")
-    out.write(f"  actions: {_fmt_counts(summary['actions'])}\n")
-    out.write(f"  causes:  {_fmt_counts(summary['causes'])}\n")
-    _write_places(summary["places"], out)
+    out.write(f"total: {totals.incidents} incident(s) in {len(files)} file(s)\n")
+    out.write(f"  kinds:   {_fmt_counts(dict(totals.counts['kinds'].most_common()))}\n")
+    out.write(f"  actions: {_fmt_counts(dict(totals.counts['actions'].most_common()))}\n")
+    out.write(f"  causes:  {_fmt_counts(dict(totals.counts['causes'].most_common()))}\n")
+    _write_places(totals.places(), out)
     if args.plot is not None:
         _write_pictures(root, scanned, Path(args.plot), out, err)
     return 0
@@ -364,7 +428,7 @@ def _write_pictures(root: Path, scanned: list[tuple[Path, int, int]], folder: Pa
               " (no event kept a gradient-flow window: logging.flow_window 0, or none was recorded)") + "\n")
 
 
-def _write_json(scanned: list[tuple[Path, int, int]], summary: dict[str, Any], out: TextIO) -> None:
+def _write_json(scanned: list[tuple[Path, int, int]], summary: JSONDict, out: TextIO) -> None:
     """``{"events": [...], "totals": {...}}`` as ``json.dump(..., indent=2, sort_keys=True)`` writes it, one event
     at a time."""
     out.write('{\n  "events": [')
@@ -377,32 +441,32 @@ def _write_json(scanned: list[tuple[Path, int, int]], summary: dict[str, Any], o
     out.write("\n  ],\n  \"totals\": " + json.dumps(summary, indent=2, sort_keys=True).replace("\n", "\n  ") + "\n}\n")
 
 
-def _write_places(places: list[dict[str, Any]], out: TextIO) -> None:
+def _write_places(places: list[Place], out: TextIO) -> None:
     """Where the incidents happened, hosts with repeated faults that did not come back first."""
     header = ("host", "rank", "device", "incidents", FAULTS, "causes")
-    rows = [[_cell(p["host"]), _cell(p["rank"]), _cell(p["device"]), str(p["incidents"]), str(p[FAULTS]),
-             _fmt_counts(p["causes"])] for p in places]
+    rows = [[_cell(p.host), _cell(p.rank), _cell(p.device), str(p.incidents), str(p.faults),
+             _fmt_counts(dict(p.causes.most_common()))] for p in places]
     out.write("\nby host and rank (hosts with repeated faults that did not come back first):\n")
     out.write(_table(rows, header) + "\n")
     for p in places:
-        if p[FAULTS] >= REPEATED:
-            rank = "an unknown rank" if p["rank"] == UNKNOWN_RANK else f"rank {_cell(p['rank'])}"
-            steps = ", ".join(_cell(s) for s in p[FAULTS + "_steps"])
-            out.write(f"suspect: {rank} on host {_cell(p['host'])} ({_cell(p['device'])}) had {p[FAULTS]} faults "
+        if p.faults >= REPEATED:
+            rank = "an unknown rank" if p.rank == UNKNOWN_RANK else f"rank {_cell(p.rank)}"
+            steps = ", ".join(_cell(s) for s in p.fault_steps)
+            out.write(f"suspect: {rank} on host {_cell(p.host)} ({_cell(p.device)}) had {p.faults} faults "
                       f"that did not come back (steps {steps}): test that device or exclude the host\n")
 
 
 # ----------------------------------------------------------------------------------------------- validate
 
 
-def resolve_config(data: Any, where: str) -> NaNGuardConfig:
+def resolve_config(data: object, where: str) -> NaNGuardConfig:
     """Sections (optionally under ``nanguard:``), or the NaNGuard ``init_args`` of a LightningCLI config."""
     if isinstance(data, Mapping) and "trainer" in data and not set(data) & set(SECTIONS):
         return _from_lightning_cli(data, where)
     return NaNGuardConfig.from_mapping(data, where=where)
 
 
-def _from_lightning_cli(data: Mapping[str, Any], where: str) -> NaNGuardConfig:
+def _from_lightning_cli(data: Mapping[str, object], where: str) -> NaNGuardConfig:
     trainer = data.get("trainer") or {}
     callbacks = trainer.get("callbacks") if isinstance(trainer, Mapping) else None
     if isinstance(callbacks, Mapping):
@@ -459,6 +523,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``nanguard`` command: ``report`` (summarise events.jsonl files) and ``validate`` (check a config).
+
+    Args:
+        argv: the arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, 2 for bad input (printed as one line on stderr), 130 when interrupted.
+    """
     args = build_parser().parse_args(argv)
     out, err = sys.stdout, sys.stderr
     for stream in (out, err):  # a name or an event string that the terminal cannot encode: escaped, not a traceback

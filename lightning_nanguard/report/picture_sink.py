@@ -18,12 +18,16 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
 from ..core.console import say
 from ..core.events import NaNEvent
 from .pictures import PLOTS_OFF, figures, plots_available, png_bytes, rgb_array
 from .render import ReportText
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import Logger
 
 __all__ = ["PictureSink", "dashboard_layout", "FLUSH_TIMEOUT"]
 
@@ -41,7 +45,14 @@ def dashboard_layout(prefix: str = "nanguard/") -> dict[str, dict[str, list]]:
     }}
 
 
-def _image_writer(logger: Any) -> Any:
+class _ImageWriter(Protocol):
+    """A TensorBoard-style ``experiment`` that takes images."""
+
+    def add_image(self, tag: str, img_tensor: object, global_step: Optional[int] = None,
+                  dataformats: str = "CHW") -> object: ...
+
+
+def _image_writer(logger: Logger) -> Optional[_ImageWriter]:
     experiment = getattr(logger, "experiment", None)
     return experiment if hasattr(experiment, "add_image") else None
 
@@ -58,7 +69,7 @@ class PictureSink:
     name = "the incident pictures"
     retry = "later events try again"
 
-    def __init__(self, trainer: Any, loggers: Sequence[Any], directory: Optional[Path],
+    def __init__(self, trainer: "pl.Trainer", loggers: Sequence[Optional[Logger]], directory: Optional[Path],
                  prefix: str = "nanguard/") -> None:
         self.directory = Path(directory) if directory is not None else None
         self.prefix = prefix
@@ -135,7 +146,7 @@ class PictureSink:
                 with self._lock:
                     self._error = self._error or exc
 
-    def draw(self, record: dict[str, Any], step: int) -> list[Path]:
+    def draw(self, record: Mapping[str, object], step: int) -> list[Path]:
         """Draw the pictures of one event (``record``: its ``to_dict()``) into the loggers at ``step`` and the PNG
         files; returns the files."""
         files: list[Path] = []
@@ -160,6 +171,7 @@ class PictureSink:
         for writer in self.writers:
             if hasattr(writer, "flush"):
                 writer.flush()
-        if files:
-            self.written[int(record.get("index", 0))] = files
+        index = record.get("index", 0)  # (an event's: an int)
+        if files and isinstance(index, int):
+            self.written[index] = files
         return files

@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from ..detect.flow import MARKS, Flow
 
@@ -80,7 +80,7 @@ class WhereData:
     title: str
 
 
-def _title(event: dict[str, Any], what: str) -> str:
+def _title(event: Mapping[str, object], what: str) -> str:
     parts = [f"{what}: incident #{event.get('index', '?')}, step {event.get('step')}, {event.get('kind')}"]
     if event.get("cause"):
         parts.append(f"cause {event['cause']}")
@@ -91,14 +91,14 @@ def _title(event: dict[str, Any], what: str) -> str:
     return ", ".join(parts)
 
 
-def _flow_of(event: dict[str, Any]) -> Optional[Flow]:
+def _flow_of(event: Mapping[str, object]) -> Optional[Flow]:
     stored = event.get("flow")
     return Flow.from_dict(stored) if stored is not None else None
 
 
-def _culprit_row(modules: list[str], culprit: Optional[str]) -> Optional[int]:
+def _culprit_row(modules: list[str], culprit: object) -> Optional[int]:
     """The row of the culprit: its module, or the module of a culprit parameter, or a module inside it."""
-    if not culprit:
+    if not culprit or not isinstance(culprit, str):
         return None
     for name in (culprit, culprit.rpartition(".")[0]):
         if name in modules:
@@ -107,7 +107,7 @@ def _culprit_row(modules: list[str], culprit: Optional[str]) -> Optional[int]:
     return inside[0] if inside else None
 
 
-def flow_data(event: dict[str, Any]) -> Optional[FlowData]:
+def flow_data(event: Mapping[str, object]) -> Optional[FlowData]:
     """The heatmap of ``event`` (a ``to_dict()``), every step from the window's first to its last one a column (steps
     the window did not record: NaN); None without a stored window."""
     flow = _flow_of(event)
@@ -136,17 +136,18 @@ def flow_data(event: dict[str, Any]) -> Optional[FlowData]:
     return FlowData(modules=list(flow.modules), steps=steps, log_norms=logs, nonfinite=bad, marks=marks,
                     loss=pick(flow.loss), grad_norm=pick(flow.grad_norm), threshold=pick(flow.threshold),
                     culprit_row=_culprit_row(flow.modules, event.get("culprit")),
-                    incident_col=steps.index(step) if step in steps else None,
+                    incident_col=steps.index(step) if isinstance(step, int) and step in steps else None,
                     title=_title(event, "gradient flow"))
 
 
-def where_data(event: dict[str, Any]) -> Optional[WhereData]:
+def where_data(event: Mapping[str, object]) -> Optional[WhereData]:
     """Where it broke (:class:`WhereData`); None without a stored window nor replay outputs."""
     flow = _flow_of(event)
     if flow is None:
         return None
     acts = {a["module"]: a for a in flow.activations}
-    j = flow.column(int(event.get("step", -1)))
+    step = event.get("step", -1)
+    j = flow.column(int(step)) if isinstance(step, (int, float, str)) else None
     if j is None and not acts:
         return None
     # model order: the replay's calls (modules without parameters too), then the window's modules it did not record
@@ -319,7 +320,7 @@ def draw_where(data: WhereData) -> Any:
 # -------------------------------------------------------------------------------------------- output
 
 
-def figures(event: dict[str, Any]) -> dict[str, Any]:
+def figures(event: Mapping[str, object]) -> dict[str, Any]:
     """The pictures of ``event`` (a ``to_dict()``) by name (:data:`PICTURES`); none without a stored window."""
     out: dict[str, Any] = {}
     flow = flow_data(event)

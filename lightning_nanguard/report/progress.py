@@ -12,9 +12,12 @@ separately (:mod:`.sinks`). One-line messages are :func:`lightning_nanguard.core
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["ProgressStatus", "INCIDENTS_KEY", "LR_SCALE_KEY"]
 
@@ -28,7 +31,8 @@ class ProgressStatus:
     def __init__(self, name: Optional[str] = None) -> None:
         self.keys = tuple(k.replace("ng_", f"ng_{name}_", 1) if name else k for k in (INCIDENTS_KEY, LR_SCALE_KEY))
 
-    def update(self, trainer: Any, pl_module: Any, incidents: int, lr_scale: float) -> None:
+    def update(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incidents: int,
+               lr_scale: float) -> None:
         """Call from ``on_train_batch_end``."""
         if incidents == 0 and lr_scale == 1.0:  # healthy so far: nothing to say
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from ..config import LoggingConfig
 from ..core.console import say
@@ -16,10 +16,13 @@ from .picture_sink import PictureSink
 from .render import ReportText
 from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink, highest_index, highest_report
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
 __all__ = ["Recorder", "logger_step", "report_dir"]
 
 
-def report_dir(trainer: Any) -> Path:
+def report_dir(trainer: "pl.Trainer") -> Path:
     """Where the guard writes (``events.jsonl``, incident reports, disk snapshots): ``<log_dir>/nanguard``, where
     ``<log_dir>`` is ``trainer.log_dir`` (with a logger: the first logger's folder; without one:
     ``trainer.default_root_dir``, itself the current directory when not given), unless that folder lies inside
@@ -37,7 +40,7 @@ def report_dir(trainer: Any) -> Path:
     return outer.parent / f"{outer.name or 'checkpoints'}-nanguard"
 
 
-def _checkpoint_dirs(trainer: Any) -> list[str]:
+def _checkpoint_dirs(trainer: "pl.Trainer") -> list[str]:
     """The ``dirpath`` of each checkpoint callback (``ModelCheckpoint`` of either package; resolved at setup)."""
     dirs = []
     for cb in getattr(trainer, "callbacks", None) or []:
@@ -47,7 +50,7 @@ def _checkpoint_dirs(trainer: Any) -> list[str]:
     return dirs
 
 
-def logger_step(trainer: Any) -> int:
+def logger_step(trainer: "pl.Trainer") -> int:
     """The step at which Lightning logs the current batch's metrics: ``fit_loop.epoch_loop._batches_that_stepped``
     (one per batch that steps the optimizers, however many they are; the Trainer's own ``log_metrics``, its
     ``LearningRateMonitor`` and ``DeviceStatsMonitor`` log at it), read before the batch ends. Where a Trainer
@@ -90,7 +93,7 @@ class Recorder:
         self._jsonl: Optional[JsonlSink] = None
         self.failed_writes: dict[str, int] = {}
 
-    def start(self, trainer: Any, sinks: Optional[Sequence[Sink]] = None) -> None:
+    def start(self, trainer: "pl.Trainer", sinks: Optional[Sequence[Sink]] = None) -> None:
         """Fit start: the sinks (``sinks``, or those ``logging.*`` asks for, on global rank 0 only)."""
         self.out_dir = report_dir(trainer)
         if self.name:
@@ -102,7 +105,7 @@ class Recorder:
         self.failed_writes = {}
         self._continue_numbering(trainer)
 
-    def _continue_numbering(self, trainer: Any) -> None:
+    def _continue_numbering(self, trainer: "pl.Trainer") -> None:
         """Number after the highest event already on disk (rank 0 reads; every rank numbers alike). A resumed fit
         whose folder holds events numbered after its checkpoint's last (a run that went on past its checkpoint, then
         crashed) says where its numbering goes on, and why."""
@@ -119,7 +122,7 @@ class Recorder:
                          f"events up to number {found} (written after that checkpoint by the run it resumes): this "
                          f"fit numbers its events from {found + 1}")
 
-    def default_sinks(self, trainer: Any) -> list[Sink]:
+    def default_sinks(self, trainer: "pl.Trainer") -> list[Sink]:
         assert self.out_dir is not None
         cfg = self.cfg
         sinks: list[Sink] = []
@@ -188,6 +191,7 @@ class Recorder:
         for sink in self.sinks:
             self._write(sink, lambda: sink.event(event, text, values))  # noqa: B023  (called at once)
 
+    # trainer untyped: it reads log_every_n_steps, which Lightning sets on its Trainer without declaring it
     def scalars(self, trainer: Any, scalars: Callable[[], dict[str, float]], step: Optional[int] = None) -> None:
         """The guard's scalars of a step without an event, at the logger ``step`` of its batch (:func:`logger_step`,
         by default the current batch's), on the batches where Lightning logs (``(step + 1) % log_every_n_steps``)."""
@@ -201,19 +205,19 @@ class Recorder:
         for sink in self.sinks:
             self._write(sink, sink.flush)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"index": self._index}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._index = int(state.get("index", 0))
 
 
-def _name(sink: Any) -> str:
+def _name(sink: object) -> str:
     """What a sink is called in a warning (a sink of the user's own may have no ``name``)."""
     return str(getattr(sink, "name", type(sink).__name__))
 
 
-def _where_and_why(sink: Any, exc: BaseException) -> tuple[str, str]:
+def _where_and_why(sink: object, exc: BaseException) -> tuple[str, str]:
     """Where a sink's write failed (the file the OS names, else the sink's place) and why, in the OS's words."""
     where = str(getattr(sink, "where", ""))
     if isinstance(exc, OSError):

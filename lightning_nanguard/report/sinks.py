@@ -26,11 +26,15 @@ import re
 import stat
 from collections import deque
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 from ..core.console import say
 from ..core.events import NaNEvent
 from .render import ReportText, render_report
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import Logger
 
 __all__ = ["Sink", "JsonlSink", "LoggerSink", "ReportSink", "ScreenSink", "highest_index", "highest_report"]
 
@@ -127,14 +131,22 @@ def highest_index(path: Path, tail: int = 1 << 20) -> int:
     return best
 
 
-def _writer(logger: Any) -> Any:
+class _Writer(Protocol):
+    """A TensorBoard-style ``experiment`` (``SummaryWriter`` and its kin)."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: Optional[int] = None) -> object: ...
+
+    def add_text(self, tag: str, text_string: str, global_step: Optional[int] = None) -> object: ...
+
+
+def _writer(logger: Logger) -> Optional[_Writer]:
     """A TensorBoard-style ``experiment`` (``add_scalar`` and ``add_text``; the dummy on non-zero ranks
     too), or None."""
     experiment = getattr(logger, "experiment", None)
     return experiment if hasattr(experiment, "add_scalar") and hasattr(experiment, "add_text") else None
 
 
-def _check_folder(writer: Any) -> None:
+def _check_folder(writer: object) -> None:
     """Raise ``NotADirectoryError`` (naming it) if the folder a TensorBoard writer writes into is no folder any more
     (removed, or a file in its place). Writing there anyway would break the writer for good: its background thread
     dies and keeps the error, which the logger's own next write or its ``finalize`` at the end of fit re-raises,
@@ -152,7 +164,7 @@ class LoggerSink:
     name = "the loggers"
     retry = "later events and scalars try again"
 
-    def __init__(self, loggers: Sequence[Any], prefix: str = "nanguard/") -> None:
+    def __init__(self, loggers: Sequence[Optional[Logger]], prefix: str = "nanguard/") -> None:
         self.prefix = prefix
         self.loggers = [lg for lg in loggers if lg is not None]
         self.where = ", ".join(type(lg).__name__ for lg in self.loggers)
@@ -276,7 +288,7 @@ class ScreenSink:
     where = "the console"
     retry = "later events try again"
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: "pl.Trainer") -> None:
         self.trainer = trainer
 
     def event(self, event: NaNEvent, text: ReportText, scalars: dict[str, float]) -> None:
