@@ -26,7 +26,7 @@ passes (:mod:`.lockstep`).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -45,7 +45,9 @@ from .passes import (
     recorded_run,
 )
 from .rerun import (
+    Batches,
     ReplayResult,
+    RngState,
     at_step,
     eager,
     forward_context,
@@ -56,12 +58,17 @@ from .rerun import (
     trainable,
 )
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins import Precision
+
 __all__ = ["ReplayResult", "replay_window", "reproduces", "local_gradients", "preserved_state", "parse_anomaly_error"]
 
 
-def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                  frames: int = 21, float64_check: bool = True, norm_type: float = 2.0,
-                  step: Optional[int] = None, timeout: Optional[float] = None, lock: Any = None) -> ReplayResult:
+def replay_window(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+                  rng_states: Sequence[Optional[RngState]], frames: int = 21, float64_check: bool = True,
+                  norm_type: float = 2.0, step: Optional[int] = None, timeout: Optional[float] = None,
+                  lock: Optional[Lockstep] = None) -> ReplayResult:
     """Replay each micro-batch of the window until one reproduces the incident (a non-finite loss, output or
     gradient, or a total gradient norm, of ``norm_type``, that overflows); collect the evidence. ``step``: the
     step the window belongs to (:func:`at_step`). ``timeout`` (seconds, ``anomaly.replay_timeout``): no pass starts
@@ -75,8 +82,9 @@ def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng
                               None if timeout is None else time.monotonic() + timeout)
 
 
-def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                   frames: int, float64_check: bool, norm_type: float, deadline: Optional[float]) -> ReplayResult:
+def _replay_window(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+                   rng_states: Sequence[Optional[RngState]], frames: int, float64_check: bool, norm_type: float,
+                   deadline: Optional[float]) -> ReplayResult:
     result = ReplayResult()
     plugin = getattr(trainer, "precision_plugin", None)
     for i, (batch, batch_idx) in enumerate(batches):
@@ -103,8 +111,8 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
     return result
 
 
-def _reruns(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-            step: Optional[int]) -> Iterator[Optional[Tensor]]:
+def _reruns(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+            rng_states: Sequence[Optional[RngState]], step: Optional[int]) -> Iterator[Optional[Tensor]]:
     """Rerun ``training_step`` on each micro-batch of the window (at its ``step``, with its RNG state, in the
     precision plugin's forward context) and yield its loss (None where it returns none); the caller works on it
     before the next one, while nothing of training changes (:func:`preserved_state`)."""
@@ -116,8 +124,9 @@ def _reruns(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_state
                 yield run_step(module, batch, batch_idx, rng, forward_context(plugin))
 
 
-def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-               norm_type: float = 2.0, step: Optional[int] = None) -> Optional[bool]:
+def reproduces(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+               rng_states: Sequence[Optional[RngState]], norm_type: float = 2.0,
+               step: Optional[int] = None) -> Optional[bool]:
     """Does the window give a non-finite loss, gradient or total gradient norm (``norm_type``: an overflowing
     norm of finite gradients is an incident too) on the module's weights as they are now? The light rerun
     behind the end-of-fit check: no hooks, no float64 pass, and, like :func:`replay_window`, it changes
@@ -141,8 +150,9 @@ def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_st
     return found
 
 
-def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                    params: list[Tensor], step: Optional[int] = None) -> Optional[list[Optional[Tensor]]]:
+def local_gradients(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+                    rng_states: Sequence[Optional[RngState]], params: list[Tensor],
+                    step: Optional[int] = None) -> Optional[list[Optional[Tensor]]]:
     """This rank's own gradient of each of ``params`` over the window, as its backward computed it before the
     all-reduce (each micro-batch's loss divided by ``accumulate_grad_batches``, as Lightning does), recomputed on
     the weights as they are now, with the same RNG states; nothing is changed (as :func:`reproduces`). None where
@@ -164,8 +174,8 @@ def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], r
     return total
 
 
-def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-                frames: int, norm_type: float = 2.0, float64: bool = True) -> None:
+def _replay_one(res: ReplayResult, module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+                plugin: Optional["Precision"], frames: int, norm_type: float = 2.0, float64: bool = True) -> None:
     """Replay one micro-batch under a frame recorder: whether it reproduces, where it first went non-finite
     (forward or backward), then the op pass or the anomaly pass."""
     named = trainable(module)
