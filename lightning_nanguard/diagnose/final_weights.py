@@ -38,6 +38,18 @@ def suspect(trainer: "pl.Trainer", pl_module: "pl.LightningModule", recovery: "R
     - ``divergence``, unresolved: a rollback (``check.divergence: act``, or any forced rollback) is not yet
       confirmed by a snapshot and the loss is running away at the end (``diverging``). With ``check.divergence:
       warn`` the guard never rolls back, at the end of fit neither.
+
+    Args:
+        trainer, pl_module: the fit at its end.
+        recovery: the guard's recovery (its streak, unconfirmed rollbacks and snapshots).
+        events: the fit's events, oldest first.
+        last: the last incident's event and its window, where kept.
+        diverging: the loss is running away at the end.
+        rerun: the last incident's batch may be rerun (``anomaly.mode`` not ``off``).
+        norm_type: the norm whose overflow of finite gradients counts as non-finite.
+
+    Returns:
+        The :data:`Suspect` to record, or None when the final weights are not suspect.
     """
     incidents = [e for e in events if KINDS[e.kind].incident]
     if recovery.incidents_in_a_row > 0 and incidents:

@@ -254,7 +254,17 @@ class SnapshotStore:
 
     def capture(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int,
                 meta: dict[str, Any]) -> Snapshot:
-        """Keep the fit's state now (:func:`training_state`) as the newest snapshot, evicting the oldest."""
+        """Keep the fit's state now (:func:`training_state`) as the newest snapshot, evicting the oldest.
+
+        Args:
+            trainer: the fit's Trainer (optimizers, LR schedulers, grad scaler).
+            pl_module: the LightningModule whose state dict is kept.
+            step: the step the state is known good at.
+            meta: the guard's own state of that time (the LR scale, running statistics), kept beside it.
+
+        Returns:
+            The snapshot (its copies may still be under way: :meth:`load` waits for them).
+        """
         buffers = [name for name, _ in pl_module.named_buffers()]
         return self.take(step, training_state(trainer, pl_module), meta, buffers=buffers)
 
@@ -280,13 +290,29 @@ class SnapshotStore:
     def restore(self, snap: Snapshot, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                 scaler_overflows: int = 0) -> None:
         """Load ``snap`` back into the fit (module, optimizers, schedulers, scaler: :func:`load_training_state`), once
-        it is verified; raises :class:`~.verify.Refused` (nothing loaded) if it is not."""
+        it is verified.
+
+        Args:
+            snap: a snapshot of this store.
+            trainer, pl_module: the fit it goes back into.
+            scaler_overflows: consecutive GradScaler overflows now (the scale is then not raised back).
+
+        Raises:
+            Refused: ``snap`` does not verify (nothing is loaded).
+        """
         load_training_state(trainer, pl_module, self.load(snap), scaler_overflows)
 
     def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                        scaler_overflows: int = 0) -> Restored:
         """Restore the first of :meth:`targets` that verifies, refusing each one before it that does not (nothing of
-        a refused snapshot reaches the fit); :attr:`Restored.snapshot` is None when none verified."""
+        a refused snapshot reaches the fit).
+
+        Args:
+            trainer, pl_module, scaler_overflows: as for :meth:`restore`.
+
+        Returns:
+            The snapshot restored (None when none verified) and those refused on the way.
+        """
         snap, state, refused = self.first_verified(self.targets(), self.load)
         if snap is not None and state is not None:
             load_training_state(trainer, pl_module, state, scaler_overflows)
@@ -738,8 +764,20 @@ class DiskStore(SnapshotStore):
 
 
 def make_store(mode: str, keep: int, directory: Optional[Path] = None) -> SnapshotStore:
-    """The store for ``recovery.snapshot`` (``memory`` or ``disk``). (A replicated strategy's ranks each keep their
-    share of it: :class:`~.sharded.ShardedStore` wraps it.)"""
+    """The store for ``recovery.snapshot`` (a replicated strategy's ranks each keep their share of it:
+    :class:`~.sharded.ShardedStore` wraps it).
+
+    Args:
+        mode: ``"memory"`` or ``"disk"``.
+        keep: how many snapshots the ring holds.
+        directory: where a disk store writes its files.
+
+    Returns:
+        A :class:`MemoryStore` or :class:`DiskStore`.
+
+    Raises:
+        ValueError: another ``mode``, or a disk store without ``directory``.
+    """
     if mode == "memory":
         return MemoryStore(keep)
     if mode == "disk":
