@@ -1,10 +1,10 @@
-"""The type of a value that goes into an event's ``details`` as it is: JSON (a finding, a replay's evidence)."""
+"""The type of a value as JSON holds it: what ``events.jsonl``, the report CLI and the checkpointed state read."""
 
 from __future__ import annotations
 
 from typing import Union
 
-__all__ = ["JSONValue", "JSONObject"]
+__all__ = ["JSONValue", "JSONDict"]
 
 JSONValue = Union[None, bool, int, float, str, list["JSONValue"], dict[str, "JSONValue"]]
-JSONObject = dict[str, JSONValue]  # a finding: named values, each JSON
+JSONDict = dict[str, JSONValue]

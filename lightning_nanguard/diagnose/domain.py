@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.domain_fixes import MATMUL_OPS, describe, fix
 from ..core.dtensors import is_dtensor, local
-from ..core.jsonvalue import JSONObject, JSONValue
+from ..core.jsonvalue import JSONDict, JSONValue
 from ..core.tree import iter_tensors, map_tensors
 
 __all__ = ["made_nonfinite", "scalars_of", "op_name", "in_place", "names_itself", "op_evidence", "out_of_domain",
@@ -115,7 +115,7 @@ def _no_autocast(tensors: list[Tensor]) -> AbstractContextManager[object]:
 
 
 def op_evidence(func: Op, args: Sequence[object], kwargs: Optional[Mapping[str, object]], out: object,
-                float64: bool = True) -> JSONObject:
+                float64: bool = True) -> JSONDict:
     """The evidence of the op that made a non-finite value: its working dtype and that dtype's max, the count of
     non-finite output positions, with ``float64`` the op recomputed in float64 on the same inputs with autocast
     off (finite there, and its abs-max: overflow or precision is judged at the op, not at the module), and the
@@ -131,7 +131,7 @@ def op_evidence(func: Op, args: Sequence[object], kwargs: Optional[Mapping[str, 
     ins = _floats([args, kwargs])
     dtype = outs[0].dtype if outs else torch.float32
     bad = torch.stack([(~torch.isfinite(t.detach())).sum() for t in outs]).sum() if outs else torch.zeros(())
-    found: JSONObject = {"dtype": str(dtype), "dtype_max": torch.finfo(dtype).max, "positions": int(bad)}
+    found: JSONDict = {"dtype": str(dtype), "dtype_max": torch.finfo(dtype).max, "positions": int(bad)}
     if partial:
         found["partial"] = True
     if any(math.isnan(s) for s in scalars_of([args, kwargs])):
@@ -187,7 +187,7 @@ def _producer(t: object) -> Optional[str]:
     return name
 
 
-def out_of_domain(name: str, args: object, kwargs: Mapping[str, object], outs: list[Tensor]) -> Optional[JSONObject]:
+def out_of_domain(name: str, args: object, kwargs: Mapping[str, object], outs: list[Tensor]) -> Optional[JSONDict]:
     """Which input of op ``name`` was outside its domain, at how many positions: ``zero``, ``negative``, ``an all
     -inf row``, ``a single sample``, ``an empty selection``, ``every target ignored``, ``0 x inf``, ``inf - inf``,
     ``outside [-1, 1]``; None when the op is not one this knows."""
@@ -220,14 +220,14 @@ class _Call:
     def arg(self, i: int, name: str, default: object = None) -> object:
         return _arg(self.args, self.kwargs, i, name, default)
 
-    def found(self, what: str, positions: int, argument: str = "input", **more: JSONValue) -> JSONObject:
+    def found(self, what: str, positions: int, argument: str = "input", **more: JSONValue) -> JSONDict:
         return {"op": self.name, "input": what, "argument": argument, "positions": positions, **more}
 
 
-_Check = Callable[[_Call], Optional[JSONObject]]  # the input of one call outside its op's domain, or None
+_Check = Callable[[_Call], Optional[JSONDict]]  # the input of one call outside its op's domain, or None
 
 
-def _log(op: _Call) -> Optional[JSONObject]:
+def _log(op: _Call) -> Optional[JSONDict]:
     x = op.floating
     if x is not None:
         zeros, negs = _count(x == 0), _count(x < 0)
@@ -236,14 +236,14 @@ def _log(op: _Call) -> Optional[JSONObject]:
     return None
 
 
-def _log1p(op: _Call) -> Optional[JSONObject]:
+def _log1p(op: _Call) -> Optional[JSONDict]:
     x = op.floating
     if x is not None and _count(x <= -1):
         return op.found("at or below -1", _count(x <= -1))
     return None
 
 
-def _sqrt(op: _Call) -> Optional[JSONObject]:
+def _sqrt(op: _Call) -> Optional[JSONDict]:
     x = op.floating
     if x is not None:
         negs = _count(x < 0)
@@ -261,7 +261,7 @@ def _as_tensor(value: object) -> object:
     return value
 
 
-def _division(op: _Call) -> Optional[JSONObject]:
+def _division(op: _Call) -> Optional[JSONDict]:
     num, den = (None, op.x) if op.name == "reciprocal" else (op.arg(1, "other"), op.x) \
         if op.name == "rtruediv" else (op.x, op.arg(1, "other"))
     den = _as_tensor(den)
@@ -277,7 +277,7 @@ def _division(op: _Call) -> Optional[JSONObject]:
     return None
 
 
-def _spread(op: _Call) -> Optional[JSONObject]:
+def _spread(op: _Call) -> Optional[JSONDict]:
     """``std``/``var`` over fewer samples than their correction."""
     x = op.floating
     if x is not None and op.outs:
@@ -295,7 +295,7 @@ def _spread(op: _Call) -> Optional[JSONObject]:
     return None
 
 
-def _softmax(op: _Call) -> Optional[JSONObject]:
+def _softmax(op: _Call) -> Optional[JSONDict]:
     x = op.floating
     dim = op.arg(1, "dim", -1)
     if x is not None and isinstance(dim, int) and x.dim():
@@ -308,13 +308,13 @@ def _softmax(op: _Call) -> Optional[JSONObject]:
     return None
 
 
-def _mean(op: _Call) -> Optional[JSONObject]:
+def _mean(op: _Call) -> Optional[JSONDict]:
     if isinstance(op.x, Tensor) and op.x.numel() == 0:
         return op.found("an empty selection", 1)
     return None
 
 
-def _classification_loss(op: _Call) -> Optional[JSONObject]:
+def _classification_loss(op: _Call) -> Optional[JSONDict]:
     target = op.arg(1, "target")
     ignore = op.arg(4, "ignore_index", -100)
     if isinstance(target, Tensor) and isinstance(ignore, int) and not target.is_floating_point() and \
@@ -336,7 +336,7 @@ def _operands(op: _Call) -> Optional[tuple[Tensor, Tensor]]:
     return None if ys is None else (xs, ys)
 
 
-def _product(op: _Call) -> Optional[JSONObject]:
+def _product(op: _Call) -> Optional[JSONDict]:
     both = _operands(op)
     if both is not None:
         xs, ys = both
@@ -346,7 +346,7 @@ def _product(op: _Call) -> Optional[JSONObject]:
     return None
 
 
-def _difference(op: _Call) -> Optional[JSONObject]:
+def _difference(op: _Call) -> Optional[JSONDict]:
     both = _operands(op)
     if both is not None:
         xs, ys = both
@@ -357,7 +357,7 @@ def _difference(op: _Call) -> Optional[JSONObject]:
     return None
 
 
-def _inverse_trig(op: _Call) -> Optional[JSONObject]:
+def _inverse_trig(op: _Call) -> Optional[JSONDict]:
     x = op.floating
     if x is not None:
         n = _count(x.abs() > 1) if op.name != "atanh" else _count(x.abs() >= 1)
@@ -366,7 +366,7 @@ def _inverse_trig(op: _Call) -> Optional[JSONObject]:
     return None
 
 
-def _power(op: _Call) -> Optional[JSONObject]:
+def _power(op: _Call) -> Optional[JSONDict]:
     e = op.arg(1, "exponent")
     x = op.floating
     if x is not None and isinstance(e, (int, float)):

@@ -20,7 +20,7 @@ from ..core.layouts import deepcopy_memo
 from ..core.tree import map_tensors
 from ..detect.kernels import any_nonfinite_flag
 from .probes import FrameRecorder, is_compiled
-from ..core.jsonvalue import JSONObject
+from ..core.jsonvalue import JSONDict
 from .rerun import ReplayResult, RngState, gradients, noop, run_step
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def _eager_copy(module: _M) -> _M:
 
 
 def float64_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
-                 res: ReplayResult) -> JSONObject:
+                 res: ReplayResult) -> JSONDict:
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
     twin = _eager_copy(module).double()
     object.__setattr__(twin, "log", noop)  # a LightningModule's methods, shadowed on the copy
@@ -70,7 +70,7 @@ def float64_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rn
 
 
 def float64_run(twin: "pl.LightningModule", root: str, batch: object, batch_idx: int, rng: Optional[RngState],
-                res: ReplayResult) -> JSONObject:
+                res: ReplayResult) -> JSONDict:
     """``training_step`` of ``twin`` (a module whose every floating parameter and buffer is float64; ``root``: the
     name of the original module's class) on the float64 batch, with its gradients: is it finite, and the culprit
     module's own output there."""
@@ -86,7 +86,7 @@ def float64_run(twin: "pl.LightningModule", root: str, batch: object, batch_idx:
         torch.set_default_dtype(previous)
     rec.read()
     grad_flag = any_nonfinite_flag([g for g in grads if g is not None])
-    out: JSONObject = {"loss_finite": loss is not None and bool(torch.isfinite(loss.detach()).all()),
+    out: JSONDict = {"loss_finite": loss is not None and bool(torch.isfinite(loss.detach()).all()),
                            "grads_finite": grad_flag is None or not bool(grad_flag)}
     out["finite"] = out["loss_finite"] and out["grads_finite"]
     if loss is not None:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..core.dtensors import is_dtensor
-from ..core.jsonvalue import JSONObject
+from ..core.jsonvalue import JSONDict
 from .float64 import float64_run
 from .passes import first_bad_backward, first_bad_forward, nonfinite_gradients, op_pass, recorded_run
 from .probes import GraphWatch
@@ -197,8 +197,8 @@ def _guarded(res: ReplayResult, name: str, run: Callable[..., _R], *args: object
 
 
 def backward_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
-                  plugin: Optional["Precision"], named: list[tuple[str, Tensor]]) -> tuple[Optional[JSONObject],
-                  Optional[JSONObject], bool]:
+                  plugin: Optional["Precision"], named: list[tuple[str, Tensor]]) -> tuple[Optional[JSONDict],
+                  Optional[JSONDict], bool]:
     """Forward and backward with anomaly mode recording the forward's tracebacks (its NaN check off: it would raise
     on this rank alone, half way through a backward whose collectives the other ranks make) and a
     :class:`~.probes.GraphWatch` on every node: the first node that made NaN or Inf (``backward_op``), the first
@@ -218,7 +218,7 @@ def backward_pass(module: "pl.LightningModule", batch: object, batch_idx: int, r
     nan = watch.first_nan
     if nan is None:
         return watch.found, None, watch.nonfinite_seen
-    anomaly: JSONObject = {"message": f"Function '{nan['op']}' returned nan values in its {nan['output']}th output.",
+    anomaly: JSONDict = {"message": f"Function '{nan['op']}' returned nan values in its {nan['output']}th output.",
                "op": nan["op"], "value": "nan", "output": nan["output"], "traceback": nan["traceback"], "raised": False}
     if nan.get("received"):
         anomaly["received"] = nan["received"]

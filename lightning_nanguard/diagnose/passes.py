@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..core.dtensors import local
-from ..core.jsonvalue import JSONObject
+from ..core.jsonvalue import JSONDict
 from ..detect.kernels import total_norm
 from .probes import FirstBadOp, Frame, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace
 from .rerun import ReplayResult, RngState, forward_context, gradients, preserved_state, reentrant_checkpoint, run_step
@@ -110,7 +110,7 @@ def first_bad_backward(res: ReplayResult, rec: FrameRecorder, frames: int) -> No
 
 def op_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
             plugin: Optional["Precision"], where: Optional[tuple[str, int]],
-            float64: bool = True) -> Optional[JSONObject]:
+            float64: bool = True) -> Optional[JSONDict]:
     """The op that made the first non-finite value inside the module call ``where`` (None: in all of
     ``training_step``): :class:`~.probes.FirstBadOp`'s finding. Where no op of this rank made it and a collective
     ran there (sharded), it came in through that collective: ``{"op": None, "function": its name, "received": its
@@ -127,8 +127,8 @@ def op_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Op
 
 def anomaly_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
                  plugin: Optional["Precision"],
-                 named: list[tuple[str, Tensor]]) -> tuple[Optional[JSONObject], Optional[JSONObject]]:
-    anomaly: Optional[JSONObject] = None
+                 named: list[tuple[str, Tensor]]) -> tuple[Optional[JSONDict], Optional[JSONDict]]:
+    anomaly: Optional[JSONDict] = None
     watch: Optional[GraphWatch] = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -151,7 +151,7 @@ def anomaly_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rn
     return watch.found, anomaly
 
 
-def parse_anomaly_error(error: BaseException) -> Optional[JSONObject]:
+def parse_anomaly_error(error: BaseException) -> Optional[JSONDict]:
     """``Function 'PowBackward0' returned nan values in its 0th output.`` -> op, value, output; else None."""
     m = _ANOMALY_RE.search(str(error))
     if m is None:

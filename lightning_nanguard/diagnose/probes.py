@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..core.dtensors import is_dtensor, local
-from ..core.jsonvalue import JSONObject
+from ..core.jsonvalue import JSONDict
 from ..core.layouts import is_strided, stored_values
 from ..core.tree import iter_tensors
 from . import domain
@@ -111,7 +111,7 @@ class Frame:
     pending: Optional[Tensor]  # on the device until read(): [in_max, in_min, in_bad, out_max, out_min, out_bad]
     stats: list[float] = field(default_factory=list)  # the same six, read (FrameRecorder.read)
 
-    def row(self) -> JSONObject:
+    def row(self) -> JSONDict:
         s = self.stats
         return {"module": self.module, "call": self.call, "dtype": self.dtype, "in_abs_max": s[0],
                 "in_abs_min": s[1], "in_nonfinite": int(s[2]), "out_abs_max": s[3], "out_abs_min": s[4],
@@ -209,7 +209,7 @@ class FirstBadOp(TorchFunctionMode):
     def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]], float64: bool = True) -> None:
         super().__init__()
         self.recorder, self.module, self.float64 = recorder, module, float64
-        self.found: Optional[JSONObject] = None
+        self.found: Optional[JSONDict] = None
         self.collectives: list[str] = []
 
     def __torch_function__(self, func: domain.Op, types: Sequence[type], args: Sequence[object] = (),
@@ -230,13 +230,13 @@ class FirstBadOp(TorchFunctionMode):
         return out
 
     def _evidence(self, func: domain.Op, args: Sequence[object], kwargs: Mapping[str, object], out: object,
-                  outs: list[Tensor]) -> JSONObject:
+                  outs: list[Tensor]) -> JSONDict:
         where = self.recorder.stack[-1] if self.recorder.stack else None
         # (of the op's own outputs: a DTensor's local shard, in ``outs``, is a view made by to_local)
         grad_fn = next((t.grad_fn for _, t in iter_tensors(out, "") if t.grad_fn is not None), None)
         name = getattr(func, "__name__", str(func))
         op = grad_fn.name() if grad_fn is not None else None
-        found: JSONObject = {"op": op, "function": name, "module": where[0] if where else None, "source": user_frame()}
+        found: JSONDict = {"op": op, "function": name, "module": where[0] if where else None, "source": user_frame()}
         if inspect.isfunction(func) and op is not None and not domain.names_itself(op) \
                 and not any(is_dtensor(t) for _, t in iter_tensors([args, kwargs], "")):  # (a rerun: collectives)
             inner = domain.inner_op(func, args, kwargs)
@@ -262,9 +262,9 @@ class GraphWatch:
     use_reentrant=True)`` recomputes its forward, and builds its part of the graph, inside backward)."""
 
     def __init__(self, root: Tensor, nan_too: bool = False) -> None:
-        self.found: Optional[JSONObject] = None
+        self.found: Optional[JSONDict] = None
         self.nan_too = nan_too
-        self.first_nan: Optional[JSONObject] = None
+        self.first_nan: Optional[JSONDict] = None
         self.nonfinite_seen = False  # (nan_too) some node's output was non-finite, made there or not
         self._handles: list[RemovableHandle] = []
         self._seen: set[Node] = set()
