@@ -10,8 +10,6 @@ op is never recomputed alone (a collective that one rank calls while the others 
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = ["is_communication", "is_communication_node"]
 
 # torch.ops namespaces of collectives: functional collectives (and their autograd twins), c10d, FSDP2's copy-in
@@ -25,7 +23,7 @@ _NAMES = frozenset({"all_reduce", "all_gather", "all_gather_into_tensor", "all_g
 _NODE_WORDS = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "c10d")
 
 
-def _namespace(func: Any) -> str:
+def _namespace(func: object) -> str:
     namespace = getattr(func, "namespace", None)  # an OpOverload: torch.ops.<namespace>.<op>.<overload>
     if isinstance(namespace, str):
         return namespace
@@ -33,7 +31,7 @@ def _namespace(func: Any) -> str:
     return module.rpartition("torch._ops.")[2] if module.startswith("torch._ops.") else ""
 
 
-def is_communication(func: Any) -> bool:
+def is_communication(func: object) -> bool:
     """Does calling ``func`` bring in other ranks' values (a collective, a DTensor redistribution or conversion)?"""
     if _namespace(func) in _NAMESPACES:
         return True
@@ -42,11 +40,12 @@ def is_communication(func: Any) -> bool:
     return module.startswith("torch.distributed") or name.split(".")[0] in _NAMES
 
 
-def is_communication_node(node: Any) -> bool:
+def is_communication_node(node: object) -> bool:
     """Is the autograd node ``node`` the backward of a collective or of a DTensor conversion (DTensor's
     ``from_local`` / ``to_local`` / ``redistribute``, whose backward all-reduces a partial gradient)?"""
     forward = getattr(node, "_forward_cls", None)  # a Python autograd.Function's node: its Function class
     if forward is not None and (getattr(forward, "__module__", None) or "").startswith("torch.distributed"):
         return True
-    name = node.name() if callable(getattr(node, "name", None)) else ""
+    name_of = getattr(node, "name", None)
+    name = name_of() if callable(name_of) else ""
     return any(word in name for word in _NODE_WORDS)

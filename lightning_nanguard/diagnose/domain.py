@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -26,18 +26,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.domain_fixes import MATMUL_OPS, describe, fix
 from ..core.dtensors import is_dtensor, local
+from ..core.jsonvalue import JSONDict, JSONValue
 from ..core.tree import iter_tensors, map_tensors
 
 __all__ = ["made_nonfinite", "scalars_of", "op_name", "in_place", "names_itself", "op_evidence", "out_of_domain",
            "describe", "fix", "inner_op", "autograd_name", "MATMUL_OPS"]
 
+_T = TypeVar("_T")
+# an op as a dispatch or function mode sees it: an aten OpOverload, a torch function, a Tensor method
+Op = Callable[..., object]
+# what :func:`inner_op` found: the op, its arguments, keyword arguments and output
+OpCall = tuple[Op, Sequence[object], Mapping[str, object], object]
 
 
-def _floats(obj: Any) -> list[Tensor]:
+def _floats(obj: object) -> list[Tensor]:
     return [t for _, t in iter_tensors(obj, "") if t.is_floating_point() and t.layout == torch.strided and t.numel()]
 
 
-def scalars_of(obj: Any) -> list[float]:
+def scalars_of(obj: object) -> list[float]:
     """The Python numbers among an op's (nested) arguments: a fill value, an exponent, a divisor."""
     if isinstance(obj, bool):
         return []
@@ -75,14 +81,14 @@ _IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__
                                "__ipow__", "__imod__"})
 
 
-def in_place(func: Any) -> bool:
+def in_place(func: object) -> bool:
     """Does ``func`` write into its first argument (``div_``, ``__itruediv__``, ``aten.masked_fill_``)?"""
     packet = getattr(func, "overloadpacket", None)
     name = getattr(packet if packet is not None else func, "__name__", "") or ""
     return name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
 
 
-def op_name(func: Any) -> str:
+def op_name(func: object) -> str:
     """``__truediv__`` and ``__itruediv__`` -> ``truediv``, ``aten._softmax`` -> ``softmax``, ``log_`` -> ``log``."""
     packet = getattr(func, "overloadpacket", None)
     name = getattr(packet if packet is not None else func, "__name__", None) or str(func)
@@ -96,11 +102,11 @@ def autograd_name(aten_name: str) -> str:
     return "".join(p[:1].upper() + p[1:] for p in aten_name.strip("_").split("_") if p) + "Backward0"
 
 
-def _double(obj: Any) -> Any:
+def _double(obj: _T) -> _T:
     return map_tensors(obj, lambda t: t.detach().double() if t.is_floating_point() else t)
 
 
-def _no_autocast(tensors: list[Tensor]) -> Any:
+def _no_autocast(tensors: list[Tensor]) -> AbstractContextManager[object]:
     device = tensors[0].device.type if tensors else "cpu"
     try:
         return torch.autocast(device, enabled=False)
@@ -108,7 +114,8 @@ def _no_autocast(tensors: list[Tensor]) -> Any:
         return nullcontext()
 
 
-def op_evidence(func: Any, args: Any, kwargs: Any, out: Any, float64: bool = True) -> dict[str, Any]:
+def op_evidence(func: Op, args: Sequence[object], kwargs: Optional[Mapping[str, object]], out: object,
+                float64: bool = True) -> JSONDict:
     """The evidence of the op that made a non-finite value: its working dtype and that dtype's max, the count of
     non-finite output positions, with ``float64`` the op recomputed in float64 on the same inputs with autocast
     off (finite there, and its abs-max: overflow or precision is judged at the op, not at the module), and the
@@ -124,7 +131,7 @@ def op_evidence(func: Any, args: Any, kwargs: Any, out: Any, float64: bool = Tru
     ins = _floats([args, kwargs])
     dtype = outs[0].dtype if outs else torch.float32
     bad = torch.stack([(~torch.isfinite(t.detach())).sum() for t in outs]).sum() if outs else torch.zeros(())
-    found: dict[str, Any] = {"dtype": str(dtype), "dtype_max": torch.finfo(dtype).max, "positions": int(bad)}
+    found: JSONDict = {"dtype": str(dtype), "dtype_max": torch.finfo(dtype).max, "positions": int(bad)}
     if partial:
         found["partial"] = True
     if any(math.isnan(s) for s in scalars_of([args, kwargs])):
@@ -158,17 +165,17 @@ class _Skipped(Exception):
     pass
 
 
-def _arg(args: Any, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+def _arg(args: Sequence[object], kwargs: Mapping[str, object], i: int, name: str, default: object = None) -> object:
     if name in kwargs:
         return kwargs[name]
     return args[i] if len(args) > i else default
 
 
-def _count(mask: Any) -> int:
+def _count(mask: object) -> int:
     return int(mask.sum()) if isinstance(mask, Tensor) else int(bool(mask))
 
 
-def _producer(t: Any) -> Optional[str]:
+def _producer(t: object) -> Optional[str]:
     """The autograd name of the op that made ``t`` (one level through ``1 - x`` and ``x + eps``)."""
     node = getattr(t, "grad_fn", None)
     if node is None:
@@ -180,7 +187,7 @@ def _producer(t: Any) -> Optional[str]:
     return name
 
 
-def out_of_domain(name: str, args: Any, kwargs: dict, outs: list[Tensor]) -> Optional[dict[str, Any]]:
+def out_of_domain(name: str, args: object, kwargs: Mapping[str, object], outs: list[Tensor]) -> Optional[JSONDict]:
     """Which input of op ``name`` was outside its domain, at how many positions: ``zero``, ``negative``, ``an all
     -inf row``, ``a single sample``, ``an empty selection``, ``every target ignored``, ``0 x inf``, ``inf - inf``,
     ``outside [-1, 1]``; None when the op is not one this knows."""
@@ -200,58 +207,61 @@ class _Call:
     """One call of the op ``name``: its first argument ``x``, all its arguments and its floating outputs."""
 
     name: str
-    x: Any
-    args: tuple
-    kwargs: dict
+    x: object
+    args: tuple[object, ...]
+    kwargs: Mapping[str, object]
     outs: list[Tensor]
 
     @property
-    def tensor(self) -> bool:
-        """Is the first argument a floating tensor?"""
-        return isinstance(self.x, Tensor) and self.x.is_floating_point()
+    def floating(self) -> Optional[Tensor]:
+        """The first argument when it is a floating tensor, else None."""
+        return self.x if isinstance(self.x, Tensor) and self.x.is_floating_point() else None
 
-    def arg(self, i: int, name: str, default: Any = None) -> Any:
+    def arg(self, i: int, name: str, default: object = None) -> object:
         return _arg(self.args, self.kwargs, i, name, default)
 
-    def found(self, what: str, positions: int, argument: str = "input", **more: Any) -> dict[str, Any]:
+    def found(self, what: str, positions: int, argument: str = "input", **more: JSONValue) -> JSONDict:
         return {"op": self.name, "input": what, "argument": argument, "positions": positions, **more}
 
 
-_Check = Callable[[_Call], Optional[dict[str, Any]]]  # the input of one call outside its op's domain, or None
+_Check = Callable[[_Call], Optional[JSONDict]]  # the input of one call outside its op's domain, or None
 
 
-def _log(op: _Call) -> Optional[dict[str, Any]]:
-    if op.tensor:
-        zeros, negs = _count(op.x == 0), _count(op.x < 0)
+def _log(op: _Call) -> Optional[JSONDict]:
+    x = op.floating
+    if x is not None:
+        zeros, negs = _count(x == 0), _count(x < 0)
         if zeros or negs:
-            return op.found("zero" if zeros else "negative", zeros or negs, produced_by=_producer(op.x))
+            return op.found("zero" if zeros else "negative", zeros or negs, produced_by=_producer(x))
     return None
 
 
-def _log1p(op: _Call) -> Optional[dict[str, Any]]:
-    if op.tensor and _count(op.x <= -1):
-        return op.found("at or below -1", _count(op.x <= -1))
+def _log1p(op: _Call) -> Optional[JSONDict]:
+    x = op.floating
+    if x is not None and _count(x <= -1):
+        return op.found("at or below -1", _count(x <= -1))
     return None
 
 
-def _sqrt(op: _Call) -> Optional[dict[str, Any]]:
-    if op.tensor:
-        negs = _count(op.x < 0)
+def _sqrt(op: _Call) -> Optional[JSONDict]:
+    x = op.floating
+    if x is not None:
+        negs = _count(x < 0)
         if negs:
             return op.found("negative", negs)
-        if op.name == "rsqrt" and _count(op.x == 0):
-            return op.found("zero", _count(op.x == 0))
+        if op.name == "rsqrt" and _count(x == 0):
+            return op.found("zero", _count(x == 0))
     return None
 
 
-def _as_tensor(value: Any) -> Any:
+def _as_tensor(value: object) -> object:
     """A Python number (not a bool) as a 0-dim tensor; anything else as it is."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return torch.tensor(float(value))
     return value
 
 
-def _division(op: _Call) -> Optional[dict[str, Any]]:
+def _division(op: _Call) -> Optional[JSONDict]:
     num, den = (None, op.x) if op.name == "reciprocal" else (op.arg(1, "other"), op.x) \
         if op.name == "rtruediv" else (op.x, op.arg(1, "other"))
     den = _as_tensor(den)
@@ -267,25 +277,28 @@ def _division(op: _Call) -> Optional[dict[str, Any]]:
     return None
 
 
-def _spread(op: _Call) -> Optional[dict[str, Any]]:
+def _spread(op: _Call) -> Optional[JSONDict]:
     """``std``/``var`` over fewer samples than their correction."""
-    if op.tensor and op.outs:
+    x = op.floating
+    if x is not None and op.outs:
         correction = op.kwargs.get("correction")
         if correction is None:
             args = op.args
             unbiased = op.kwargs.get("unbiased", args[1] if len(args) > 1 and isinstance(args[1], bool) else True)
             correction = 1 if unbiased else 0
-        samples = op.x.numel() // max(op.outs[0].numel(), 1)
+        if not isinstance(correction, (int, float)):  # (torch takes a number)
+            return None
+        samples = x.numel() // max(op.outs[0].numel(), 1)
         if samples <= correction:
             return op.found("a single sample" if samples == 1 else "no samples", int(op.outs[0].numel()),
                             samples=samples, correction=float(correction))
     return None
 
 
-def _softmax(op: _Call) -> Optional[dict[str, Any]]:
-    x = op.x
+def _softmax(op: _Call) -> Optional[JSONDict]:
+    x = op.floating
     dim = op.arg(1, "dim", -1)
-    if op.tensor and isinstance(dim, int) and x.dim():
+    if x is not None and isinstance(dim, int) and x.dim():
         rows = _count(torch.isneginf(x).all(dim)) if op.name != "softmin" else _count(torch.isposinf(x).all(dim))
         if rows:
             return op.found("an all -inf row", rows, dim=dim)
@@ -295,17 +308,18 @@ def _softmax(op: _Call) -> Optional[dict[str, Any]]:
     return None
 
 
-def _mean(op: _Call) -> Optional[dict[str, Any]]:
+def _mean(op: _Call) -> Optional[JSONDict]:
     if isinstance(op.x, Tensor) and op.x.numel() == 0:
         return op.found("an empty selection", 1)
     return None
 
 
-def _classification_loss(op: _Call) -> Optional[dict[str, Any]]:
+def _classification_loss(op: _Call) -> Optional[JSONDict]:
     target = op.arg(1, "target")
     ignore = op.arg(4, "ignore_index", -100)
-    if isinstance(target, Tensor) and not target.is_floating_point() and target.numel() and \
-            _count(target == ignore) == target.numel() and op.kwargs.get("reduction", "mean") == "mean":
+    if isinstance(target, Tensor) and isinstance(ignore, int) and not target.is_floating_point() and \
+            target.numel() and _count(target == ignore) == target.numel() and \
+            op.kwargs.get("reduction", "mean") == "mean":
         return op.found("every target ignored", int(target.numel()), argument="target", ignore_index=ignore)
     return None
 
@@ -315,12 +329,14 @@ def _operands(op: _Call) -> Optional[tuple[Tensor, Tensor]]:
     if len(op.args) <= 1:
         return None
     x, y = op.x, op.args[1]
+    if not isinstance(x, (Tensor, int, float)):  # (not a number: no domain to check)
+        return None
     xs = x if isinstance(x, Tensor) else torch.tensor(float(x))
     ys = y if isinstance(y, Tensor) else torch.tensor(float(y)) if isinstance(y, (int, float)) else None
     return None if ys is None else (xs, ys)
 
 
-def _product(op: _Call) -> Optional[dict[str, Any]]:
+def _product(op: _Call) -> Optional[JSONDict]:
     both = _operands(op)
     if both is not None:
         xs, ys = both
@@ -330,7 +346,7 @@ def _product(op: _Call) -> Optional[dict[str, Any]]:
     return None
 
 
-def _difference(op: _Call) -> Optional[dict[str, Any]]:
+def _difference(op: _Call) -> Optional[JSONDict]:
     both = _operands(op)
     if both is not None:
         xs, ys = both
@@ -341,21 +357,23 @@ def _difference(op: _Call) -> Optional[dict[str, Any]]:
     return None
 
 
-def _inverse_trig(op: _Call) -> Optional[dict[str, Any]]:
-    if op.tensor:
-        n = _count(op.x.abs() > 1) if op.name != "atanh" else _count(op.x.abs() >= 1)
+def _inverse_trig(op: _Call) -> Optional[JSONDict]:
+    x = op.floating
+    if x is not None:
+        n = _count(x.abs() > 1) if op.name != "atanh" else _count(x.abs() >= 1)
         if n:
             return op.found("outside [-1, 1]", n)
     return None
 
 
-def _power(op: _Call) -> Optional[dict[str, Any]]:
+def _power(op: _Call) -> Optional[JSONDict]:
     e = op.arg(1, "exponent")
-    if op.tensor and isinstance(e, (int, float)):
-        if e != int(e) and _count(op.x < 0):
-            return op.found("negative", _count(op.x < 0), exponent=float(e))
-        if e < 0 and _count(op.x == 0):
-            return op.found("zero", _count(op.x == 0), exponent=float(e))
+    x = op.floating
+    if x is not None and isinstance(e, (int, float)):
+        if e != int(e) and _count(x < 0):
+            return op.found("negative", _count(x < 0), exponent=float(e))
+        if e < 0 and _count(x == 0):
+            return op.found("zero", _count(x == 0), exponent=float(e))
     return None
 
 
@@ -379,9 +397,10 @@ _CHECKS: dict[str, _Check] = {name: check for names, check in (
 class _FirstAten(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.found: Optional[tuple[Any, Any, Any, Any]] = None
+        self.found: Optional[OpCall] = None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(self, func: Op, types: Sequence[type], args: Sequence[object] = (),
+                           kwargs: Optional[Mapping[str, object]] = None) -> object:
         kwargs = kwargs or {}
         before = args
         if self.found is None and in_place(func) and args and isinstance(args[0], Tensor):
@@ -394,7 +413,7 @@ class _FirstAten(TorchDispatchMode):
         return out
 
 
-def inner_op(func: Any, args: Any, kwargs: Any) -> Optional[tuple[Any, Any, Any, Any]]:
+def inner_op(func: Op, args: Sequence[object], kwargs: Optional[Mapping[str, object]]) -> Optional[OpCall]:
     """The aten op inside the Python composite ``func`` that made the non-finite value (``func`` rerun once on
     the same inputs, without autograd): (the op, its arguments, keyword arguments, output); None when none did or
     it cannot run again."""

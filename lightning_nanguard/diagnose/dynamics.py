@@ -181,7 +181,7 @@ def growth_rate(values: Sequence[float], ratio: float = SHORT_GROWTH,
     return ratios[(len(ratios) - 1) // 2]
 
 
-def relative_update(optimizers: Sequence[Any], module: nn.Module, grad_norm: float,
+def relative_update(optimizers: Sequence[torch.optim.Optimizer], module: nn.Module, grad_norm: float,
                     reference: Optional[dict[str, float]] = None,
                     reference_step: Optional[int] = None, growth: Optional[float] = None,
                     lrs: Optional[dict[int, float]] = None) -> Optional[dict[str, Any]]:

@@ -13,6 +13,8 @@ from ..core.record import Window
 from .replay import reproduces
 
 if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
     from ..recover.recovery import Recovery
 
 __all__ = ["Suspect", "suspect"]
@@ -21,9 +23,9 @@ __all__ = ["Suspect", "suspect"]
 Suspect = tuple[str, NaNEvent, str, dict[str, Any]]
 
 
-def suspect(trainer: Any, pl_module: Any, recovery: "Recovery", events: list[NaNEvent],
-            last: Optional[tuple[NaNEvent, Window]], diverging: bool, rerun: bool, norm_type: float
-            ) -> Optional[Suspect]:
+def suspect(trainer: "pl.Trainer", pl_module: "pl.LightningModule", recovery: "Recovery", events: list[NaNEvent],
+            last: Optional[tuple[NaNEvent, Window]], diverging: bool, rerun: bool,
+            norm_type: float ) -> Optional[Suspect]:
     """Are the final (finite) weights suspect? A :data:`Suspect`, or None.
 
     - ``parameter``, finite but broken: the fit ended inside a streak of incidents that the weights themselves
@@ -36,6 +38,18 @@ def suspect(trainer: Any, pl_module: Any, recovery: "Recovery", events: list[NaN
     - ``divergence``, unresolved: a rollback (``check.divergence: act``, or any forced rollback) is not yet
       confirmed by a snapshot and the loss is running away at the end (``diverging``). With ``check.divergence:
       warn`` the guard never rolls back, at the end of fit neither.
+
+    Args:
+        trainer, pl_module: the fit at its end.
+        recovery: the guard's recovery (its streak, unconfirmed rollbacks and snapshots).
+        events: the fit's events, oldest first.
+        last: the last incident's event and its window, where kept.
+        diverging: the loss is running away at the end.
+        rerun: the last incident's batch may be rerun (``anomaly.mode`` not ``off``).
+        norm_type: the norm whose overflow of finite gradients counts as non-finite.
+
+    Returns:
+        The :data:`Suspect` to record, or None when the final weights are not suspect.
     """
     incidents = [e for e in events if KINDS[e.kind].incident]
     if recovery.incidents_in_a_row > 0 and incidents:
@@ -53,7 +67,7 @@ def suspect(trainer: Any, pl_module: Any, recovery: "Recovery", events: list[NaN
     return None
 
 
-def _streak(trainer: Any, pl_module: Any, recovery: "Recovery", newest: NaNEvent,
+def _streak(trainer: "pl.Trainer", pl_module: "pl.LightningModule", recovery: "Recovery", newest: NaNEvent,
             last: Optional[tuple[NaNEvent, Window]], rerun: bool, norm_type: float) -> Optional[Suspect]:
     """:func:`suspect` for a fit that ended inside a streak of incidents, the newest ``newest``."""
     if not cause_entry(newest.cause).weights_suspect:
@@ -77,8 +91,8 @@ def _streak(trainer: Any, pl_module: Any, recovery: "Recovery", newest: NaNEvent
         "rerun_at_end": {"final_weights": final, "snapshot_weights": snapshot, "snapshot_step": step}}
 
 
-def _rerun(trainer: Any, pl_module: Any, recovery: "Recovery", window: Window, norm_type: float
-           ) -> tuple[Optional[bool], Optional[bool], Optional[int]]:
+def _rerun(trainer: "pl.Trainer", pl_module: "pl.LightningModule", recovery: "Recovery", window: Window,
+           norm_type: float ) -> tuple[Optional[bool], Optional[bool], Optional[int]]:
     """Rerun ``window`` on the final weights and, where that is non-finite (or failed), on the newest snapshot's:
     (non-finite on the final weights, on the snapshot's, the snapshot's step); None where not rerun."""
     final = reproduces(trainer, pl_module, window.batches, window.rng, norm_type, window.step)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -20,16 +20,23 @@ from ..core.layouts import deepcopy_memo
 from ..core.tree import map_tensors
 from ..detect.kernels import any_nonfinite_flag
 from .probes import FrameRecorder, is_compiled
-from .rerun import ReplayResult, gradients, noop, run_step
+from ..core.jsonvalue import JSONDict
+from .rerun import ReplayResult, RngState, gradients, noop, run_step
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["float64_pass", "float64_run"]
 
+_T = TypeVar("_T")
+_M = TypeVar("_M", bound=nn.Module)
 
-def _to_double(obj: Any) -> Any:
+
+def _to_double(obj: _T) -> _T:
     return map_tensors(obj, lambda t: t.double() if t.is_floating_point() else t)
 
 
-def _eager_copy(module: nn.Module) -> nn.Module:
+def _eager_copy(module: _M) -> _M:
     """A deep copy of ``module`` without ``torch.compile``: a compiled submodule (``OptimizedModule``) is
     copied as the module it wraps, and a LightningModule compiled whole gets its own methods back (the
     compiled ``forward`` and ``*_step`` that Lightning set on it are bound to the original module)."""
@@ -48,11 +55,12 @@ def _eager_copy(module: nn.Module) -> nn.Module:
     return twin
 
 
-def float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: ReplayResult) -> dict:
+def float64_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+                 res: ReplayResult) -> JSONDict:
     """Forward (+ backward) on a float64 deep copy: finite there means the working dtype is the problem."""
     twin = _eager_copy(module).double()
-    # a LightningModule's methods, shadowed on the copy; nn.Module types every attribute it sets as Tensor | Module
-    twin.log, twin.log_dict = noop, noop  # type: ignore[assignment]
+    object.__setattr__(twin, "log", noop)  # a LightningModule's methods, shadowed on the copy
+    object.__setattr__(twin, "log_dict", noop)
     if "_trainer" in vars(module):  # a LightningModule drops its trainer when copied: global_rank, global_step,
         twin.__dict__["_trainer"] = module.__dict__["_trainer"]  # current_epoch must read as in the replay
     try:
@@ -61,7 +69,8 @@ def float64_pass(module: Any, batch: Any, batch_idx: int, rng: Any, res: ReplayR
         del twin
 
 
-def float64_run(twin: Any, root: str, batch: Any, batch_idx: int, rng: Any, res: ReplayResult) -> dict:
+def float64_run(twin: "pl.LightningModule", root: str, batch: object, batch_idx: int, rng: Optional[RngState],
+                res: ReplayResult) -> JSONDict:
     """``training_step`` of ``twin`` (a module whose every floating parameter and buffer is float64; ``root``: the
     name of the original module's class) on the float64 batch, with its gradients: is it finite, and the culprit
     module's own output there."""
@@ -77,7 +86,7 @@ def float64_run(twin: Any, root: str, batch: Any, batch_idx: int, rng: Any, res:
         torch.set_default_dtype(previous)
     rec.read()
     grad_flag = any_nonfinite_flag([g for g in grads if g is not None])
-    out: dict[str, Any] = {"loss_finite": loss is not None and bool(torch.isfinite(loss.detach()).all()),
+    out: JSONDict = {"loss_finite": loss is not None and bool(torch.isfinite(loss.detach()).all()),
                            "grads_finite": grad_flag is None or not bool(grad_flag)}
     out["finite"] = out["loss_finite"] and out["grads_finite"]
     if loss is not None:

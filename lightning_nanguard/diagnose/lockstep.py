@@ -33,18 +33,21 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..core.dtensors import is_dtensor
+from ..core.jsonvalue import JSONDict
 from .float64 import float64_run
 from .passes import first_bad_backward, first_bad_forward, nonfinite_gradients, op_pass, recorded_run
 from .probes import GraphWatch
 from .rerun import (
+    Batches,
     ReplayResult,
+    RngState,
     at_step,
     eager,
     forward_context,
@@ -55,6 +58,10 @@ from .rerun import (
     run_step,
     trainable,
 )
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins import Precision
 
 __all__ = ["Lockstep", "lockstep_window", "backward_pass", "whole_float64", "gather_whole", "whole_module", "received",
            "NOWHERE", "LOCKSTEP", "FLOAT64_ROOM"]
@@ -70,6 +77,9 @@ LOCKSTEP = ("sharded (DTensor parameters): every rank ran the same passes togeth
 FLOAT64_ROOM = 2
 _REDUCED = "the gradients' reduction across ranks (this rank's own backward was finite)"
 _TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed", "")
+_R = TypeVar("_R")
+# this rank's own reproduction: its result, the micro-batch, its batch_idx and RNG state
+Own = tuple[ReplayResult, object, int, Optional[RngState]]
 
 
 class Lockstep:
@@ -77,7 +87,8 @@ class Lockstep:
     deadline (``timeout`` seconds after :meth:`start`) that ends the replay on every rank together. On one process
     (or outside ``torch.distributed``) every agreement is this rank's own."""
 
-    def __init__(self, timeout: Optional[float] = None, device: Any = None, group: Any = None) -> None:
+    def __init__(self, timeout: Optional[float] = None, device: Union[torch.device, str, None] = None,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
         self.timeout, self.device, self.group = timeout, device, group
         self._deadline: Optional[float] = None
         self.stopped_at: Optional[str] = None
@@ -108,20 +119,21 @@ class Lockstep:
         return not self.any(not want, where="before the replay")[0]
 
 
-def lockstep_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any], lock: Lockstep,
-                    frames: int = 21, float64_check: bool = True, norm_type: float = 2.0,
-                    step: Optional[int] = None) -> ReplayResult:
+def lockstep_window(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+                    rng_states: Sequence[Optional[RngState]], lock: Lockstep, frames: int = 21,
+                    float64_check: bool = True, norm_type: float = 2.0, step: Optional[int] = None) -> ReplayResult:
     """Replay every micro-batch of the window on every rank together (module docstring); this rank's result: its first
     micro-batch that reproduced the fault of its own, else its first that received it, else the last one."""
     with eager(), at_step(trainer, step):
         return _window(trainer, module, batches, rng_states, lock, frames, float64_check, norm_type)
 
 
-def _window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any], lock: Lockstep,
-            frames: int, float64_check: bool, norm_type: float) -> ReplayResult:
+def _window(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+            rng_states: Sequence[Optional[RngState]], lock: Lockstep, frames: int, float64_check: bool,
+            norm_type: float) -> ReplayResult:
     plugin = getattr(trainer, "precision_plugin", None)
     lock.start()
-    own: Optional[tuple[ReplayResult, Any, int, Any]] = None
+    own: Optional[Own] = None
     got: Optional[ReplayResult] = None
     result = ReplayResult(lockstep=True)
     for i, (batch, batch_idx) in enumerate(batches):
@@ -143,8 +155,8 @@ def _window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_state
     return chosen
 
 
-def _one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any, frames: int,
-         norm_type: float, float64: bool, lock: Lockstep) -> None:
+def _one(res: ReplayResult, module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+         plugin: Optional["Precision"], frames: int, norm_type: float, float64: bool, lock: Lockstep) -> None:
     """One micro-batch: the recorded pass, then the passes some rank needs (every rank runs them), then whether this
     rank's findings are its own (:func:`received`)."""
     named = trainable(module)
@@ -168,15 +180,15 @@ def _one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, p
         if want_backward and rec is not None:
             first_bad_backward(res, rec, frames)
         with preserved_state(module):
-            found = _guarded(res, "backward", backward_pass, module, batch, batch_idx, rng, plugin, named)
-        if want_backward and found is not None:
-            res.backward_op, res.anomaly, seen = found
+            back = _guarded(res, "backward", backward_pass, module, batch, batch_idx, rng, plugin, named)
+        if want_backward and back is not None:
+            res.backward_op, res.anomaly, seen = back
             local_finite = not seen
     if not lock.stopped:  # (a replay ended early tells nothing of where the values came from)
         res.received = received(res, bad_grads, local_finite)
 
 
-def _guarded(res: ReplayResult, name: str, run: Any, *args: Any) -> Any:
+def _guarded(res: ReplayResult, name: str, run: Callable[..., _R], *args: object) -> Optional[_R]:
     try:
         return run(*args)
     except Exception as err:  # a pass that fails is evidence missing, never an error of training
@@ -184,8 +196,9 @@ def _guarded(res: ReplayResult, name: str, run: Any, *args: Any) -> Any:
         return None
 
 
-def backward_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-                  named: list[tuple[str, Tensor]]) -> tuple[Optional[dict], Optional[dict], bool]:
+def backward_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+                  plugin: Optional["Precision"], named: list[tuple[str, Tensor]]) -> tuple[Optional[JSONDict],
+                  Optional[JSONDict], bool]:
     """Forward and backward with anomaly mode recording the forward's tracebacks (its NaN check off: it would raise
     on this rank alone, half way through a backward whose collectives the other ranks make) and a
     :class:`~.probes.GraphWatch` on every node: the first node that made NaN or Inf (``backward_op``), the first
@@ -205,7 +218,7 @@ def backward_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any
     nan = watch.first_nan
     if nan is None:
         return watch.found, None, watch.nonfinite_seen
-    anomaly = {"message": f"Function '{nan['op']}' returned nan values in its {nan['output']}th output.",
+    anomaly: JSONDict = {"message": f"Function '{nan['op']}' returned nan values in its {nan['output']}th output.",
                "op": nan["op"], "value": "nan", "output": nan["output"], "traceback": nan["traceback"], "raised": False}
     if nan.get("received"):
         anomaly["received"] = nan["received"]
@@ -231,8 +244,7 @@ def received(res: ReplayResult, bad_grads: list[str], local_finite: bool = False
 # ----------------------------------------------------------------------------------------- the float64 pass
 
 
-def whole_float64(module: Any, own: Optional[tuple[ReplayResult, Any, int, Any]], lock: Lockstep,
-                  share: int = 1) -> None:
+def whole_float64(module: "pl.LightningModule", own: Optional[Own], lock: Lockstep, share: int = 1) -> None:
     """The float64 pass of a sharded module (module docstring, 3): every rank takes part in the gathers where some
     rank reproduced the fault of its own and every rank has the memory (``share``: ranks holding their copies in the
     same memory); ``own``: this rank's result, micro-batch, its index and RNG state, or None."""
@@ -276,8 +288,8 @@ def whole_module(module: nn.Module, whole: dict[int, Tensor]) -> Iterator[None]:
     whole tensor (``whole``: :func:`gather_whole`), every other floating one by a float64 copy, and the sharding's own
     forward and backward hooks (FSDP2's, tensor parallel's: defined in ``torch.distributed``) taken off. The user's
     hooks stay (a fault a hook injects comes back in float64, as on the one-process copy). Put back on exit."""
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
-    hooks: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    swapped: list[tuple[dict[str, Any], str, Tensor]] = []
+    hooks: list[tuple[dict[int, Callable[..., object]], dict[int, Callable[..., object]]]] = []
     made: dict[int, Tensor] = {}
 
     def twin(t: Tensor, parameter: bool) -> Tensor:
@@ -291,14 +303,15 @@ def whole_module(module: nn.Module, whole: dict[int, Tensor]) -> Iterator[None]:
 
     try:
         for m in module.modules():
+            # (m._parameters holds Parameters, m._buffers Tensors: dicts of two value types)
             tensors: tuple[tuple[dict[str, Any], bool], ...] = ((m._parameters, True), (m._buffers, False))
             for table, parameter in tensors:
                 for key, t in list(table.items()):
                     if t is not None:
                         swapped.append((table, key, t))
                         table[key] = twin(t, parameter)
-            hook_tables: tuple[dict[int, Any], ...] = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks,
-                                                       m._backward_hooks)
+            hook_tables: tuple[dict[int, Callable[..., object]], ...] = (
+                m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
             for hook_table in hook_tables:
                 off = [k for k, hook in hook_table.items() if _sharding_hook(hook)]
                 if off:
@@ -314,7 +327,7 @@ def whole_module(module: nn.Module, whole: dict[int, Tensor]) -> Iterator[None]:
             hook_table.update(saved)
 
 
-def _sharding_hook(hook: Any) -> bool:
+def _sharding_hook(hook: object) -> bool:
     """Is ``hook`` the sharding's own (its code in ``torch.distributed``: FSDP2's state, tensor parallel's input and
     output redistributions)?"""
     fn = getattr(hook, "func", hook)  # a functools.partial
@@ -351,7 +364,7 @@ def _free_bytes(module: nn.Module) -> float:
     return math.inf  # (not Linux: not known, assumed enough)
 
 
-def _ranks_sharing_memory(trainer: Any) -> int:
+def _ranks_sharing_memory(trainer: "pl.Trainer") -> int:
     """How many ranks keep their float64 copies in the same memory: the processes of this host on the CPU, one per
     accelerator otherwise."""
     device = getattr(getattr(trainer, "strategy", None), "root_device", None)

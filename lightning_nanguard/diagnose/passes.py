@@ -18,15 +18,20 @@ from __future__ import annotations
 import re
 import warnings
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
 from ..core.dtensors import local
+from ..core.jsonvalue import JSONDict
 from ..detect.kernels import total_norm
 from .probes import FirstBadOp, Frame, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace
-from .rerun import ReplayResult, forward_context, gradients, preserved_state, reentrant_checkpoint, run_step
+from .rerun import ReplayResult, RngState, forward_context, gradients, preserved_state, reentrant_checkpoint, run_step
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins import Precision
 
 __all__ = ["recorded_run", "nonfinite_gradients", "first_bad_forward", "first_bad_backward", "op_pass",
            "anomaly_pass", "parse_anomaly_error"]
@@ -34,8 +39,9 @@ __all__ = ["recorded_run", "nonfinite_gradients", "first_bad_forward", "first_ba
 _ANOMALY_RE = re.compile(r"Function '(\w+)' returned (nan|inf) values in its (\d+)(?:st|nd|rd|th) output")
 
 
-def recorded_run(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-                  named: list[tuple[str, Tensor]]) -> tuple[FrameRecorder, list[Optional[Tensor]]]:
+def recorded_run(res: ReplayResult, module: "pl.LightningModule", batch: object, batch_idx: int,
+                 rng: Optional[RngState], plugin: Optional["Precision"],
+                 named: list[tuple[str, Tensor]]) -> tuple[FrameRecorder, list[Optional[Tensor]]]:
     """``training_step`` and its gradients under a frame recorder (its frames read), without backward hooks where
     they break the module; the loss's finiteness goes into ``res``."""
     rec = FrameRecorder(module, backward=True, root_name=f"<{type(module).__name__}>")
@@ -51,7 +57,8 @@ def recorded_run(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng
     return rec, grads
 
 
-def _loss_and_grads(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
+def _loss_and_grads(res: ReplayResult, module: "pl.LightningModule", batch: object, batch_idx: int,
+                    rng: Optional[RngState], plugin: Optional["Precision"],
                     named: list[tuple[str, Tensor]]) -> list[Optional[Tensor]]:
     loss = run_step(module, batch, batch_idx, rng, forward_context(plugin))
     res.loss_finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
@@ -60,7 +67,7 @@ def _loss_and_grads(res: ReplayResult, module: Any, batch: Any, batch_idx: int, 
 
 
 def nonfinite_gradients(res: ReplayResult, named: list[tuple[str, Tensor]], grads: list[Optional[Tensor]],
-                         norm_type: float) -> list[str]:
+                        norm_type: float) -> list[str]:
     """The names of the non-finite gradients (the first 20 in ``res``); where there is none, whether the total
     norm of the finite ones overflows."""
     bad_grads = [n for (n, _), g in zip(named, grads) if g is not None and not all_finite(floats_of(g))]
@@ -101,8 +108,9 @@ def first_bad_backward(res: ReplayResult, rec: FrameRecorder, frames: int) -> No
         res.frames_text = format_frames(ring, "backward (module, grad wrt outputs -> grad wrt inputs):")
 
 
-def op_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-             where: Optional[tuple[str, int]], float64: bool = True) -> Optional[dict]:
+def op_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+            plugin: Optional["Precision"], where: Optional[tuple[str, int]],
+            float64: bool = True) -> Optional[JSONDict]:
     """The op that made the first non-finite value inside the module call ``where`` (None: in all of
     ``training_step``): :class:`~.probes.FirstBadOp`'s finding. Where no op of this rank made it and a collective
     ran there (sharded), it came in through that collective: ``{"op": None, "function": its name, "received": its
@@ -117,9 +125,10 @@ def op_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
     return mode.found
 
 
-def anomaly_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-                  named: list) -> tuple[Optional[dict], Optional[dict]]:
-    anomaly: Optional[dict] = None
+def anomaly_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+                 plugin: Optional["Precision"],
+                 named: list[tuple[str, Tensor]]) -> tuple[Optional[JSONDict], Optional[JSONDict]]:
+    anomaly: Optional[JSONDict] = None
     watch: Optional[GraphWatch] = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -142,7 +151,7 @@ def anomaly_pass(module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
     return watch.found, anomaly
 
 
-def parse_anomaly_error(error: BaseException) -> Optional[dict]:
+def parse_anomaly_error(error: BaseException) -> Optional[JSONDict]:
     """``Function 'PowBackward0' returned nan values in its 0th output.`` -> op, value, output; else None."""
     m = _ANOMALY_RE.search(str(error))
     if m is None:

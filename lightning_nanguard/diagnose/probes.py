@@ -22,15 +22,18 @@ import os
 import sysconfig
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import Node
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from ..core.dtensors import is_dtensor, local
+from ..core.jsonvalue import JSONDict
 from ..core.layouts import is_strided, stored_values
 from ..core.tree import iter_tensors
 from . import domain
@@ -68,7 +71,7 @@ def public_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
 
 
-def floats_of(obj: Any) -> list[Tensor]:
+def floats_of(obj: object) -> list[Tensor]:
     """The non-empty floating tensors of a nested input/output structure (sparse ones: their stored values)."""
     values = (local(t) if is_strided(t) else stored_values(t, path)  # a DTensor: its local shard
               for path, t in iter_tensors(obj, "") if t.is_floating_point())
@@ -105,9 +108,10 @@ class Frame:
     module: str
     call: int
     dtype: str
-    stats: Any  # device tensor [in_max, in_min, in_bad, out_max, out_min, out_bad], then a list after read()
+    pending: Optional[Tensor]  # on the device until read(): [in_max, in_min, in_bad, out_max, out_min, out_bad]
+    stats: list[float] = field(default_factory=list)  # the same six, read (FrameRecorder.read)
 
-    def row(self) -> dict[str, Any]:
+    def row(self) -> JSONDict:
         s = self.stats
         return {"module": self.module, "call": self.call, "dtype": self.dtype, "in_abs_max": s[0],
                 "in_abs_min": s[1], "in_nonfinite": int(s[2]), "out_abs_max": s[3], "out_abs_min": s[4],
@@ -125,7 +129,7 @@ class FrameRecorder:
         self.backward_frames: list[Frame] = []
         self.calls: dict[str, int] = {}
         self.stack: list[tuple[str, int]] = []
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> "FrameRecorder":
         for m in self.names:
@@ -135,22 +139,22 @@ class FrameRecorder:
                 self._handles.append(m.register_full_backward_hook(self._bwd))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
+    def _pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         name = self.names[module]
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
         self.stack.append((name, call))
 
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         name, call = self.stack.pop() if self.stack else (self.names[module], 0)
         self._add(self.forward_frames, name, call, floats_of(args), floats_of(output))
 
-    def _bwd(self, module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+    def _bwd(self, module: nn.Module, grad_input: object, grad_output: object) -> None:
         # for gradients, "in" is what flows into the module's backward (grad_output), "out" what it produces
         self._add(self.backward_frames, self.names[module], 0, floats_of(grad_output), floats_of(grad_input))
 
@@ -160,15 +164,16 @@ class FrameRecorder:
         so = _stats(outs)
         si = _stats(ins) if ins else torch.tensor([0.0, math.inf, 0.0], dtype=torch.float64, device=so.device)
         frames.append(Frame(len(frames), name, call, str(outs[0].dtype).replace("torch.", ""),
-                            torch.cat([si.to(so.device), so])))
+                            torch.cat([si.to(so.device), so])))  # (stats: read at once, by read())
 
     def read(self) -> None:
         """The one host read of a replay pass."""
         for frames in (self.forward_frames, self.backward_frames):
-            if frames:
-                values = torch.stack([f.stats for f in frames]).tolist()
-                for f, v in zip(frames, values):
-                    f.stats = v
+            pending = [(f, t) for f in frames if (t := f.pending) is not None]
+            if pending:
+                values = torch.stack([t for _, t in pending]).tolist()
+                for (f, _), v in zip(pending, values):
+                    f.stats, f.pending = v, None
 
     @staticmethod
     def first_bad(frames: list[Frame]) -> Optional[Frame]:
@@ -204,14 +209,15 @@ class FirstBadOp(TorchFunctionMode):
     def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]], float64: bool = True) -> None:
         super().__init__()
         self.recorder, self.module, self.float64 = recorder, module, float64
-        self.found: Optional[dict[str, Any]] = None
+        self.found: Optional[JSONDict] = None
         self.collectives: list[str] = []
 
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: domain.Op, types: Sequence[type], args: Sequence[object] = (),
+                           kwargs: Optional[Mapping[str, object]] = None) -> object:
         kwargs = kwargs or {}
         watched = self.found is None and (self.module is None or (self.recorder.stack[-1] if self.recorder.stack
                                                                     else None) == self.module)
-        before = args
+        before: Sequence[object] = args
         if watched and domain.in_place(func) and args and isinstance(args[0], Tensor):
             before = (args[0].detach().clone(), *args[1:])  # an in-place op: its input as it was
         out = func(*args, **kwargs)
@@ -223,14 +229,15 @@ class FirstBadOp(TorchFunctionMode):
                 self.found = self._evidence(func, before, kwargs, out, outs)
         return out
 
-    def _evidence(self, func: Any, args: Any, kwargs: Any, out: Any, outs: list[Tensor]) -> dict[str, Any]:
+    def _evidence(self, func: domain.Op, args: Sequence[object], kwargs: Mapping[str, object], out: object,
+                  outs: list[Tensor]) -> JSONDict:
         where = self.recorder.stack[-1] if self.recorder.stack else None
         # (of the op's own outputs: a DTensor's local shard, in ``outs``, is a view made by to_local)
         grad_fn = next((t.grad_fn for _, t in iter_tensors(out, "") if t.grad_fn is not None), None)
         name = getattr(func, "__name__", str(func))
-        found = {"op": grad_fn.name() if grad_fn is not None else None, "function": name,
-                 "module": where[0] if where else None, "source": user_frame()}
-        if inspect.isfunction(func) and found["op"] is not None and not domain.names_itself(found["op"]) \
+        op = grad_fn.name() if grad_fn is not None else None
+        found: JSONDict = {"op": op, "function": name, "module": where[0] if where else None, "source": user_frame()}
+        if inspect.isfunction(func) and op is not None and not domain.names_itself(op) \
                 and not any(is_dtensor(t) for _, t in iter_tensors([args, kwargs], "")):  # (a rerun: collectives)
             inner = domain.inner_op(func, args, kwargs)
             if inner is not None:
@@ -255,17 +262,17 @@ class GraphWatch:
     use_reentrant=True)`` recomputes its forward, and builds its part of the graph, inside backward)."""
 
     def __init__(self, root: Tensor, nan_too: bool = False) -> None:
-        self.found: Optional[dict[str, Any]] = None
+        self.found: Optional[JSONDict] = None
         self.nan_too = nan_too
-        self.first_nan: Optional[dict[str, Any]] = None
+        self.first_nan: Optional[JSONDict] = None
         self.nonfinite_seen = False  # (nan_too) some node's output was non-finite, made there or not
-        self._handles: list[Any] = []
-        self._seen: set[Any] = set()
+        self._handles: list[RemovableHandle] = []
+        self._seen: set[Node] = set()
         self.add(root.grad_fn)
 
-    def add(self, root: Any) -> None:
+    def add(self, root: Optional[Node]) -> None:
         """Hook ``root`` and every node below it not hooked yet."""
-        todo = [root]
+        todo: list[Optional[Node]] = [root]
         while todo:
             node = todo.pop()
             if node is None or node in self._seen:
@@ -278,7 +285,7 @@ class GraphWatch:
     def growing(self, root: nn.Module) -> Iterator[None]:
         """Inside: the graph below every output of ``root``'s modules is hooked as the forward builds it (a
         reentrant checkpoint's forward runs again inside backward, where no mode of this thread reaches)."""
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             for _, t in iter_tensors(output, ""):
                 if t.grad_fn is not None:
                     self.add(t.grad_fn)
@@ -290,13 +297,13 @@ class GraphWatch:
             for h in handles:
                 h.remove()
 
-    def _hook(self, node: Any) -> Any:
-        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+    def _hook(self, node: Node) -> Callable[[Sequence[Optional[Tensor]], Sequence[Optional[Tensor]]], None]:
+        def hook(grad_inputs: Sequence[Optional[Tensor]], grad_outputs: Sequence[Optional[Tensor]]) -> None:
             if self.found is None and not all_finite(floats_of(list(grad_inputs))) \
                     and all_finite(floats_of(list(grad_outputs))):
                 bad = floats_of(list(grad_inputs))
                 self.found = {"op": node.name(), "nan": any(bool(torch.isnan(t).any()) for t in bad),
-                              "traceback": forward_trace(node.metadata.get("traceback_"))}
+                              "traceback": _forward_trace_of(node)}
                 if is_communication_node(node):
                     self.found["received"] = node.name()
             if self.nan_too and not self.nonfinite_seen:
@@ -305,7 +312,7 @@ class GraphWatch:
                 output = next((i for i, g in enumerate(grad_inputs) if _any_nan([g])), None)
                 if output is not None:
                     self.first_nan = {"op": node.name(), "output": output,
-                                      "traceback": forward_trace(node.metadata.get("traceback_"))}
+                                      "traceback": _forward_trace_of(node)}
                     if is_communication_node(node):
                         self.first_nan["received"] = node.name()
         return hook
@@ -316,11 +323,17 @@ class GraphWatch:
         self._handles.clear()
 
 
-def _any_nan(grads: Any) -> bool:
+def _forward_trace_of(node: Node) -> Optional[str]:
+    """The user's line in the forward traceback that anomaly mode recorded on ``node``."""
+    meta = node.metadata  # a dict (torch's Node declares it a method)
+    return forward_trace(meta.get("traceback_") if isinstance(meta, dict) else None)
+
+
+def _any_nan(grads: Iterable[object]) -> bool:
     return any(bool(torch.isnan(t.detach()).any()) for t in floats_of(list(grads)))
 
 
-def forward_trace(tb: Any) -> Optional[str]:
+def forward_trace(tb: Union[None, str, Sequence[str]]) -> Optional[str]:
     if not tb:
         return None
     lines = [ln for ln in str(tb if isinstance(tb, str) else "".join(tb)).splitlines() if ln.strip()]

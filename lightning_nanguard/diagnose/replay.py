@@ -26,7 +26,7 @@ passes (:mod:`.lockstep`).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -45,7 +45,9 @@ from .passes import (
     recorded_run,
 )
 from .rerun import (
+    Batches,
     ReplayResult,
+    RngState,
     at_step,
     eager,
     forward_context,
@@ -56,17 +58,37 @@ from .rerun import (
     trainable,
 )
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins import Precision
+
 __all__ = ["ReplayResult", "replay_window", "reproduces", "local_gradients", "preserved_state", "parse_anomaly_error"]
 
 
-def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                  frames: int = 21, float64_check: bool = True, norm_type: float = 2.0,
-                  step: Optional[int] = None, timeout: Optional[float] = None, lock: Any = None) -> ReplayResult:
+def replay_window(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+                  rng_states: Sequence[Optional[RngState]], frames: int = 21, float64_check: bool = True,
+                  norm_type: float = 2.0, step: Optional[int] = None, timeout: Optional[float] = None,
+                  lock: Optional[Lockstep] = None) -> ReplayResult:
     """Replay each micro-batch of the window until one reproduces the incident (a non-finite loss, output or
-    gradient, or a total gradient norm, of ``norm_type``, that overflows); collect the evidence. ``step``: the
-    step the window belongs to (:func:`at_step`). ``timeout`` (seconds, ``anomaly.replay_timeout``): no pass starts
-    after it (``ReplayResult.timeout`` says where the replay ended). A sharded module (DTensor parameters) is
-    replayed on every rank together (:func:`.lockstep.lockstep_window`, with ``lock``, its :class:`.Lockstep`)."""
+    gradient, or a total gradient norm that overflows) and collect the evidence. Changes nothing of training.
+
+    Args:
+        trainer: the fit's Trainer (its precision plugin and step counter).
+        module: the LightningModule, on the weights the incident was judged on.
+        batches: the window's micro-batches with their ``batch_idx``.
+        rng_states: the RNG state before each micro-batch (None: not kept).
+        frames: module calls kept before the first non-finite one, for the frames text.
+        float64_check: also run the float64 pass on the micro-batch that reproduced.
+        norm_type: the norm whose overflow of finite gradients is an incident too.
+        step: the step the window belongs to (:func:`at_step`).
+        timeout: seconds (``anomaly.replay_timeout``) after which no pass starts.
+        lock: the ranks' agreement of a sharded replay (:class:`.Lockstep`); a sharded module (DTensor
+            parameters) is replayed on every rank together even without one.
+
+    Returns:
+        The evidence of the first micro-batch that reproduced, else of the last one replayed
+        (``ReplayResult.timeout`` says where a timeout ended it).
+    """
     if lock is not None or sharded(module):
         lock = lock or Lockstep(timeout=timeout)
         return lockstep_window(trainer, module, batches, rng_states, lock, frames, float64_check, norm_type, step)
@@ -75,8 +97,9 @@ def replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng
                               None if timeout is None else time.monotonic() + timeout)
 
 
-def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                   frames: int, float64_check: bool, norm_type: float, deadline: Optional[float]) -> ReplayResult:
+def _replay_window(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+                   rng_states: Sequence[Optional[RngState]], frames: int, float64_check: bool, norm_type: float,
+                   deadline: Optional[float]) -> ReplayResult:
     result = ReplayResult()
     plugin = getattr(trainer, "precision_plugin", None)
     for i, (batch, batch_idx) in enumerate(batches):
@@ -103,8 +126,8 @@ def _replay_window(trainer: Any, module: Any, batches: list[tuple[Any, int]], rn
     return result
 
 
-def _reruns(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-            step: Optional[int]) -> Iterator[Optional[Tensor]]:
+def _reruns(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+            rng_states: Sequence[Optional[RngState]], step: Optional[int]) -> Iterator[Optional[Tensor]]:
     """Rerun ``training_step`` on each micro-batch of the window (at its ``step``, with its RNG state, in the
     precision plugin's forward context) and yield its loss (None where it returns none); the caller works on it
     before the next one, while nothing of training changes (:func:`preserved_state`)."""
@@ -116,12 +139,20 @@ def _reruns(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_state
                 yield run_step(module, batch, batch_idx, rng, forward_context(plugin))
 
 
-def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-               norm_type: float = 2.0, step: Optional[int] = None) -> Optional[bool]:
-    """Does the window give a non-finite loss, gradient or total gradient norm (``norm_type``: an overflowing
-    norm of finite gradients is an incident too) on the module's weights as they are now? The light rerun
-    behind the end-of-fit check: no hooks, no float64 pass, and, like :func:`replay_window`, it changes
-    nothing (RNG, buffers, metrics, modes and ``.grad`` are left as they were). None when it could not run."""
+def reproduces(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+               rng_states: Sequence[Optional[RngState]], norm_type: float = 2.0,
+               step: Optional[int] = None) -> Optional[bool]:
+    """Does the window give a non-finite loss, gradient or total gradient norm on the module's weights as they are
+    now? The light rerun behind the end-of-fit check: no hooks, no float64 pass, and, like :func:`replay_window`, it
+    changes nothing (RNG, buffers, metrics, modes and ``.grad``).
+
+    Args:
+        trainer, module, batches, rng_states, step: as for :func:`replay_window`.
+        norm_type: the norm whose overflow of finite gradients counts as non-finite.
+
+    Returns:
+        True when it is non-finite, False when finite, None when it could not run.
+    """
     named = [("", p) for p in module.parameters() if p.requires_grad]
     lockstep = sharded(module)  # every rank reruns every micro-batch, forward and backward (:data:`LOCKSTEP`)
     found = False
@@ -141,12 +172,20 @@ def reproduces(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_st
     return found
 
 
-def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], rng_states: list[Any],
-                    params: list[Tensor], step: Optional[int] = None) -> Optional[list[Optional[Tensor]]]:
+def local_gradients(trainer: "pl.Trainer", module: "pl.LightningModule", batches: Batches,
+                    rng_states: Sequence[Optional[RngState]], params: list[Tensor],
+                    step: Optional[int] = None) -> Optional[list[Optional[Tensor]]]:
     """This rank's own gradient of each of ``params`` over the window, as its backward computed it before the
     all-reduce (each micro-batch's loss divided by ``accumulate_grad_batches``, as Lightning does), recomputed on
-    the weights as they are now, with the same RNG states; nothing is changed (as :func:`reproduces`). None where
-    a parameter gets no gradient; None for the whole when it could not run."""
+    the weights as they are now with the same RNG states; nothing is changed (as :func:`reproduces`).
+
+    Args:
+        trainer, module, batches, rng_states, step: as for :func:`replay_window`.
+        params: the parameters whose gradients are wanted, in the order returned.
+
+    Returns:
+        One gradient per parameter (None where it gets none), or None when the rerun could not run.
+    """
     scale = 1.0 / max(int(getattr(trainer, "accumulate_grad_batches", 1) or 1), 1)
     trainable = [(i, p) for i, p in enumerate(params) if p.requires_grad]
     total: list[Optional[Tensor]] = [None] * len(params)
@@ -164,8 +203,8 @@ def local_gradients(trainer: Any, module: Any, batches: list[tuple[Any, int]], r
     return total
 
 
-def _replay_one(res: ReplayResult, module: Any, batch: Any, batch_idx: int, rng: Any, plugin: Any,
-                frames: int, norm_type: float = 2.0, float64: bool = True) -> None:
+def _replay_one(res: ReplayResult, module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+                plugin: Optional["Precision"], frames: int, norm_type: float = 2.0, float64: bool = True) -> None:
     """Replay one micro-batch under a frame recorder: whether it reproduces, where it first went non-finite
     (forward or backward), then the op pass or the anomaly pass."""
     named = trainable(module)

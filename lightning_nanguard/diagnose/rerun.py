@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, ContextManager, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,8 +28,17 @@ from ..core.record import rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
 from .probes import public_name
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins import Precision
+
 __all__ = ["ReplayResult", "preserved_state", "run_step", "gradients", "eager", "at_step", "forward_context",
-           "quiet_hooks", "trainable", "reentrant_checkpoint", "noop"]
+           "quiet_hooks", "trainable", "reentrant_checkpoint", "noop", "RngState", "Batches"]
+
+# one micro-batch's RNG state before it ran (:func:`~..core.record.rng_state`: the CPU and CUDA generators' states)
+RngState = dict[str, Union[Tensor, list[Tensor]]]
+# the micro-batches of a window, each with its batch_idx (:class:`~..core.record.Window`)
+Batches = Sequence[tuple[object, int]]
 
 
 @dataclass
@@ -55,7 +64,7 @@ class ReplayResult:
     float64_note: Optional[str] = None  # why the float64 pass did not run (sharded: the memory of the whole model)
 
 
-def noop(*args: Any, **kwargs: Any) -> None:
+def noop(*args: object, **kwargs: object) -> None:
     return None
 
 
@@ -67,7 +76,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
     metrics.arm()
     modes = {m: m.training for m in module.modules()}
     buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
-    shadowed: dict[str, Any] = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
+    shadowed: dict[str, object] = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
     object.__setattr__(module, "log", noop)
     object.__setattr__(module, "log_dict", noop)
     try:
@@ -100,7 +109,7 @@ def _reshard(module: nn.Module) -> None:
             reshard()
 
 
-def _loss_of(output: Any) -> Optional[Tensor]:
+def _loss_of(output: object) -> Optional[Tensor]:
     if isinstance(output, Tensor):
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
@@ -108,7 +117,8 @@ def _loss_of(output: Any) -> Optional[Tensor]:
     return None
 
 
-def run_step(module: Any, batch: Any, batch_idx: int, rng: Any, ctx: Any) -> Optional[Tensor]:
+def run_step(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
+             ctx: ContextManager[object]) -> Optional[Tensor]:
     set_rng_state(rng)
     with ctx, torch.enable_grad():
         return _loss_of(module.training_step(batch, batch_idx))
@@ -165,7 +175,7 @@ def eager() -> Iterator[None]:
         yield
 
 
-def _step_counter(trainer: Any) -> Any:
+def _step_counter(trainer: "pl.Trainer") -> Optional[_Counter]:
     """The progress counter behind ``trainer.global_step`` under automatic optimization (the only kind a replay
     runs for), or None where the Trainer has none."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -174,8 +184,12 @@ def _step_counter(trainer: Any) -> Any:
     return total if isinstance(getattr(total, "completed", None), int) else None
 
 
+class _Counter(Protocol):
+    completed: int  # (Lightning's progress tracker)
+
+
 @contextmanager
-def at_step(trainer: Any, step: Optional[int]) -> Iterator[None]:
+def at_step(trainer: "pl.Trainer", step: Optional[int]) -> Iterator[None]:
     """Inside the block ``trainer.global_step`` (and the module's) is ``step``: a step judged one step late (or at
     the end of fit) is replayed at its own number, so a ``training_step`` that reads it (a schedule, a
     curriculum, a fault injected at that step) runs as it did."""
@@ -199,10 +213,10 @@ def quiet_hooks() -> Iterator[None]:
         yield
 
 
-def forward_context(plugin: Any) -> Any:
+def forward_context(plugin: Optional["Precision"]) -> ContextManager[object]:
     return plugin.forward_context() if plugin is not None else nullcontext()
 
 
-def trainable(module: Any) -> list[tuple[str, Tensor]]:
+def trainable(module: nn.Module) -> list[tuple[str, Tensor]]:
     """The parameters that get a gradient, named as the user wrote the model (:func:`~.probes.public_name`)."""
     return [(public_name(n), p) for n, p in module.named_parameters() if p.requires_grad]

@@ -19,30 +19,33 @@ real one; a test drives the same machine on the CPU with a backend that records 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Iterable, Optional, Protocol
+from typing import Generic, Iterable, Optional, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 __all__ = ["Backend", "CudaBackend", "DeviceCopy"]
 
+_S = TypeVar("_S")  # a backend's stream
+_E = TypeVar("_E")  # a backend's event
 
-class Backend(Protocol):
+
+class Backend(Protocol[_S, _E]):
     """Streams and events: what :class:`DeviceCopy` orders its copies with."""
 
-    def current(self) -> Any: ...  # the stream training runs on
+    def current(self) -> _S: ...  # the stream training runs on
 
-    def side(self) -> Any: ...  # the copy stream (one per store)
+    def side(self) -> _S: ...  # the copy stream (one per store)
 
-    def record(self, stream: Any) -> Any: ...  # an event after the work queued on ``stream`` so far
+    def record(self, stream: _S) -> _E: ...  # an event after the work queued on ``stream`` so far
 
-    def wait(self, stream: Any, event: Any) -> None: ...  # ``stream`` waits for ``event``, on the device
+    def wait(self, stream: _S, event: _E) -> None: ...  # ``stream`` waits for ``event``, on the device
 
-    def use(self, stream: Any) -> AbstractContextManager: ...  # queue the work inside on ``stream``
+    def use(self, stream: _S) -> AbstractContextManager[object]: ...  # queue the work inside on ``stream``
 
-    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None: ...  # queue ``dst <- src`` (no host wait)
+    def copy(self, dst: Tensor, src: Tensor, stream: _S) -> None: ...  # queue ``dst <- src`` (no host wait)
 
-    def synchronize(self, event: Any) -> None: ...  # the host waits for ``event``
+    def synchronize(self, event: _E) -> None: ...  # the host waits for ``event``
 
 
 class CudaBackend:
@@ -51,32 +54,32 @@ class CudaBackend:
     def __init__(self) -> None:
         self._side: Optional[torch.cuda.Stream] = None
 
-    def current(self) -> Any:
+    def current(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream()
 
-    def side(self) -> Any:
+    def side(self) -> torch.cuda.Stream:
         if self._side is None:
             self._side = torch.cuda.Stream()
         return self._side
 
-    def record(self, stream: Any) -> Any:
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         return stream.record_event()
 
-    def wait(self, stream: Any, event: Any) -> None:
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
-    def use(self, stream: Any) -> AbstractContextManager:
+    def use(self, stream: torch.cuda.Stream) -> AbstractContextManager[object]:
         return torch.cuda.stream(stream)
 
-    def copy(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+    def copy(self, dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
         dst.copy_(src, non_blocking=True)
         src.record_stream(stream)  # the allocator keeps ``src``'s memory until the side stream has read it
 
-    def synchronize(self, event: Any) -> None:
+    def synchronize(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
 
-class DeviceCopy:
+class DeviceCopy(Generic[_S, _E]):
     """The order of one store's device-to-host copies (module docstring).
 
     ``start`` queues a snapshot's copies and returns the event after them (a thread that reads the host copies
@@ -84,17 +87,17 @@ class DeviceCopy:
     were queued, so waiting for the newest waits for all of them.
     """
 
-    def __init__(self, backend: Optional[Backend] = None) -> None:
-        self.backend: Backend = backend if backend is not None else CudaBackend()
-        self._update: Optional[Any] = None  # the next optimizer step waits for this (everything is copied)
-        self._done: Optional[Any] = None  # the host waits for this before it reads a copy
+    def __init__(self, backend: Backend[_S, _E]) -> None:
+        self.backend = backend
+        self._update: Optional[_E] = None  # the next optimizer step waits for this (everything is copied)
+        self._done: Optional[_E] = None  # the host waits for this before it reads a copy
 
     @property
     def in_flight(self) -> bool:
         """Copies were queued that the host has not waited for."""
         return self._done is not None
 
-    def start(self, first: Iterable[tuple[Tensor, Tensor]], rest: Iterable[tuple[Tensor, Tensor]]) -> Any:
+    def start(self, first: Iterable[tuple[Tensor, Tensor]], rest: Iterable[tuple[Tensor, Tensor]]) -> _E:
         """Queue ``dst <- src`` for every pair after the work queued on the current stream, ``first`` (what code
         other than an optimizer step writes) before ``rest``; the current stream waits for ``first`` on the device,
         the host for nothing. Returns the event after the last copy."""

@@ -34,7 +34,7 @@ rank would not join.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +46,14 @@ from ..core.tree import flatten, iter_leaves, slot, unflatten
 from .snapshots import Norms, Refusal, Restored, Snapshot, SnapshotStore, load_training_state, training_state
 from .verify import REASONS, Refused
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
 __all__ = ["ShardPlan", "ShardedStore", "EVERY_RANK", "BUCKET_BYTES"]
+
+_T = TypeVar("_T")
+# a layout's key: each tensor's shape, dtype and whether it is strided; the indices copied first
+_LayoutKey = tuple[tuple[tuple[tuple[int, ...], torch.dtype, bool], ...], frozenset[int]]
 
 _CODES = list(REASONS)  # a refusal's reason as a number for the agreement (its index + 1; 0: verified)
 
@@ -136,7 +143,7 @@ class ShardedStore(SnapshotStore):
         self.bucket_bytes = int(bucket_bytes)
         self.failures = inner.failures  # one list: the inner store reports its failed writes there
         self.writer = None  # the inner store's thread seals and writes the shares
-        self._layout_key: Any = None
+        self._layout_key: Optional[_LayoutKey] = None
         self._layout: Optional[_Layout] = None
         self._ready: Optional[tuple[Snapshot, dict[int, Tensor]]] = None  # shares just agreed on (first_verified)
 
@@ -147,7 +154,7 @@ class ShardedStore(SnapshotStore):
     # ------------------------------------------------------------------------------------------ keeping
 
     def _plan(self, live: list[Tensor], first: Optional[set[int]]) -> _Layout:
-        key = (tuple((tuple(t.shape), t.dtype, is_strided(t)) for t in live), frozenset(first or ()))
+        key: _LayoutKey = (tuple((tuple(t.shape), t.dtype, is_strided(t)) for t in live), frozenset(first or ()))
         if key != self._layout_key or self._layout is None:
             sizes = [nbytes(t) for t in live]
             everywhere = {i for i, t in enumerate(live) if not is_strided(t)}
@@ -157,7 +164,7 @@ class ShardedStore(SnapshotStore):
             self._layout_key = key
         return self._layout
 
-    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
+    def _keep(self, snap: Snapshot, skeleton: object, live: list[Tensor], first: Optional[set[int]]) -> None:
         layout = self._plan(live, first)
         share = snap.share if snap.share is not None else Snapshot(step=snap.step)
         share.step, share.failed, share.meta = snap.step, None, {}
@@ -180,13 +187,14 @@ class ShardedStore(SnapshotStore):
         tensors = self._rebuild(snap, range(len(layout.shapes)))
         return unflatten(snap.skeleton, tensors)
 
-    def load_module(self, snap: Snapshot) -> dict[str, Any]:
+    def load_module(self, snap: Snapshot) -> dict[str, object]:
         """The module state dict of ``snap``, on every rank (a collective: only the module's tensors move)."""
         module = snap.skeleton["module"]
         wanted = [i for _, leaf in iter_leaves(module) if (i := slot(leaf)) is not None]
         return unflatten(module, self._rebuild(snap, wanted))
 
-    def restore(self, snap: Snapshot, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> None:
+    def restore(self, snap: Snapshot, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                scaler_overflows: int = 0) -> None:
         """Load ``snap`` back into the fit in place (a collective), once every rank's share of it verified (else
         :class:`~.verify.Refused` on every rank, nothing touched): every tensor of the snapshot goes, bucket by
         bucket as its owner broadcasts it, straight into the live tensor at its place (:meth:`load_into`), so no
@@ -195,17 +203,18 @@ class ShardedStore(SnapshotStore):
         state = self.load_into(snap, training_state(trainer, pl_module))
         load_training_state(trainer, pl_module, state, scaler_overflows)
 
-    def restore_newest(self, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> Restored:
+    def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                       scaler_overflows: int = 0) -> Restored:
         """:meth:`restore` the newest snapshot whose every share verified on every rank (one agreement over all of
         :meth:`targets`, then the in-place restore of that one)."""
         snap, state, refused = self.first_verified(
             self.targets(), lambda s: self.load_into(s, training_state(trainer, pl_module)))
-        if snap is not None:
+        if snap is not None and state is not None:
             load_training_state(trainer, pl_module, state, scaler_overflows)
         return Restored(snap, tuple(refused))
 
-    def first_verified(self, candidates: Sequence[Snapshot], read: Callable[[Snapshot], Any]
-                       ) -> tuple[Optional[Snapshot], Any, list[Refusal]]:
+    def first_verified(self, candidates: Sequence[Snapshot],
+                       read: Callable[[Snapshot], _T] ) -> tuple[Optional[Snapshot], Optional[_T], list[Refusal]]:
         """The newest of ``candidates`` whose every share verified on every rank (one agreement, :meth:`_agree`, for
         all of them), ``read`` of it (from the shares just verified), and the candidates refused."""
         views, refused = self._agree(list(candidates))
@@ -229,7 +238,7 @@ class ShardedStore(SnapshotStore):
         return views, self._decide(snaps, views, own, codes)
 
     def _verify_own(self, snaps: list[Snapshot]) -> tuple[dict[Snapshot, dict[int, Tensor]], dict[Snapshot, Refused],
-                                                          Tensor]:
+                    Tensor]:
         """This rank's shares of ``snaps`` checked against their seals (no collective): the verified ones by flat
         index, the refusals, and their codes in this rank's column of a ``(len(snaps), world)`` int32 matrix (the
         reason's number, 0 where it verified)."""
@@ -261,7 +270,7 @@ class ShardedStore(SnapshotStore):
             refused.append(self.refuse(snap, why, ranks, reason=first))
         return refused
 
-    def load_into(self, snap: Snapshot, live: Any) -> Any:
+    def load_into(self, snap: Snapshot, live: object) -> Any:
         """The whole state of ``snap`` on every rank (a collective), written into ``live`` (the state it is loaded
         into, e.g. :func:`~.snapshots.training_state`'s live tensors): each tensor of the snapshot whose place in
         ``live`` holds a tensor of its shape and dtype is copied there and returned as it; the others (an

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, TypedDict, TypeVar
 
 import torch
 from torch import Tensor
@@ -42,15 +42,39 @@ from ..core.layouts import copy_to_cpu, is_strided, load_module_state, nbytes
 from ..core.tree import flatten, slot, unflatten
 from ..detect.amp import grad_scaler
 from ..errors import SnapshotReadWarning, SnapshotWriteWarning
-from .device_copy import DeviceCopy
+from .device_copy import CudaBackend, DeviceCopy
 from .verify import REASONS, Refused, Seal, check, packed, seal, unpack
 from .writer import SnapshotWriter, Write, why_not_written, write_atomic
 
 __all__ = ["Snapshot", "SnapshotStore", "MemoryStore", "DiskStore", "make_store", "training_state", "as_live",
-           "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms", "Refusal", "Restored"]
+           "load_training_state", "restorable_scaler_state", "written_by_forward", "Norms", "Refusal", "Restored",
+           "TrainingState", "Failure"]
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+_T = TypeVar("_T")
 
 
-def training_state(trainer: Any, pl_module: Any) -> dict[str, Any]:
+class TrainingState(TypedDict):
+    """The state of a fit that a snapshot keeps (:func:`training_state`): state dicts, tensors not copied."""
+
+    module: dict[str, object]
+    optimizers: list[dict[str, object]]
+    schedulers: list[dict[str, object]]
+    scaler: Optional[dict[str, object]]
+
+
+class Failure(TypedDict):
+    """A snapshot that could not be written (:attr:`SnapshotStore.failures`)."""
+
+    step: int
+    path: Optional[str]
+    error: str
+    in_memory: bool  # kept in host memory instead: still a rollback target of last resort
+
+
+def training_state(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> TrainingState:
     """The live state a snapshot keeps: module, optimizers, LR schedulers and grad scaler (tensors not copied).
 
     A store flattens it (:func:`~..tree.flatten`): the tensors are copied and sealed, the rest (the skeleton: plain
@@ -79,7 +103,7 @@ def restorable_scaler_state(snapshot: dict[str, Any], current_scale: float, over
     return state
 
 
-def as_live(state: Any, live: Any) -> Any:
+def as_live(state: _T, live: object) -> _T:
     """``state`` (a snapshot's local shards) with each tensor whose counterpart in ``live`` (the same structure) is a
     DTensor made one like it (:func:`~..dtensors.like`: no communication), so that loading it writes each rank's
     shard in place; ``state`` itself where ``live`` holds no DTensor or another structure."""
@@ -90,7 +114,8 @@ def as_live(state: Any, live: Any) -> Any:
     return unflatten(skeleton, [like(s, t) for s, t in zip(saved, current)])
 
 
-def load_training_state(trainer: Any, pl_module: Any, state: dict[str, Any], scaler_overflows: int = 0) -> None:
+def load_training_state(trainer: "pl.Trainer", pl_module: "pl.LightningModule", state: TrainingState,
+                        scaler_overflows: int = 0) -> None:
     """Put :func:`training_state` ``state`` (fresh tensors, see :meth:`SnapshotStore.load`) back into the fit.
     Under sharding the snapshot holds each rank's local shards: they go back into the live DTensors
     (:func:`as_live`)."""
@@ -101,9 +126,9 @@ def load_training_state(trainer: Any, pl_module: Any, state: dict[str, Any], sca
         opt.load_state_dict(opt_state)
     for sched_cfg, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
         sched_cfg.scheduler.load_state_dict(sched_state)
-    scaler = grad_scaler(trainer)
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(restorable_scaler_state(state["scaler"], scaler.get_scale(), scaler_overflows))
+    scaler, saved = grad_scaler(trainer), state.get("scaler")
+    if scaler is not None and saved:
+        scaler.load_state_dict(restorable_scaler_state(saved, scaler.get_scale(), scaler_overflows))
 
 
 Norms = Callable[[Iterable[Tensor]], list[float]]  # tensors -> their 2-norms (the diagnosis' own function)
@@ -115,7 +140,7 @@ class Snapshot:
     guard's meta (the LR scale of its time, the running statistics that belong to it). Compared by identity."""
 
     step: int
-    skeleton: Any = None
+    skeleton: Any = None  # flatten's: the structure with every tensor's place (:func:`~..tree.flatten`)
     tensors: list[Tensor] = field(default_factory=list)
     path: Optional[Path] = None
     meta: dict[str, Any] = field(default_factory=dict)
@@ -142,10 +167,10 @@ class Refusal:
     path: Optional[str] = None
     ranks: Optional[tuple[int, ...]] = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """For an event's ``details.refused``: the same on every rank (the detail and the file are each rank's own,
         in its warning)."""
-        out: dict[str, Any] = {"step": self.step, "reason": self.reason, "why": REASONS[self.reason]}
+        out: dict[str, object] = {"step": self.step, "reason": self.reason, "why": REASONS[self.reason]}
         if self.ranks is not None:
             out["ranks"] = list(self.ranks)
         elif self.path is not None:
@@ -165,7 +190,7 @@ class Restored:
         return None if self.snapshot is None else self.snapshot.step
 
 
-def written_by_forward(skeleton: Any, names: Optional[Iterable[str]]) -> Optional[set[int]]:
+def written_by_forward(skeleton: object, names: Optional[Iterable[str]]) -> Optional[set[int]]:
     """The flat indices (:func:`~..tree.flatten`) of the module entries ``names`` (its buffers: what a forward or
     a hook writes, not an optimizer step); None when not known (then every tensor counts as one)."""
     if names is None:
@@ -197,10 +222,11 @@ class SnapshotStore:
         self.keep = keep
         self.ring: deque[Snapshot] = deque()
         self._spare: list[Snapshot] = []  # evicted snapshots, reused by the next capture
-        self.failures: list[dict[str, Any]] = []
+        self.failures: list[Failure] = []
         self._warned = False  # a failed write is warned once per fit (the count comes at its end)
         self._waits = 0
-        self._copier: Optional[DeviceCopy] = None  # device-to-host copies on a side stream (CUDA only)
+        # device-to-host copies on a side stream (CUDA only)
+        self._copier: Optional[DeviceCopy[torch.cuda.Stream, torch.cuda.Event]] = None
         self.refused: list[Refusal] = []
         self.writer: Optional[SnapshotWriter] = SnapshotWriter()
 
@@ -226,12 +252,23 @@ class SnapshotStore:
         kept = [s for s in reversed(self.ring) if not s.failed and (before is None or s.step <= before)]
         return [s for s in kept if not s.in_memory] + [s for s in kept if s.in_memory]
 
-    def capture(self, trainer: Any, pl_module: Any, step: int, meta: dict[str, Any]) -> Snapshot:
-        """Keep the fit's state now (:func:`training_state`) as the newest snapshot, evicting the oldest."""
+    def capture(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int,
+                meta: dict[str, Any]) -> Snapshot:
+        """Keep the fit's state now (:func:`training_state`) as the newest snapshot, evicting the oldest.
+
+        Args:
+            trainer: the fit's Trainer (optimizers, LR schedulers, grad scaler).
+            pl_module: the LightningModule whose state dict is kept.
+            step: the step the state is known good at.
+            meta: the guard's own state of that time (the LR scale, running statistics), kept beside it.
+
+        Returns:
+            The snapshot (its copies may still be under way: :meth:`load` waits for them).
+        """
         buffers = [name for name, _ in pl_module.named_buffers()]
         return self.take(step, training_state(trainer, pl_module), meta, buffers=buffers)
 
-    def take(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+    def take(self, step: int, state: Mapping[str, object], meta: dict[str, Any],
              buffers: Optional[Iterable[str]] = None) -> Snapshot:
         """Keep ``state`` (live tensors, copied here) as the newest snapshot, evicting the oldest. ``buffers``: the
         names of ``state["module"]``'s entries that code other than an optimizer step writes (copied first from a
@@ -250,26 +287,44 @@ class SnapshotStore:
         self.ring.append(snap)
         return snap
 
-    def restore(self, snap: Snapshot, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> None:
+    def restore(self, snap: Snapshot, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                scaler_overflows: int = 0) -> None:
         """Load ``snap`` back into the fit (module, optimizers, schedulers, scaler: :func:`load_training_state`), once
-        it is verified; raises :class:`~.verify.Refused` (nothing loaded) if it is not."""
+        it is verified.
+
+        Args:
+            snap: a snapshot of this store.
+            trainer, pl_module: the fit it goes back into.
+            scaler_overflows: consecutive GradScaler overflows now (the scale is then not raised back).
+
+        Raises:
+            Refused: ``snap`` does not verify (nothing is loaded).
+        """
         load_training_state(trainer, pl_module, self.load(snap), scaler_overflows)
 
-    def restore_newest(self, trainer: Any, pl_module: Any, scaler_overflows: int = 0) -> Restored:
+    def restore_newest(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                       scaler_overflows: int = 0) -> Restored:
         """Restore the first of :meth:`targets` that verifies, refusing each one before it that does not (nothing of
-        a refused snapshot reaches the fit); :attr:`Restored.snapshot` is None when none verified."""
+        a refused snapshot reaches the fit).
+
+        Args:
+            trainer, pl_module, scaler_overflows: as for :meth:`restore`.
+
+        Returns:
+            The snapshot restored (None when none verified) and those refused on the way.
+        """
         snap, state, refused = self.first_verified(self.targets(), self.load)
-        if snap is not None:
+        if snap is not None and state is not None:
             load_training_state(trainer, pl_module, state, scaler_overflows)
         return Restored(snap, tuple(refused))
 
-    def newest_module(self) -> tuple[Optional[Snapshot], Optional[dict[str, Any]], list[Refusal]]:
+    def newest_module(self) -> tuple[Optional[Snapshot], Optional[dict[str, object]], list[Refusal]]:
         """The module state dict (fresh tensors) of the first of :meth:`targets` that verifies, that snapshot, and
         the ones refused on the way."""
         return self.first_verified(self.targets(), self.load_module)
 
-    def first_verified(self, candidates: Sequence[Snapshot], read: Callable[[Snapshot], Any]
-                       ) -> tuple[Optional[Snapshot], Any, list[Refusal]]:
+    def first_verified(self, candidates: Sequence[Snapshot],
+                       read: Callable[[Snapshot], _T] ) -> tuple[Optional[Snapshot], Optional[_T], list[Refusal]]:
         """``(snapshot, read(snapshot), refused)`` for the first of ``candidates`` that ``read`` (a verified read)
         does not refuse; every one refused before it is refused for good (:meth:`refuse`)."""
         refused: list[Refusal] = []
@@ -320,7 +375,7 @@ class SnapshotStore:
         overwrites."""
         return self._read(snap, copy=False)
 
-    def load_module(self, snap: Snapshot) -> dict[str, Any]:
+    def load_module(self, snap: Snapshot) -> dict[str, object]:
         """The module state dict of ``snap`` (fresh tensors, verified)."""
         return self.load(snap)["module"]
 
@@ -375,7 +430,7 @@ class SnapshotStore:
         it failed (a store that writes)."""
         self._done(snap, wait)
 
-    def _seal_later(self, snap: Snapshot, tensors: list[Tensor], event: Optional[Any]) -> None:
+    def _seal_later(self, snap: Snapshot, tensors: list[Tensor], event: Optional[torch.cuda.Event]) -> None:
         """Seal ``tensors`` (``snap``'s host copy; after the device ``event`` of its copies, if any) on the snapshot
         thread; without one, here."""
         copier = self._copier
@@ -440,8 +495,8 @@ class SnapshotStore:
                         f"{', '.join(str(r.step) for r in self.refused)}: guard.snapshots.refused)")
         return "[nanguard] " + "; ".join(said) if said else None
 
-    def _host_copy(self, buffers: list[Tensor], live: list[Tensor],
-                   first: Optional[set[int]]) -> tuple[list[Tensor], Optional[Any]]:
+    def _host_copy(self, buffers: list[Tensor], live: list[Tensor], first: Optional[set[int]]) -> tuple[list[Tensor],
+                   Optional[torch.cuda.Event]]:
         """Copy ``live`` into the host ``buffers`` (allocated again only where the shapes changed; pinned for CUDA
         tensors): CPU tensors with ``copy_``, CUDA ones queued on the side stream (the host does not wait), the
         ``first`` indices first. Returns the buffers and the event after the device copies (None: none)."""
@@ -464,7 +519,7 @@ class SnapshotStore:
         if not early and not late:
             return buffers, None
         if self._copier is None:
-            self._copier = DeviceCopy()
+            self._copier = DeviceCopy(CudaBackend())
         return buffers, self._copier.start(early, late)
 
     def _in_memory(self, snap: Snapshot, copy: bool) -> list[Tensor]:
@@ -479,7 +534,7 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------------- what an implementation does
 
-    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
+    def _keep(self, snap: Snapshot, skeleton: object, live: list[Tensor], first: Optional[set[int]]) -> None:
         """Copy the tensors ``live`` of a state flattened into ``skeleton`` (:func:`~..tree.flatten`) into ``snap``
         (set ``snap.nbytes`` and ``snap.total_nbytes``) and have them sealed; ``first``: see :meth:`_host_copy`."""
         raise NotImplementedError
@@ -507,7 +562,7 @@ class MemoryStore(SnapshotStore):
 
     mode = "memory"
 
-    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
+    def _keep(self, snap: Snapshot, skeleton: object, live: list[Tensor], first: Optional[set[int]]) -> None:
         snap.skeleton = skeleton
         snap.tensors, event = self._host_copy(snap.tensors, live, first)
         snap.nbytes = snap.total_nbytes = sum(nbytes(t) for t in snap.tensors)
@@ -534,7 +589,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _restricted_load(path: Path, written: Optional[int], mmap: bool) -> Any:
+def _restricted_load(path: Path, written: Optional[int], mmap: bool) -> object:
     """``torch.load`` of a snapshot file with torch's restricted loader (``weights_only=True``: it rebuilds tensors
     and plain data, and refuses anything else without running it), mapped from the disk with ``mmap``; a file it
     cannot read is :class:`~.verify.Refused` with why (:func:`_unreadable`). A file that cannot be mapped (not one
@@ -612,7 +667,7 @@ class DiskStore(SnapshotStore):
                 pass
         return removed
 
-    def _keep(self, snap: Snapshot, skeleton: Any, live: list[Tensor], first: Optional[set[int]]) -> None:
+    def _keep(self, snap: Snapshot, skeleton: object, live: list[Tensor], first: Optional[set[int]]) -> None:
         snap.path = path = self.directory / f"snapshot-step{snap.step}.pt"
         snap.write, snap.in_memory, snap.skeleton, snap.tensors, snap.size = None, False, skeleton, [], None
         step = snap.step
@@ -709,8 +764,20 @@ class DiskStore(SnapshotStore):
 
 
 def make_store(mode: str, keep: int, directory: Optional[Path] = None) -> SnapshotStore:
-    """The store for ``recovery.snapshot`` (``memory`` or ``disk``). (A replicated strategy's ranks each keep their
-    share of it: :class:`~.sharded.ShardedStore` wraps it.)"""
+    """The store for ``recovery.snapshot`` (a replicated strategy's ranks each keep their share of it:
+    :class:`~.sharded.ShardedStore` wraps it).
+
+    Args:
+        mode: ``"memory"`` or ``"disk"``.
+        keep: how many snapshots the ring holds.
+        directory: where a disk store writes its files.
+
+    Returns:
+        A :class:`MemoryStore` or :class:`DiskStore`.
+
+    Raises:
+        ValueError: another ``mode``, or a disk store without ``directory``.
+    """
     if mode == "memory":
         return MemoryStore(keep)
     if mode == "disk":

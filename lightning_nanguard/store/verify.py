@@ -53,7 +53,7 @@ class Refused(Exception):
     """A snapshot that must not be restored: ``reason`` (a key of :data:`REASONS`) and ``detail`` (what was
     found, for the warning). ``recorded``: the store's record of it, once it is refused (refused once only)."""
 
-    def __init__(self, reason: str, detail: str = "", recorded: Any = None) -> None:
+    def __init__(self, reason: str, detail: str = "", recorded: object = None) -> None:
         super().__init__(f"{REASONS[reason]}{': ' + detail if detail else ''}")
         self.reason, self.detail, self.recorded = reason, detail, recorded
 
@@ -84,7 +84,7 @@ def _parts(t: Tensor) -> list[Tensor]:
     return []
 
 
-def _bytes(t: Tensor) -> Any:
+def _bytes(t: Tensor) -> Any:  # bytes, or a numpy array over them (a buffer hashlib reads)
     """A buffer over ``t``'s bytes (a host tensor; contiguous: a copy only where it is not)."""
     flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy() if flat.numel() else b""
@@ -124,7 +124,7 @@ def check(expected: Optional[Seal], tensors: Sequence[Tensor]) -> None:
 _PLAIN_LEAVES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
-def plain(skeleton: Any, tensors: Sequence[Tensor]) -> Any:
+def plain(skeleton: object, tensors: Sequence[Tensor]) -> object:
     """The state of ``skeleton`` (:func:`~..tree.flatten`'s) with ``tensors`` in their places, in what torch's
     restricted loader reads: mappings as dicts (an ``OrderedDict`` kept), lists, tuples (a namedtuple as a tuple,
     a dataclass as a dict of its fields), tensors and plain scalars; any other object (a user's extra state, a
@@ -147,7 +147,7 @@ def plain(skeleton: Any, tensors: Sequence[Tensor]) -> Any:
     return f"<kept in the run's memory: a {type(skeleton).__module__}.{type(skeleton).__qualname__}>"
 
 
-def packed(skeleton: Any, tensors: Sequence[Tensor], step: int) -> dict[str, Any]:
+def packed(skeleton: object, tensors: Sequence[Tensor], step: int) -> dict[str, object]:
     """What a disk snapshot file holds: the state of ``skeleton`` and ``tensors`` in plain form (:func:`plain`; each
     tensor stored once: ``torch.save`` keeps one copy of a storage however often it appears), and under
     ``"nanguard"`` the format, the step and the flat tensors. A mapping's keys stay at the top (a file reads like the
@@ -159,7 +159,7 @@ def packed(skeleton: Any, tensors: Sequence[Tensor], step: int) -> dict[str, Any
     return {"state": body, "nanguard": meta}
 
 
-def unpack(obj: Any, step: int) -> list[Tensor]:
+def unpack(obj: object, step: int) -> list[Tensor]:
     """The flat tensors of a loaded snapshot file, once it is shown to be the file of the snapshot of ``step``
     (:class:`Refused` ``swapped`` or ``unreadable`` otherwise)."""
     meta = obj.get("nanguard") if isinstance(obj, dict) else None

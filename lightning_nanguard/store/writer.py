@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -23,7 +23,7 @@ from .verify import Seal
 __all__ = ["Write", "SnapshotWriter", "write_atomic", "why_not_written"]
 
 
-def write_atomic(obj: Any, path: Path) -> int:
+def write_atomic(obj: object, path: Path) -> int:
     """``torch.save(obj)`` to ``path``: a temporary file, fsynced, then renamed; on failure the temporary file is
     removed and the error raised (``path`` is never half written). Saved through a Python file object, so that a
     full disk raises the OS's own ``OSError`` (ENOSPC), not torch's ``basic_ios::clear: iostream error``. Returns
@@ -76,6 +76,11 @@ class Write:
         return True
 
 
+# a write: its record, what to save (built on the thread), what to run before and after, and what seals it
+_Job = tuple["Write", Optional[Callable[[], object]], Optional[Callable[[], None]], Optional[Callable[[], None]],
+             Optional[Callable[[], Seal]]]
+
+
 class SnapshotWriter:
     """One background thread sealing snapshots and writing their files, in the order they were submitted.
 
@@ -87,7 +92,7 @@ class SnapshotWriter:
     """
 
     def __init__(self) -> None:
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._queue: "queue.Queue[Union[None, Path, _Job]]" = queue.Queue()  # None: the end
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -95,7 +100,7 @@ class SnapshotWriter:
         """The writer thread is alive (between the first write and :meth:`close`)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, path: Optional[Path], build: Optional[Callable[[], Any]] = None,
+    def submit(self, path: Optional[Path], build: Optional[Callable[[], object]] = None,
                before: Optional[Callable[[], None]] = None, after: Optional[Callable[[], None]] = None,
                seal: Optional[Callable[[], Seal]] = None) -> Write:
         write = Write(path)
@@ -107,7 +112,7 @@ class SnapshotWriter:
         takes milliseconds that the step should not wait for)."""
         self._put(path)
 
-    def _put(self, job: Any) -> None:
+    def _put(self, job: Union[Path, _Job]) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="nanguard-snapshot-writer", daemon=True)
             self._thread.start()
