@@ -18,13 +18,13 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ContextManager, Iterator, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, ContextManager, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..core.dtensors import is_dtensor
-from ..core.record import rng_state, set_rng_state
+from ..core.record import RngState, rng_state, set_rng_state
 from ..recover.metrics import MetricUndo
 from .probes import public_name
 
@@ -36,7 +36,6 @@ __all__ = ["ReplayResult", "preserved_state", "run_step", "gradients", "eager", 
            "quiet_hooks", "trainable", "reentrant_checkpoint", "noop", "RngState", "Batches"]
 
 # one micro-batch's RNG state before it ran (:func:`~..core.record.rng_state`: the CPU and CUDA generators' states)
-RngState = dict[str, Union[Tensor, list[Tensor]]]
 # the micro-batches of a window, each with its batch_idx (:class:`~..core.record.Window`)
 Batches = Sequence[tuple[object, int]]
 
