@@ -51,6 +51,8 @@ class Applied:
     details: dict[str, Any] = field(default_factory=dict)
     rolled_back: bool = False  # the weights went back to a snapshot (a give-up's restore too)
     kept_step: bool = False  # that rollback kept the current step's gradients (:meth:`Recovery.rollback`)
+    restored: Optional[Restored] = None  # what a rollback (or a give-up's restore) restored; None: none tried
+    not_restored: Optional[str] = None  # why nothing could be restored
 
 
 class Recovery:
@@ -472,12 +474,13 @@ class Recovery:
     def _restored(self, done: Applied, restored: Restored, action: bool) -> None:
         """Say in ``done`` what a rollback restored (``restored_step``; the ``refused`` snapshots, and why nothing
         was restored: ``not_restored``); ``action``: a restore is the ``rollback`` action (a give-up's is not)."""
+        done.restored = restored
         done.details["restored_step"] = restored.step
         refused = self.refusals_untold()
         if refused:
             done.details["refused"] = refused
         if restored.snapshot is None:
-            done.details["not_restored"] = self.why_nothing_to_restore()
+            done.not_restored = done.details["not_restored"] = self.why_nothing_to_restore()
             return
         done.rolled_back, done.kept_step = True, self.kept_step
         if action:

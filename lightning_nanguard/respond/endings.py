@@ -3,7 +3,7 @@ whose hardware is suspect (``recovery.on_suspect_hardware``), in words, and the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from ..config import RecoveryConfig
 from ..core.causes import where_it_ran
@@ -33,16 +33,28 @@ def act_on_suspect_hardware(trainer: Any, recovery: Any, policy: str, text: str)
     say(trainer, "[nanguard] " + text)
 
 
-def give_up_message(event: NaNEvent, incidents: int, rollbacks: int, bad: Sequence[dict], report: str) -> str:
-    """The give-up at ``event``: exactly what it restored (and from which step), or that nothing could be, and
-    whether the weights left are finite (``bad``: the non-finite ones, when nothing was restored). ``rollbacks``:
-    before the give-up's own restore."""
-    restored = event.details.get("restored_step")
+def give_up_message(event: NaNEvent, restored: Optional[int], not_restored: Optional[str], incidents: int,
+                    rollbacks: int, bad: Sequence[dict], report: str) -> str:
+    """The give-up at ``event``, in words.
+
+    Args:
+        event: the incident it gave up at (its step, kind, cause, culprit and suggestion).
+        restored: the step of the snapshot its restore restored (None: nothing; :attr:`.Applied.restored`).
+        not_restored: why nothing could be restored (:attr:`.Applied.not_restored`).
+        incidents: the incidents of the fit so far.
+        rollbacks: the rollbacks before the give-up's own restore.
+        bad: the non-finite weights left, when nothing was restored.
+        report: the path of the incident's report.
+
+    Returns:
+        Exactly what it restored (and from which step), or that nothing could be, and whether the weights left are
+        finite.
+    """
     if restored is not None:
         state = (f"the module, optimizers and LR schedulers were restored to the last known-good state, the "
                  f"snapshot of step {restored}")
     else:
-        state = (f"nothing could be restored ({event.details.get('not_restored', 'no snapshot')}): the weights "
+        state = (f"nothing could be restored ({not_restored or 'no snapshot'}): the weights "
                  + (f"are left NON-FINITE ({', '.join(f['name'] for f in bad[:5])})" if bad else
                     f"are left as they were before step {event.step} (finite; that step was not applied)"))
     return (f"NaNGuard gave up at step {event.step} after {incidents} incident(s) and {rollbacks} rollback(s); "

@@ -15,10 +15,10 @@ from ..core.causes import cause as cause_entry
 from ..core.causes import suggest
 from ..core.events import NaNEvent
 from ..core.record import StepRecord, Window
-from ..detect.flow import REPLAY_OUTPUTS
 from ..detect.placement import whereabouts
 from ..diagnose.context import IncidentContext
 from ..recover.ladder import Plan
+from ..recover.recovery import Applied
 from ..report.recorder import logger_step
 from ..report.render import ReportText
 from . import incident as incidents
@@ -105,18 +105,19 @@ class Responder:
             if incident.anomaly is not None:
                 extra = p.diagnoser.diagnose_error(ctx, incident.anomaly)
             elif incident.diagnose:
-                extra = p.diagnoser.diagnose(ctx, p.recorder.events)
+                extra = p.diagnoser.diagnose(ctx)
                 recomputed = recompute_reduced_norm(p.ranks, trainer, pl_module, incident.record,
                                                     p.config.anomaly.mode != "off") if incident.replica else None
         if not incident.share:
             return Account(extra, None, ctx.safe_factor)
         record = incident.record
-        found = None if incident.own_evidence is None else bool(ctx.param_findings) or incident.own_evidence
+        found = None if incident.own_evidence is None else bool(ctx.evidence.param_findings) or incident.own_evidence
         account = share_incident(p.ranks, event, extra, record.local if record else None,
                                  own_norm=record.read_flags.grad_norm if record and incident.replica else None,
-                                 recomputed=recomputed, found=found, safe_factor=ctx.safe_factor)
+                                 recomputed=recomputed, found=found, safe_factor=ctx.safe_factor,
+                                 diagnosis=ctx.diagnosis, own_replica=record.replica if record else None)
         if p.ranks.distributed:  # the suggestion names where the chosen rank ran
-            event.suggestion = suggest(event, event.cause)
+            event.suggestion = suggest(event, event.cause, ctx.diagnosis)
         return account
 
     def _look(self, pl_module: "pl.LightningModule", incident: Incident, ctx: IncidentContext) -> None:
@@ -127,7 +128,7 @@ class Responder:
             pl_module, ctx.batches, weights=looked, parameters_only=incident.look is Look.PARAMETERS,
             inputs=incident.look_at_inputs)
         if looked:
-            ctx.param_findings = weights
+            ctx.evidence.param_findings = weights
         ctx.input_findings = inputs
         incident.event.kind = kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
 
@@ -191,13 +192,15 @@ class Responder:
         return response
 
     def _apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, plan: Plan,
-               keep_step: bool = False) -> Response:
+               keep_step: bool = False) -> tuple[Response, Applied]:
         done = self.parts.recovery.apply(trainer, pl_module, plan, event.step, self.parts.overflow.overflows,
                                          keep_step)
         for action in done.actions:
             event.add_action(action)
         event.details.update(done.details)
-        return Response(rolled_back=done.rolled_back, kept_step=done.kept_step)
+        if "rollback" in done.actions and done.restored is not None and done.restored.step is not None:
+            self.parts.rollbacks.append((done.restored.step, event.step))  # (the gradient-flow window's marks)
+        return Response(rolled_back=done.rolled_back, kept_step=done.kept_step), done
 
     def _conclude(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", item: Queued,
                   keep_step: bool = False) -> Response:
@@ -206,7 +209,7 @@ class Responder:
         p, (incident, plan, ctx, account) = self.parts, item
         event, cfg = incident.event, p.config.recovery
         rollbacks = p.counters["rollbacks"]
-        response = self._apply(trainer, pl_module, event, plan, keep_step)
+        response, done = self._apply(trainer, pl_module, event, plan, keep_step)
         p.evidence.weights.refresh()  # a rollback replaced the tensors, and the flag computed on them
         p.evidence.forget_state()
         if plan.give_up:
@@ -221,7 +224,8 @@ class Responder:
             bad = [] if response.rolled_back else p.evidence.weights.find(pl_module)  # (restored: finite)
             self.left_nonfinite = bool(bad)
             stop_or_raise(trainer, cfg.on_give_up,
-                          give_up_message(event, p.counters["incidents"], rollbacks, bad, str(report)))
+                          give_up_message(event, done.restored.step if done.restored else None, done.not_restored,
+                                          p.counters["incidents"], rollbacks, bad, str(report)))
         elif message is not None:
             act_on_suspect_hardware(trainer, p.recovery, cfg.on_suspect_hardware,
                                     f"NaNGuard at step {event.step}: {message} Report: {report}")
@@ -247,10 +251,11 @@ class Responder:
         return Response(rolled_back=restored.snapshot is not None, stopped=stop)
 
     def _record(self, trainer: "pl.Trainer", event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
-        text = ReportText(ctx.norm_history, ctx.loss_history, extra)
-        outputs = event.details.pop(REPLAY_OUTPUTS, [])  # the replay's, of the account every rank adopted
-        if ctx.flow is not None and self._pictured < self.parts.config.logging.max_reports:
-            event.flow = ctx.flow.for_event(event.step, event.culprit, outputs).to_dict()
+        past = ctx.history
+        text = ReportText(past.norm_history, past.loss_history, extra)
+        outputs = ctx.diagnosis.replay_outputs  # the replay's, of the account every rank adopted
+        if past.flow is not None and self._pictured < self.parts.config.logging.max_reports:
+            event.flow = past.flow.for_event(event.step, event.culprit, outputs).to_dict()
             self._pictured += 1
         self.parts.recorder.record(event, text, lambda: self.parts.scalars(trainer))
 
