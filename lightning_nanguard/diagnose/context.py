@@ -5,7 +5,7 @@ read, built from both in one place (:meth:`.Diagnoser.context`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..core.diagnosis import Diagnosis
 from ..core.events import NaNEvent
@@ -13,6 +13,9 @@ from ..core.record import Window
 from ..detect.flow import Flow
 from . import dynamics
 from .lockstep import Lockstep
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["Evidence", "History", "IncidentContext"]
 
@@ -58,8 +61,8 @@ class IncidentContext:
     ``evidence`` and the guard's ``history`` (both held, not copied), what was found behind it, the diagnosis
     settings, and the typed result the rules fill in (``diagnosis``)."""
 
-    trainer: Any
-    pl_module: Any
+    trainer: "pl.Trainer"
+    pl_module: "pl.LightningModule"
     event: NaNEvent
     evidence: Evidence = field(default_factory=Evidence)
     history: History = field(default_factory=History)

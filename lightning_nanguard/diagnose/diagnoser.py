@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -19,10 +19,13 @@ from .lockstep import Lockstep
 from .passes import parse_anomaly_error
 from .rules import diagnose, diagnose_anomaly_error
 
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
 __all__ = ["Diagnoser"]
 
 
-def _lockstep(trainer: Any, pl_module: Any, timeout: float) -> Optional[Lockstep]:
+def _lockstep(trainer: "pl.Trainer", pl_module: "pl.LightningModule", timeout: float) -> Optional[Lockstep]:
     """Sharded (DTensor parameters): a replay is a collective (FSDP2 all-gathers the weights in its forward,
     reduce-scatters in its backward; tensor parallel all-reduces), so every rank replays or none, and every rank runs
     the same passes: how they agree (:class:`~.lockstep.Lockstep`; on the incident path only). None otherwise."""
@@ -69,7 +72,7 @@ class Diagnoser:
             torch.autograd.set_detect_anomaly(*self._anomaly_before)
             self._anomaly_before = None
 
-    def context(self, trainer: Any, pl_module: Any, event: NaNEvent, evidence: Evidence,
+    def context(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", event: NaNEvent, evidence: Evidence,
                 history: Optional[History] = None) -> IncidentContext:
         """The :class:`IncidentContext` of ``event``: what its builder gathered (``evidence``: the step's window,
         its micro-batches and their RNG states, ...), the guard's ``history`` (none: empty) and the diagnosis

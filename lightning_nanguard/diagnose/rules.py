@@ -1,11 +1,14 @@
 """Diagnosis: from the evidence of an incident to a cause, a culprit and a suggestion.
 
 :func:`diagnose` is called on an incident (or a divergence event), before any state changes, with an
-:class:`IncidentContext`. It fills ``cause``, ``culprit``, ``op``, ``details`` and ``suggestion`` of the event
-and returns extra text for the incident report (e.g. the module frames of a replay), which
-:func:`~lightning_nanguard.report.render.render_report` appends once the event's actions are final.
+:class:`IncidentContext`. The rules fill its ``diagnosis`` in (a typed :class:`~..core.diagnosis.Diagnosis`, which
+they read back, never the event's details); then the event's ``cause``, ``culprit``, ``op``, ``details`` (written
+once, from the diagnosis) and ``suggestion``. It returns extra text for the incident report (e.g. the module
+frames of a replay), which :func:`~lightning_nanguard.report.render.render_report` appends once the event's actions
+are final.
 
-The rules, in order (each puts its evidence in ``details`` under the key named in brackets):
+The rules, in order (each puts its evidence in the diagnosis, shown in ``details`` under the key named in
+brackets):
 
 1. non-finite parameters at fit start: ``initialization`` [nonfinite_parameters];
 2. non-finite inputs (samples and features found in the batch): ``input`` [inputs];
@@ -538,11 +541,11 @@ def _column_abs_max(t: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.maximum(zeros, a.reshape(-1, t.shape[-1]).amax(dim=0)) if a.numel() else zeros
 
 
-def _with_rows(pl_module: Any, findings: list[dict]) -> list[dict]:
+def _with_rows(pl_module: Optional[torch.nn.Module], findings: list[dict]) -> list[dict]:
     """Add, for 2-D+ parameters, the indices of the rows (dim 0) holding NaN/Inf."""
     if pl_module is None:
         return findings
-    named = dict(pl_module.named_parameters())
+    named: dict[str, torch.Tensor] = dict(pl_module.named_parameters())
     named.update(dict(pl_module.named_buffers()))
     return nonfinite_rows(named, findings)
 

@@ -3,18 +3,22 @@ whose hardware is suspect (``recovery.on_suspect_hardware``), in words, and the 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..config import RecoveryConfig
 from ..core.causes import where_it_ran
 from ..core.console import say
 from ..core.events import NaNEvent
 from ..errors import NaNGuardError
+from ..recover.recovery import Recovery
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["give_up_message", "suspect_hardware", "stop_or_raise", "act_on_suspect_hardware"]
 
 
-def stop_or_raise(trainer: Any, on_give_up: str, message: str) -> None:
+def stop_or_raise(trainer: "pl.Trainer", on_give_up: str, message: str) -> None:
     """``recovery.on_give_up``: raise :class:`NaNGuardError` with ``message``, or stop the Trainer and say it."""
     if on_give_up == "raise":
         raise NaNGuardError(message)
@@ -22,7 +26,7 @@ def stop_or_raise(trainer: Any, on_give_up: str, message: str) -> None:
     say(trainer, "[nanguard] " + message)
 
 
-def act_on_suspect_hardware(trainer: Any, recovery: Any, policy: str, text: str) -> None:
+def act_on_suspect_hardware(trainer: "pl.Trainer", recovery: Recovery, policy: str, text: str) -> None:
     """``recovery.on_suspect_hardware``: warn (on screen, the run goes on), stop the Trainer (the weights are good:
     the faulty steps were skipped), or raise :class:`NaNGuardError` naming the rank and host (``text``)."""
     if policy == "raise":
