@@ -10,7 +10,7 @@ LR policies (``lr_cut``):
 - ``"never"``: a smaller learning rate cannot fix it (bad data, bad weights, a dtype's range, an op's domain);
 - ``"at_once"``: the dynamics diverge: cut at the first incident of a streak, by ``recovery.lr_factor``;
 - ``"sized"``: the LR itself is too high: cut at once by ``recovery.divergence_lr_factor``, or further to the
-  diagnosis' safe LR (``details.relative_update.safe_lr``);
+  diagnosis' safe LR (:attr:`.Diagnosis.relative_update`'s ``safe_lr``);
 - ``"escalation"``: not known to be the LR: cut only when the ladder escalates (a rollback forced because
   skipping did not help, ``recovery.reduce_lr_on_rollback``; ``recovery.reduce_lr_after`` incidents).
 """
@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
+from .diagnosis import Diagnosis, Where
 from .domain_fixes import MATMUL_OPS, describe, fix
 
 __all__ = ["Cause", "CAUSES", "NAMES", "cause", "suggest", "where_it_ran"]
 
-# a suggestion drawn from an event's evidence (its details, culprit and op); None falls back to the advice
-Suggest = Callable[[Any, str], Optional[str]]
+# a suggestion drawn from an event's evidence (its diagnosis, culprit and op) and the cause's advice; None falls
+# back to the advice
+Suggest = Callable[[Where, Diagnosis, str], Optional[str]]
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,11 @@ class Cause:
 # ------------------------------------------------------------------------------- evidence-specific advice
 
 
-def _where(ev: Any) -> tuple[str, str]:
+def _where(ev: Where) -> tuple[str, str]:
     return (f" in {ev.culprit}" if ev.culprit else ""), (f" ({ev.op})" if ev.op else "")
 
 
-def _number(value: Any) -> Optional[str]:
+def _number(value: object) -> Optional[str]:
     """``value`` written with 3 significant digits when it is a finite number; None when it is unknown (None, NaN,
     infinite), so that a sentence can leave it out instead of printing 'None' or 'nan'."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -62,12 +64,12 @@ def _number(value: Any) -> Optional[str]:
     return None
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     return _number(value) or "?"
 
 
-def _input(ev: Any, advice: str) -> Optional[str]:
-    found = ev.details.get("inputs") or []
+def _input(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
+    found = d.inputs or []
     if not found:
         return None
     f = found[0]
@@ -75,8 +77,8 @@ def _input(ev: Any, advice: str) -> Optional[str]:
     return f"{f['field']} holds NaN/Inf at samples {f.get('samples', [])[:10]}{columns}. " + advice
 
 
-def _feature_hint(d: dict) -> str:
-    feats = d.get("extreme_features")
+def _feature_hint(d: Diagnosis) -> str:
+    feats = d.extreme_features
     if not feats:
         return "normalise or scale the inputs, or compute it in float64"
     f = feats[0]
@@ -84,9 +86,9 @@ def _feature_hint(d: dict) -> str:
             f"{_fmt(f['median_abs_max'])}), or compute it in float64")
 
 
-def _function(d: dict) -> str:
+def _function(d: Diagnosis) -> str:
     """The name of the op that made the value, as the user called it (``bmm``, ``log``, ``softmax``)."""
-    f = d.get("forward_op") or {}
+    f = d.forward_op or {}
     return str(f.get("inner_function") or f.get("function") or "the op").strip("_")
 
 
@@ -95,53 +97,49 @@ def _wider(dtype: str) -> str:
     return "float32" if ("16" in dtype or "8" in dtype) else "float64"
 
 
-def _overflow(ev: Any, advice: str) -> Optional[str]:
-    d = ev.details
-    if "abs_max_float64" not in d:  # no replay evidence (e.g. GradScaler overflows)
+def _overflow(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
+    if d.abs_max_float64 is None:  # no replay evidence (e.g. GradScaler overflows)
         return None
     where, op = _where(ev)
-    dtype = str(d.get("dtype", "the dtype")).replace("torch.", "")
-    reach = f"values reach {_fmt(d.get('abs_max_float64'))}, beyond {dtype}'s max {_fmt(d.get('dtype_max'))}"
-    if d.get("judged_at") == "op" and _function(d) in MATMUL_OPS and not d.get("extreme_features"):
+    dtype = str(d.dtype if d.dtype is not None else "the dtype").replace("torch.", "")
+    reach = f"values reach {_fmt(d.abs_max_float64)}, beyond {dtype}'s max {_fmt(d.dtype_max)}"
+    if d.judged_at == "op" and _function(d) in MATMUL_OPS and not d.extreme_features:
         return (f"Overflow{where}{op}: {reach}: the sum exceeds {dtype}'s range: compute it in {_wider(dtype)} or "
                 "scale before the product (e.g. divide one factor by sqrt of the normaliser first).")
     return f"Overflow{where}{op}: {reach}; {_feature_hint(d)}."
 
 
-def _precision(ev: Any, advice: str) -> Optional[str]:
-    d = ev.details
+def _precision(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
     where, op = _where(ev)
-    dtype = str(d.get("dtype", "the working dtype")).replace("torch.", "")
-    found = d.get("domain")
+    dtype = str(d.dtype if d.dtype is not None else "the working dtype").replace("torch.", "")
+    found = d.domain
     if found and found.get("input"):
         return (f"Precision loss{where}{op}: in {dtype} {describe(found)}, not in float64: "
                 f"{fix(found, dtype)}, or compute this op in {_wider(dtype)}.")
-    hint = _feature_hint(d) if dtype == "float32" or d.get("extreme_features") else \
+    hint = _feature_hint(d) if dtype == "float32" or d.extreme_features else \
         f"compute this op in {_wider(dtype)} (autocast(enabled=False) around it), or rescale its inputs"
     return f"Precision loss{where}{op}: finite in float64, not in {dtype}; {hint}."
 
 
-def _domain(ev: Any, advice: str) -> Optional[str]:
-    d = ev.details
-    found = d.get("domain") or {}
+def _domain(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
+    found = d.domain or {}
     where, op = _where(ev)
-    src = (d.get("forward_op") or {}).get("source")
+    src = (d.forward_op or {}).get("source")
     at = f" at {src}" if src else ""
     what = describe(found) if found.get("input") else f"{_function(d)} made a NaN from finite inputs"
     fixed = fix(found) if found.get("input") else "clamp or mask its inputs, or add an eps"
     return (f"Outside the op's domain{where}{op}{at}: {what}, in float64 too. Fix: {fixed}.")
 
 
-def _backward_op(ev: Any, advice: str) -> Optional[str]:
-    d = ev.details
+def _backward_op(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
     where, _ = _where(ev)
-    src = (d.get("backward_op") or d.get("anomaly") or {}).get("traceback")
+    src = (d.backward_op or d.anomaly or {}).get("traceback")
     at = f" (forward: {src})" if src else ""
     return f"The backward of {ev.op or 'an op'}{where} is infinite or undefined at these inputs{at}. " + advice
 
 
-def _initialization(ev: Any, advice: str) -> Optional[str]:
-    f = ev.details.get("initialization")
+def _initialization(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
+    f = d.initialization
     if not f:
         return f"Non-finite values in {ev.culprit}. " + advice if ev.culprit else None
     # the scale it was given, measured at fit start (later steps' updates of a blown-up weight inflate the ratio)
@@ -151,8 +149,8 @@ def _initialization(ev: Any, advice: str) -> Optional[str]:
             "Re-initialise it with nn.init.xavier_uniform_ / kaiming_normal_, or check what loads or scales it.")
 
 
-def _learning_rate(ev: Any, advice: str) -> Optional[str]:
-    f = ev.details.get("relative_update")
+def _learning_rate(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
+    f = d.relative_update
     if not f:
         return None
     lr, rel, safe = _number(f.get("lr")), _number(f.get("relative_update")), _number(f.get("safe_lr"))
@@ -164,41 +162,49 @@ def _learning_rate(ev: Any, advice: str) -> Optional[str]:
     return f"The learning rate{f' ({lr})' if lr else ''} is too high{what}. {lower}, or add warm-up."
 
 
-def _exploding(ev: Any, advice: str) -> Optional[str]:
-    d = ev.details
-    if not (d.get("layer_growth") or d.get("activation_growth")):
+def _exploding(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
+    if not (d.layer_growth or d.activation_growth):
         return None
-    what = "gradients grow layer by layer towards the input" if d.get("layer_growth") else \
+    what = "gradients grow layer by layer towards the input" if d.layer_growth else \
         "activations grow layer by layer"
     return (f"Gradients are exploding through depth ({what}): add normalisation layers or residual scaling, use "
             "Kaiming/Xavier initialisation, lower the learning rate or clip the gradient norm (clip.max_norm).")
 
 
-def _culprit(ev: Any, advice: str) -> Optional[str]:
+def _culprit(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
     return f"Non-finite values in {ev.culprit}. " + advice if ev.culprit else None
 
 
-def where_it_ran(ev: Any) -> str:
-    """``rank 1 on host node7 (cuda:1)``: where the event's rank ran, as far as the event knows it."""
-    if ev.details.get("ranks") == []:  # several ranks, and none has evidence of its own
+def where_it_ran(ev: Where, ranks: Optional[list[int]] = None) -> str:
+    """``rank 1 on host node7 (cuda:1)``: where the event's rank ran, as far as the event knows it.
+
+    Args:
+        ev: the event.
+        ranks: the ranks with evidence of their own (:class:`~..respond.account.Account`; None: one process or not
+            agreed yet; empty: several ranks, and none has evidence of its own).
+
+    Returns:
+        The words, for a sentence.
+    """
+    if ranks == []:  # several ranks, and none has evidence of its own
         return "an unknown rank (no rank's own evidence or replay shows it)"
-    host = f" on host {ev.host}" if getattr(ev, "host", None) else ""
-    device = f" ({ev.device})" if getattr(ev, "device", None) else ""
+    host = f" on host {ev.host}" if ev.host else ""
+    device = f" ({ev.device})" if ev.device else ""
     return f"rank {ev.rank}{host}{device}"
 
 
-def _transient(ev: Any, advice: str) -> Optional[str]:
+def _transient(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
     what = "Its replicas disagreed" if ev.kind == "replica" else "It was non-finite"
-    return (f"{what} at step {ev.step} on {where_it_ran(ev)}, and the replay of the same batch on the same weights "
-            "and RNG state was clean: a fault that does not come back. " + advice)
+    return (f"{what} at step {ev.step} on {where_it_ran(ev, d.ranks)}, and the replay of the same batch on the same "
+            "weights and RNG state was clean: a fault that does not come back. " + advice)
 
 
-def _unknown(ev: Any, advice: str) -> Optional[str]:
+def _unknown(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
     if not ev.culprit:
         return None
     where, op = _where(ev)
-    if (ev.details.get("float64") or {}).get("module_finite") is False:
-        src = (ev.details.get("forward_op") or {}).get("source")
+    if (d.float64 or {}).get("module_finite") is False:
+        src = (d.forward_op or {}).get("source")
         at = f" at {src}" if src else ""
         return (f"The first non-finite value appeared{where}{op}{at} and stays non-finite in float64: the op's input "
                 "is outside its domain (log or sqrt of a negative, 0/0, inf-inf); clamp or mask its inputs, add an "
@@ -266,9 +272,17 @@ def cause(name: Optional[str]) -> Cause:
     return _NONE if name is None else CAUSES[name]
 
 
-def suggest(event: Any, name: Optional[str]) -> str:
-    """One or two sentences for the user about ``event`` diagnosed as ``name`` (None: undiagnosed), drawn from
-    its evidence."""
+def suggest(event: Where, name: Optional[str], found: Diagnosis) -> str:
+    """One or two sentences for the user about ``event``.
+
+    Args:
+        event: the event (its culprit, op, step and where it ran).
+        name: its cause (None: undiagnosed, ``unknown``'s advice).
+        found: what its diagnosis found (empty: nothing).
+
+    Returns:
+        The suggestion drawn from the evidence, else the cause's advice.
+    """
     entry = cause(name)
-    found = entry.suggest(event, entry.advice) if entry.suggest is not None else None
-    return found if found is not None else entry.advice
+    said = entry.suggest(event, found, entry.advice) if entry.suggest is not None else None
+    return said if said is not None else entry.advice

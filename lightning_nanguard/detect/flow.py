@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = ["FlowWindow", "FlowWindows", "Flow", "Growing", "fastest_growing", "module_of", "replay_outputs", "MARKS",
-           "CULPRIT_GROWTH", "FLOW_VERSION", "REPLAY_OUTPUTS"]
+           "CULPRIT_GROWTH", "FLOW_VERSION"]
 
 FLOW_VERSION = 1  # the stored window's format (Flow.to_dict)
 # what became of a step in the window, one letter each (Flow.marks)
@@ -226,9 +226,6 @@ class FlowWindows:
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self._windows.values())
-
-
-REPLAY_OUTPUTS = "replay_outputs"  # the event detail that carries them from the diagnosis to the window
 
 
 def replay_outputs(rows: Sequence[dict]) -> list[dict]:

@@ -32,8 +32,8 @@ WEIGHT_CULPRIT_GROWTH = 4.0
 def runaway_culprit(ctx: IncidentContext, onset: Optional[int]) -> Optional[dict[str, Any]]:
     """The module that ran away (module docstring), with the evidence, or None when none stands out."""
     found = _by_weights(ctx, onset)
-    if found is None and ctx.flow is not None:
-        grown = fastest_growing(ctx.flow, onset)
+    if found is None and ctx.history.flow is not None:
+        grown = fastest_growing(ctx.history.flow, onset)
         if grown is not None:
             found = dict(grown, by="gradients")
     return found
@@ -41,9 +41,9 @@ def runaway_culprit(ctx: IncidentContext, onset: Optional[int]) -> Optional[dict
 
 def _by_weights(ctx: IncidentContext, onset: Optional[int]) -> Optional[dict[str, Any]]:
     module = ctx.pl_module
-    if module is None or ctx.reference is None or onset is None:
+    if module is None or ctx.history.reference is None or onset is None:
         return None
-    reference = ctx.reference(onset)
+    reference = ctx.history.reference(onset)
     if reference is None:
         return None
     step, before = reference

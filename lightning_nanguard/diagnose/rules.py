@@ -1,11 +1,14 @@
 """Diagnosis: from the evidence of an incident to a cause, a culprit and a suggestion.
 
 :func:`diagnose` is called on an incident (or a divergence event), before any state changes, with an
-:class:`IncidentContext`. It fills ``cause``, ``culprit``, ``op``, ``details`` and ``suggestion`` of the event
-and returns extra text for the incident report (e.g. the module frames of a replay), which
-:func:`~lightning_nanguard.report.render.render_report` appends once the event's actions are final.
+:class:`IncidentContext`. The rules fill its ``diagnosis`` in (a typed :class:`~..core.diagnosis.Diagnosis`, which
+they read back, never the event's details); then the event's ``cause``, ``culprit``, ``op``, ``details`` (written
+once, from the diagnosis) and ``suggestion``. It returns extra text for the incident report (e.g. the module
+frames of a replay), which :func:`~lightning_nanguard.report.render.render_report` appends once the event's actions
+are final.
 
-The rules, in order (each puts its evidence in ``details`` under the key named in brackets):
+The rules, in order (each puts its evidence in the diagnosis, shown in ``details`` under the key named in
+brackets):
 
 1. non-finite parameters at fit start: ``initialization`` [nonfinite_parameters];
 2. non-finite inputs (samples and features found in the batch): ``input`` [inputs];
@@ -61,16 +64,18 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..core.causes import suggest
+from ..core.diagnosis import Diagnosis, ReplayNote
 from ..core.events import NaNEvent
 from ..core.layouts import coo_parts, is_strided
 from ..core.tree import iter_tensors
 from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
-from ..detect.flow import REPLAY_OUTPUTS, replay_outputs
+from ..detect.flow import replay_outputs
 from ..detect.spikes import history_zscore, norm_growth
 from . import domain, dynamics, lockstep, replay
 from .context import IncidentContext
 from .culprit import RUNAWAY_CAUSES, runaway_culprit
+from .rerun import ReplayResult
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT", "GRAD_NORM_Z", "EXTREME_FEATURE_RATIO"]
 
@@ -83,42 +88,58 @@ GRAD_NORM_Z = 6.0
 EXTREME_FEATURE_RATIO = 1e6
 
 def diagnose(ctx: IncidentContext) -> str:
-    """Fill the event's diagnosis fields from the evidence; return extra report text (may be empty).
+    """Diagnose the incident of ``ctx``: fill ``ctx.diagnosis`` in, then write the event's cause, culprit, op,
+    details and suggestion from it (:func:`_conclude`).
 
-    With ``ctx.replay`` the offending micro-batch is replayed (:func:`replay.replay_window`) to localise the
-    first non-finite value; the returned text is then the module frames before it.
+    Args:
+        ctx: the incident's context; with ``ctx.replay`` the offending micro-batch is replayed
+            (:func:`replay.replay_window`) to localise the first non-finite value.
+
+    Returns:
+        Extra report text: the module frames before the first non-finite value of a replay (may be empty).
     """
-    ev = ctx.event
-    details = ev.details
+    frames_text = _diagnose(ctx)
+    _conclude(ctx)
+    return frames_text
+
+
+def _diagnose(ctx: IncidentContext) -> str:
+    """The rules of the module docstring, on ``ctx``: the event's cause, culprit and op, and ``ctx.diagnosis``
+    (the event's details are left alone); returns the replay's module frames."""
+    ev, found = ctx.event, ctx.diagnosis
+    evidence = ctx.evidence
     frames_text = ""
     cause: Optional[str] = None
     _agree_on_replay(ctx)
-    z = history_zscore(ctx.grad_norm, ctx.norm_history)
-    if z is not None:
-        details["grad_norm_zscore"] = z
-    if ctx.at_fit_start:
+    found.grad_norm_zscore = history_zscore(evidence.grad_norm, ctx.history.norm_history)
+    if evidence.at_fit_start:
         cause = "initialization"
-        details["nonfinite_parameters"] = _with_rows(ctx.pl_module, ctx.param_findings)
-        ev.culprit = ctx.param_findings[0]["name"] if ctx.param_findings else None
+        found.nonfinite_parameters = _with_rows(ctx.pl_module, evidence.param_findings)
+        ev.culprit = evidence.param_findings[0]["name"] if evidence.param_findings else None
     elif ctx.input_findings:
         cause = "input"
-        details["inputs"] = ctx.input_findings
+        found.inputs = ctx.input_findings
         ev.culprit = None
     elif ev.kind in ("parameter", "buffer"):
-        details["nonfinite_parameters"] = _with_rows(ctx.pl_module, ctx.param_findings)
-        ev.culprit = ctx.param_findings[0]["name"] if ctx.param_findings else None
-        cause = "optimizer" if ctx.grads_were_finite else "unknown"
+        found.nonfinite_parameters = _with_rows(ctx.pl_module, evidence.param_findings)
+        ev.culprit = evidence.param_findings[0]["name"] if evidence.param_findings else None
+        cause = "optimizer" if evidence.grads_were_finite else "unknown"
     else:
         cause, frames_text = _cause_of_step(ctx)
         if ev.culprit is None and cause in RUNAWAY_CAUSES:  # the module that ran away (weights, gradient flow)
-            found = runaway_culprit(ctx, _onset(ctx)[0])
-            if found is not None:
-                ev.culprit = found["module"]
-                details["runaway"] = found
-    cause = _persisting_overflows(ctx, cause)
-    ev.cause = cause
-    ev.suggestion = suggest(ev, cause or "unknown")
+            runaway = runaway_culprit(ctx, _onset(ctx)[0])
+            if runaway is not None:
+                ev.culprit = runaway["module"]
+                found.runaway = runaway
+    ev.cause = _persisting_overflows(ctx, cause)
     return frames_text
+
+
+def _conclude(ctx: IncidentContext) -> None:
+    """Write what the diagnosis found into the event's details, once, for the user, and the suggestion."""
+    ev = ctx.event
+    ev.details.update(ctx.diagnosis.to_details())
+    ev.suggestion = suggest(ev, ev.cause or "unknown", ctx.diagnosis)
 
 
 def _agree_on_replay(ctx: IncidentContext) -> None:
@@ -128,7 +149,7 @@ def _agree_on_replay(ctx: IncidentContext) -> None:
         wanted = _would_replay(ctx)
         ctx.replay = ctx.lockstep.agree(wanted)
         if wanted and not ctx.replay:
-            ctx.event.details["replay_skipped"] = (
+            ctx.diagnosis.replay_skipped = (
                 "sharded: the replay is a collective (forward and backward all-gather) and another rank's own "
                 "evidence (its inputs, its weights) named the cause: no rank replayed")
 
@@ -145,41 +166,46 @@ def _cause_of_step(ctx: IncidentContext) -> tuple[Optional[str], str]:
     elif ctx.replay and ctx.batches:
         result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
                                       frames=ctx.frames, float64_check=ctx.float64_check,
-                                      norm_type=ctx.norm_type, step=ctx.replay_step, timeout=ctx.replay_timeout,
-                                      lock=ctx.lockstep)
+                                      norm_type=ctx.history.norm_type, step=ctx.replay_step,
+                                      timeout=ctx.replay_timeout, lock=ctx.lockstep)
         ctx.replayed = True
         cause = _cause_from_replay(ctx, result)
         frames_text = result.frames_text
         rows = result.forward_rows
-        # the replay's outputs per module, for the event's pictures: in the details, so that under DDP every rank
-        # keeps the account's (Responder._record moves them next to the gradient-flow window)
-        ev.details[REPLAY_OUTPUTS] = replay_outputs(rows)
-    elif (not ctx.replay and ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause
-          and ctx.previous.cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
-        cause = _reused(ctx, ctx.previous)
+        # the replay's outputs per module, for the event's pictures (under DDP every rank adopts the account's
+        # diagnosis; Responder._record puts them next to the gradient-flow window)
+        ctx.diagnosis.replay_outputs = replay_outputs(rows)
+    elif (not ctx.replay and ctx.previous is not None and ctx.previous[0].kind == ev.kind and ctx.previous[0].cause
+          and ctx.previous[0].cause != TRANSIENT):  # (only a replay tells a fault that does not come back)
+        cause = _reused(ctx, *ctx.previous)
     if cause != TRANSIENT:  # clean on the same weights: the step's dynamics did not make it non-finite
         cause = _dynamics_cause(ctx, cause, rows)
     return cause, frames_text
 
 
-def _reused(ctx: IncidentContext, prev: NaNEvent) -> Optional[str]:
+# what an incident reuses of the last replayed one's diagnosis (rule 4, anomaly.max_replays spent)
+_REUSED = ("abs_max_float64", "dtype", "dtype_max", "extreme_features", "forward_op", "backward_op", "domain",
+           "judged_at")
+
+
+def _reused(ctx: IncidentContext, prev: NaNEvent, before: Diagnosis) -> Optional[str]:
     """The diagnosis of ``prev``, the last replayed incident of the same kind (``anomaly.max_replays`` is spent):
-    its culprit, op, cause and replay evidence."""
-    ev, details = ctx.event, ctx.event.details
+    its culprit, op, cause and replay evidence (``before``: its diagnosis)."""
+    ev, found = ctx.event, ctx.diagnosis
     ev.culprit, ev.op = prev.culprit, prev.op
-    details["diagnosis_from"] = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
-    details.update({k: prev.details[k] for k in ("abs_max_float64", "dtype", "dtype_max", "extreme_features",
-                                                 "forward_op", "backward_op", "domain", "judged_at")
-                    if k in prev.details})
+    found.diagnosis_from = f"incident #{prev.index} (not replayed: anomaly.max_replays reached)"
+    for key in _REUSED:
+        setattr(found, key, getattr(before, key))
     return prev.cause
 
 
 def _persisting_overflows(ctx: IncidentContext, cause: Optional[str]) -> Optional[str]:
     """Rule 5: under 16-mixed, GradScaler overflows that persisted with nothing else known are ``overflow``."""
-    if ctx.scaler_overflows is not None:
-        ctx.event.details.update(grad_scale=ctx.grad_scale, scaler_overflows=ctx.scaler_overflows)
+    evidence = ctx.evidence
+    if evidence.scaler_overflows is not None:
+        ctx.diagnosis.grad_scale, ctx.diagnosis.scaler_overflows = evidence.grad_scale, evidence.scaler_overflows
         # (the replay computes unscaled gradients: a scaled overflow does not come back there)
-        if ctx.only_gradients and ctx.event.kind == "gradient" and cause in (None, "unknown", TRANSIENT):
+        if evidence.only_gradients and ctx.event.kind == "gradient" and cause in (None, "unknown", TRANSIENT):
             return "overflow"  # overflows persisted beyond check.amp_overflow_patience / amp_min_scale
     return cause
 
@@ -189,37 +215,37 @@ def diagnose_anomaly_error(ctx: IncidentContext, found: dict) -> str:
 
     Replays the window like :func:`diagnose` (when ``ctx.replay``) and keeps the op anomaly mode named.
     """
-    extra = diagnose(ctx)
+    extra = _diagnose(ctx)
     ev = ctx.event
-    ev.details["anomaly_error"] = found
+    ctx.diagnosis.anomaly_error = found
     ev.op = ev.op or found.get("op")
     if ev.cause in (None, "unknown", TRANSIENT):  # anomaly mode saw the op fail in the real backward
         ev.cause = "backward_op"
-        ev.suggestion = suggest(ev, "backward_op")
+    _conclude(ctx)
     return extra
 
 
 def _would_replay(ctx: IncidentContext) -> bool:
     """Would :func:`diagnose` replay the window on this rank? (its branches, in order: the rank's own inputs or weights
     explain an incident without a replay)"""
-    return not ctx.at_fit_start and not ctx.input_findings and ctx.event.kind not in ("parameter", "buffer",
-                                                                                      "divergence")
+    return not ctx.evidence.at_fit_start and not ctx.input_findings and ctx.event.kind not in (
+        "parameter", "buffer", "divergence")
 
 
 def _dynamics_cause(ctx: IncidentContext, found: Optional[str], rows: list[dict]) -> Optional[str]:
     """Rules 4a-4e of the module docstring: the cause from the step's own evidence, given the replay's
     finding ``found`` and its forward frame ``rows``."""
-    ev, details = ctx.event, ctx.event.details
+    ev, diagnosis = ctx.event, ctx.diagnosis
     module = ctx.pl_module
     cause: Optional[str] = None
     initial = ctx.initial.read() if ctx.initial is not None else {}
     if module is not None and initial:
         init = dynamics.oversized(module, initial)
         if init is not None:
-            details["initialization"] = init
+            diagnosis.initialization = init
             ev.culprit, ev.op = init["parameter"], None
             cause = "initialization"
-    data_explained = found in ("overflow", "precision") and bool(details.get("extreme_features"))
+    data_explained = found in ("overflow", "precision") and bool(diagnosis.extreme_features)
     if cause is None and (found == "backward_op" or data_explained):
         return found
     if cause is None and module is not None:
@@ -231,15 +257,16 @@ def _dynamics_cause(ctx: IncidentContext, found: Optional[str], rows: list[dict]
     if found in ("overflow", "precision") and cause != found:
         # the values overflowed because the weights or gradients were already blowing up, not because of the
         # data: the dynamics are the cause, the overflow their symptom
-        details["symptom"] = found
+        diagnosis.symptom = found
     return cause
 
 
 def _onset(ctx: IncidentContext) -> tuple[Optional[int], float]:
     """The step where the growth began and the gradient norm there (the divergence watch's, or from the
     healthy history: where the final run of 2-fold growth began)."""
-    if ctx.divergence is not None:
-        return ctx.divergence.get("onset_step"), float(ctx.divergence.get("onset_grad_norm", math.nan))
+    divergence = ctx.evidence.divergence
+    if divergence is not None:
+        return divergence.get("onset_step"), float(divergence.get("onset_grad_norm", math.nan))
     values, steps = _history(ctx)
     if not values:
         return None, math.nan
@@ -250,11 +277,12 @@ def _onset(ctx: IncidentContext) -> tuple[Optional[int], float]:
 def _history(ctx: IncidentContext) -> tuple[list[float], list[int]]:
     """The healthy gradient norms up to the incident (its own norm last if finite), and their steps: the
     history's are consecutive up to its newest one's (skipped incident steps are not in it)."""
-    end = ctx.norm_history_end if ctx.norm_history_end is not None else ctx.event.step - 1
-    n = len(ctx.norm_history)
-    values, steps = list(ctx.norm_history), list(range(end - n + 1, end + 1))
-    if math.isfinite(ctx.grad_norm):
-        values.append(ctx.grad_norm)
+    past, grad_norm = ctx.history, ctx.evidence.grad_norm
+    end = past.norm_history_end if past.norm_history_end is not None else ctx.event.step - 1
+    n = len(past.norm_history)
+    values, steps = list(past.norm_history), list(range(end - n + 1, end + 1))
+    if math.isfinite(grad_norm):
+        values.append(grad_norm)
         steps.append(ctx.event.step)
     return values, steps
 
@@ -272,8 +300,8 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
     """Rule 4c: the relative update at the onset of the growth."""
     step, grad_norm = _onset(ctx)
     reference: Optional[tuple[int, dict[str, float]]] = None
-    if step is not None and ctx.reference is not None:
-        found = ctx.reference(step)
+    if step is not None and ctx.history.reference is not None:
+        found = ctx.history.reference(step)
         if found is not None:
             trainable = [n for n, p in ctx.pl_module.named_parameters() if p.requires_grad and n in found[1]]
             reference = (found[0], {n: found[1][n] for n in trainable})
@@ -290,12 +318,12 @@ def _learning_rate(ctx: IncidentContext) -> Optional[str]:
     optimizers = getattr(ctx.trainer, "optimizers", None) or []
     update = dynamics.relative_update(optimizers, ctx.pl_module, grad_norm,
                                       reference[1] if reference else None, reference[0] if reference else None,
-                                      growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)),
-                                      lrs=ctx.step_lrs)
+                                      growth=dynamics.growth_rate(_norms(ctx, since=ctx.history.lr_cut_step)),
+                                      lrs=ctx.evidence.step_lrs)
     if update is None:
         return None
     update["onset_step"] = step
-    ctx.relative_update = ctx.event.details["relative_update"] = update
+    ctx.diagnosis.relative_update = update
     return "learning_rate" if update["relative_update"] >= dynamics.RELATIVE_UPDATE_LR else None
 
 
@@ -311,11 +339,12 @@ def _grown(ctx: IncidentContext, reference: dict[str, float]) -> bool:
 
 def _streak(ctx: IncidentContext) -> tuple[list[float], list[Optional[int]]]:
     """The gradient norms up to the incident and their steps: the divergence's streak, or :func:`_history`."""
-    if ctx.divergence is None:
+    divergence = ctx.evidence.divergence
+    if divergence is None:
         values, steps = _history(ctx)
         return values, list(steps)
-    values = [math.nan if v is None else float(v) for v in ctx.divergence.get("grad_norms", [])]
-    return values, list(ctx.divergence.get("steps", [])) or [None] * len(values)
+    values = [math.nan if v is None else float(v) for v in divergence.get("grad_norms", [])]
+    return values, list(divergence.get("steps", [])) or [None] * len(values)
 
 
 def _norms(ctx: IncidentContext, since: Optional[int] = None) -> list[float]:
@@ -327,21 +356,21 @@ def _norms(ctx: IncidentContext, since: Optional[int] = None) -> list[float]:
 
 def _exploding(ctx: IncidentContext, rows: list[dict]) -> Optional[str]:
     """Rule 4d: gradients (or activations) growing through depth or from step to step."""
-    details = ctx.event.details
+    found = ctx.diagnosis
     module = ctx.pl_module
-    if module is not None and math.isfinite(ctx.grad_norm):
+    if module is not None and math.isfinite(ctx.evidence.grad_norm):
         layers = dynamics.layer_growth(module)
         if layers is not None:
-            details["layer_growth"] = layers
+            found.layer_growth = layers
             return "exploding_gradient"
     if module is not None and rows:
         acts = dynamics.activation_growth(rows, module)
         if acts is not None:
-            details["activation_growth"] = acts
+            found.activation_growth = acts
             return "exploding_gradient"
     tail = dynamics.short_growth(_norms(ctx))
     if tail is not None:
-        details["grad_norm_growth"] = tail
+        found.grad_norm_growth = tail
         return "exploding_gradient"
     history = _history_cause(ctx)
     return history if history == "exploding_gradient" else None
@@ -349,107 +378,101 @@ def _exploding(ctx: IncidentContext, rows: list[dict]) -> Optional[str]:
 
 def _history_cause(ctx: IncidentContext) -> str:
     """Exploding gradients from the healthy gradient-norm history (trend, or z-score of the last norm)."""
-    details = ctx.event.details
-    growth = norm_growth(ctx.norm_history)
+    found = ctx.diagnosis
+    growth = norm_growth(ctx.history.norm_history)
     if growth is not None:
-        details["grad_norm_trend"] = {"recent_mean": growth[0], "earlier_mean": growth[1]}
+        found.grad_norm_trend = {"recent_mean": growth[0], "earlier_mean": growth[1]}
         return "exploding_gradient"
-    z = details.get("grad_norm_zscore")
+    z = found.grad_norm_zscore
     return "exploding_gradient" if z is not None and z > GRAD_NORM_Z else "unknown"
 
 
-def _cause_from_replay(ctx: IncidentContext, res: Any) -> Optional[str]:
-    """The replay's finding (:class:`~.replay.ReplayResult` ``res``), before the step's dynamics: ``transient``
-    when it did not come back, else where it first appeared (forward or backward) and how that op or module
-    judges it; its evidence in ``details``."""
-    _record_replay(ctx.event.details, res)
+def _cause_from_replay(ctx: IncidentContext, res: ReplayResult) -> Optional[str]:
+    """The replay's finding (``res``), before the step's dynamics: ``transient`` when it did not come back, else
+    where it first appeared (forward or backward) and how that op or module judges it; its evidence in
+    ``ctx.diagnosis``."""
+    _record_replay(ctx.diagnosis, res)
     if not res.reproduced:
         return _unreproduced(ctx, res)
     if res.forward is not None:
-        return _forward_cause(ctx, res)
+        return _forward_cause(ctx, res, res.forward)
     if res.backward is not None or res.backward_op is not None or res.anomaly is not None:
-        return _backward_cause(ctx.event, res)
+        return _backward_cause(ctx.event, ctx.diagnosis, res)
     return None
 
 
-def _record_replay(details: dict, res: Any) -> None:
-    """What the replay did, in ``details["replay"]`` (and its float64 rerun in ``details["float64"]``)."""
-    details["replay"] = {"micro_batch": res.micro_batch, "reproduced": res.reproduced,
-                         "loss_finite": res.loss_finite, "nonfinite_grads": res.nonfinite_grads[:5]}
-    if res.norm_overflow:
-        details["replay"]["norm_overflow"] = True
-    if res.errors:
-        details["replay"]["errors"] = res.errors
+def _record_replay(found: Diagnosis, res: ReplayResult) -> None:
+    """What the replay did (``found.replay``), and its float64 rerun (``found.float64``)."""
+    found.replay = ReplayNote(res.micro_batch, res.reproduced, res.loss_finite, res.nonfinite_grads[:5],
+                              norm_overflow=res.norm_overflow, errors=res.errors,
+                              sharded=lockstep.LOCKSTEP if res.lockstep else None,
+                              # (sharded: through what the values came; the timeout that ended it)
+                              received=res.received, timeout=res.timeout, float64=res.float64_note)
     if res.float64 is not None:
-        details["float64"] = res.float64
-    if res.lockstep:
-        details["replay"]["sharded"] = lockstep.LOCKSTEP
-    for key in ("received", "timeout"):  # (sharded: through what the values came; the timeout that ended it)
-        if getattr(res, key) is not None:
-            details["replay"][key] = getattr(res, key)
-    if res.float64_note is not None:
-        details["replay"]["float64"] = res.float64_note
+        found.float64 = res.float64
 
 
-def _unreproduced(ctx: IncidentContext, res: Any) -> Optional[str]:
+def _unreproduced(ctx: IncidentContext, res: ReplayResult) -> Optional[str]:
     """A replay that came back finite: ``transient`` on the step's own weights; nothing known when it did not
     complete or ran on other weights."""
-    note = ctx.event.details["replay"]
+    note = ctx.diagnosis.replay
+    assert note is not None  # (_record_replay wrote it)
     if res.errors or res.timeout is not None:
-        note["note"] = "the replay did not complete: nothing is known about the fault"
+        note.note = "the replay did not complete: nothing is known about the fault"
         return None
-    if not ctx.same_weights:
-        note["note"] = ("finite on replay, but on other weights: the step's update was applied before its flags were "
-                        "read (an optimizer that cannot skip on the device)")
+    if not ctx.evidence.same_weights:
+        note.note = ("finite on replay, but on other weights: the step's update was applied before its flags were "
+                     "read (an optimizer that cannot skip on the device)")
         return None
-    note["note"] = ("finite on replay of the same batch on the same weights and RNG state: a fault that does not "
-                    "come back")
+    note.note = ("finite on replay of the same batch on the same weights and RNG state: a fault that does not "
+                 "come back")
     return TRANSIENT
 
 
-def _forward_cause(ctx: IncidentContext, res: Any) -> Optional[str]:
-    """A value that first went non-finite in forward: its module and op, extreme input features, and the cause
-    judged at the op (:func:`_judged_at_op`) or else at the module's output."""
-    ev, details = ctx.event, ctx.event.details
-    ev.culprit = res.forward["module"]
-    details["forward"] = res.forward
-    if res.forward.get("call"):
-        details["culprit_call"] = res.forward["call"]
+def _forward_cause(ctx: IncidentContext, res: ReplayResult, forward: dict) -> Optional[str]:
+    """A value that first went non-finite in forward (``forward``: the replay's module call): its module and op,
+    extreme input features, and the cause judged at the op (:func:`_judged_at_op`) or else at the module's
+    output."""
+    ev, found = ctx.event, ctx.diagnosis
+    ev.culprit = forward["module"]
+    found.forward = forward
+    if forward.get("call"):
+        found.culprit_call = forward["call"]
     if res.forward_op:
         ev.op = res.forward_op.get("op") or domain.op_name(res.forward_op.get("function"))
-        details["forward_op"] = res.forward_op
+        found.forward_op = res.forward_op
         if ev.culprit == "training_step" and res.forward_op.get("module"):
             ev.culprit = res.forward_op["module"]
-    features = _extreme_features([b for b, _ in ctx.batches[res.micro_batch:res.micro_batch + 1]])
+    micro_batch = res.micro_batch or 0  # (a replay that reproduced the fault names its micro-batch)
+    features = _extreme_features([b for b, _ in ctx.batches[micro_batch:micro_batch + 1]])
     if features:
-        details["extreme_features"] = features
-    at_op = _judged_at_op(details, res.forward_op, res.float64)
-    return at_op if at_op is not None else _judged_at_module(details, res.forward, res.float64)
+        found.extreme_features = features
+    at_op = _judged_at_op(found, res.forward_op, res.float64)
+    return at_op if at_op is not None else _judged_at_module(found, forward, res.float64)
 
 
-def _judged_at_module(details: dict, forward: dict, f64: Optional[dict]) -> Optional[str]:
+def _judged_at_module(found: Diagnosis, forward: dict, f64: Optional[dict]) -> Optional[str]:
     """Overflow or precision judged at the culprit module's output: finite in the float64 model, beyond or within
     its dtype's max; None when the float64 model is not finite there (or was not run)."""
     if f64 is not None and f64.get("module_finite", f64.get("loss_finite")):
         dtype = getattr(torch, str(forward.get("dtype", "float32")), torch.float32)
         limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
         abs_max = f64.get("module_out_abs_max", math.nan)
-        details["abs_max_float64"], details["dtype"], details["dtype_max"] = abs_max, str(dtype), limit
+        found.abs_max_float64, found.dtype, found.dtype_max = abs_max, str(dtype), limit
         return "overflow" if abs_max > limit else "precision"
     return None
 
 
-def _backward_cause(ev: NaNEvent, res: Any) -> str:
+def _backward_cause(ev: NaNEvent, found: Diagnosis, res: ReplayResult) -> str:
     """A value that first went non-finite in backward: its module, op (the replay's, else anomaly mode's) and
     ``backward_op``, or ``precision`` where the float64 backward is finite."""
-    details = ev.details
     if res.backward is not None:
         ev.culprit = res.backward["module"]
-        details["backward"] = res.backward
+        found.backward = res.backward
     if res.backward_op is not None:
-        details["backward_op"] = res.backward_op
+        found.backward_op = res.backward_op
     if res.anomaly is not None:
-        details["anomaly"] = res.anomaly
+        found.anomaly = res.anomaly
     ev.op = (res.backward_op or {}).get("op") or (res.anomaly or {}).get("op")
     if ev.culprit is None and res.nonfinite_grads:
         ev.culprit = res.nonfinite_grads[0]
@@ -459,7 +482,7 @@ def _backward_cause(ev: NaNEvent, res: Any) -> str:
     return "backward_op"
 
 
-def _judged_at_op(details: dict, op: Optional[dict], f64: Optional[dict]) -> Optional[str]:
+def _judged_at_op(found: Diagnosis, op: Optional[dict], f64: Optional[dict]) -> Optional[str]:
     """Overflow, precision or domain, judged at the op that made the non-finite value (``op``: its evidence,
     :func:`~.domain.op_evidence`) rather than at the module's output: the op recomputed in float64 on the same
     inputs finite and beyond its working dtype's max is ``overflow``, finite within it ``precision``; non-finite
@@ -469,16 +492,17 @@ def _judged_at_op(details: dict, op: Optional[dict], f64: Optional[dict]) -> Opt
     given a NaN as an argument (``loss * nan``)."""
     if not op or "float64_finite" not in op or op.get("nan_argument"):
         return None  # (a NaN given as an argument, loss * nan: nothing was outside the op's domain)
-    details.update(dtype=op["dtype"], dtype_max=op["dtype_max"], judged_at="op")
+    found.dtype, found.dtype_max, found.judged_at = op["dtype"], op["dtype_max"], "op"
     if op.get("domain"):
-        details["domain"] = op["domain"]
+        found.domain = op["domain"]
     if op["float64_finite"]:
-        details["abs_max_float64"] = op["abs_max_float64"]
+        found.abs_max_float64 = op["abs_max_float64"]
         return "overflow" if op["abs_max_float64"] > op["dtype_max"] else "precision"
     if f64 is not None and f64.get("module_finite", f64.get("loss_finite")):
         return "precision"
-    details.setdefault("domain", {"op": op.get("inner_function") or op.get("function"), "input": None,
-                                  "positions": op.get("positions")})
+    if found.domain is None:
+        found.domain = {"op": op.get("inner_function") or op.get("function"), "input": None,
+                        "positions": op.get("positions")}
     return "domain"
 
 
@@ -517,11 +541,11 @@ def _column_abs_max(t: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.maximum(zeros, a.reshape(-1, t.shape[-1]).amax(dim=0)) if a.numel() else zeros
 
 
-def _with_rows(pl_module: Any, findings: list[dict]) -> list[dict]:
+def _with_rows(pl_module: Optional[torch.nn.Module], findings: list[dict]) -> list[dict]:
     """Add, for 2-D+ parameters, the indices of the rows (dim 0) holding NaN/Inf."""
     if pl_module is None:
         return findings
-    named = dict(pl_module.named_parameters())
+    named: dict[str, torch.Tensor] = dict(pl_module.named_parameters())
     named.update(dict(pl_module.named_buffers()))
     return nonfinite_rows(named, findings)
 

@@ -52,17 +52,23 @@ class Rollback:
 
 @dataclass(frozen=True)
 class Applied:
-    """What was done about an incident (:meth:`Recovery.apply`, :meth:`Recovery.cut_lr`; the incident pipeline's
+    """What was done about an incident (:meth:`Recovery.apply`; the incident pipeline's
     skip stage too): the actions, in order, their evidence for the event's details, and the rollback if one
     restored a snapshot."""
 
     actions: tuple[str, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
     rollback: Optional[Rollback] = None
+    restored: Optional[Restored] = None  # what a rollback (or a give-up's restore) restored; None: none tried
+    not_restored: Optional[str] = None  # why nothing could be restored
 
     @property
     def rolled_back(self) -> bool:
         return self.rollback is not None
+
+    @property
+    def kept_step(self) -> bool:
+        return self.rollback is not None and self.rollback.kept_step
 
 
 class Recovery:
@@ -441,23 +447,24 @@ class Recovery:
 
     # ---------------------------------------------------------------------------------------- carry it out
 
-    def cut_lr(self, trainer: "pl.Trainer", step: int, factor: Optional[float] = None) -> Applied:
+    def cut_lr(self, trainer: "pl.Trainer", step: int, factor: Optional[float],
+               details: dict[str, Any]) -> tuple[str, ...]:
         """Multiply every learning rate by ``factor`` (default ``lr_factor``), down to ``min_lr_scale`` of the
-        original; ``step``: the event's."""
-        actions: list[str] = []
-        details: dict[str, Any] = {}
+        original; ``step``: the event's. Writes the LRs before and after and the scale into ``details``; returns the
+        action done (``reduce_lr``), if any."""
         factor = self.cfg.lr_factor if factor is None else factor
         new_scale = max(self.lr_scale * factor, self.cfg.min_lr_scale)
         before = current_lrs(trainer.optimizers)
+        cut: tuple[str, ...] = ()
         if new_scale < self.lr_scale:
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], new_scale / self.lr_scale)
             self.lr_scale = new_scale
             self.counters.add("lr_cuts")
             self.lr_cut_step = step
-            actions.append("reduce_lr")
+            cut = ("reduce_lr",)
             details.update(lr_before=before, lr_after=current_lrs(trainer.optimizers))
         details["lr_scale"] = self.lr_scale
-        return Applied(tuple(actions), details)
+        return cut
 
     def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: Plan, step: int,
               scaler_overflows: int = 0, keep_step: bool = False) -> Applied:
@@ -478,14 +485,15 @@ class Recovery:
         actions: list[str] = []
         details: dict[str, Any] = {}
         rollback: Optional[Rollback] = None
+        tried: tuple[Optional[Restored], Optional[str]] = (None, None)  # a rollback's restore, and why it failed
         if self.store is not None and (plan.give_up or plan.rollback):
             self.store.settle()  # a snapshot whose write failed is no target (every rank agrees)
         if plan.give_up:
             self.stop()
             restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()
-            rollback = self._restored(details, restored)
+            rollback, why = self._restored(details, restored)
             details["reasons"] = plan.reasons  # why it gave up
-            return Applied(tuple(actions), details, rollback)
+            return Applied(tuple(actions), details, rollback, restored, why)
         if plan.rollback and self.store:
             if plan.go_further_back:
                 self.store.drop_newest()
@@ -495,7 +503,8 @@ class Recovery:
                 self.store.drop_newest()  # taken after the divergence began: not known-good
             further = plan.go_further_back or len(self.store) < dropped
             restored = self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
-            rollback = self._restored(details, restored)
+            rollback, why = self._restored(details, restored)
+            tried = (restored, why)
             if rollback is None:
                 actions.append("warn")  # nothing verified: the ladder goes on with the weights it has
             else:
@@ -505,11 +514,9 @@ class Recovery:
                     actions.append("skip_batches")
                     details["skip_batches"] = plan.skip_batches
         if plan.reduce_lr:
-            cut = self.cut_lr(trainer, step, plan.lr_factor)
-            actions += cut.actions
-            details.update(cut.details)
+            actions += self.cut_lr(trainer, step, plan.lr_factor, details)
         details["reasons"] = plan.reasons
-        return Applied(tuple(actions), details, rollback)
+        return Applied(tuple(actions), details, rollback, *tried)
 
     def refusals_untold(self) -> list[dict[str, Any]]:
         """The snapshots refused since an event last named them (by this rollback, or before it: by the diagnosis'
@@ -519,17 +526,17 @@ class Recovery:
         untold, self._refusals_told = self.store.refused[self._refusals_told:], len(self.store.refused)
         return [r.to_dict() for r in untold]
 
-    def _restored(self, details: dict[str, Any], restored: Restored) -> Optional[Rollback]:
+    def _restored(self, details: dict[str, Any], restored: Restored) -> tuple[Optional[Rollback], Optional[str]]:
         """Say in ``details`` what a rollback restored (``restored_step``; the ``refused`` snapshots, and why nothing
-        was restored: ``not_restored``); the :class:`Rollback`, None where nothing was restored."""
+        was restored: ``not_restored``); the :class:`Rollback` (None where nothing was restored) and why nothing was."""
         details["restored_step"] = restored.step
         refused = self.refusals_untold()
         if refused:
             details["refused"] = refused
         if restored.snapshot is None:
-            details["not_restored"] = self.why_nothing_to_restore()
-            return None
-        return Rollback(kept_step=self.kept_step)
+            details["not_restored"] = why = self.why_nothing_to_restore()
+            return None, why
+        return Rollback(kept_step=self.kept_step), None
 
     # ---------------------------------------------------------------------------------------- persistence
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import fields
 from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
 
+from ..core.diagnosis import Diagnosis
+from ..core.events import NaNEvent
 from ..core.record import StepRecord, UpdateStage
 from ..detect.placement import whereabouts
 from ..detect.ranks import Ranks
@@ -34,12 +37,16 @@ class Account(NamedTuple):
     ranks: Optional[list[int]] = None
     safe_factor: Optional[float] = None
 
+# the reduced gradient recomputed from the replays: its norm and checksum residues (:meth:`.Ranks.reduced_norm`)
+Recomputed = tuple[float, Optional[tuple[int, ...]]]
+
 _EVENT_FIELDS = ("kind", "cause", "culprit", "op", "details", "suggestion", "host", "device", "local_rank")
 
 
-def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor] = None,
-                   own_norm: Optional[float] = None, recomputed: Optional[tuple[float, Any]] = None,
-                   found: Optional[bool] = None, safe_factor: Optional[float] = None) -> Account:
+def share_incident(ranks: Ranks, event: NaNEvent, extra: str, local: Optional[Tensor] = None,
+                   own_norm: Optional[float] = None, recomputed: Optional[Recomputed] = None,
+                   found: Optional[bool] = None, safe_factor: Optional[float] = None,
+                   diagnosis: Optional[Diagnosis] = None, own_replica: Optional[dict] = None) -> Account:
     """On an incident: gather every rank's evidence and make every rank adopt the same account.
 
     The chosen rank is the one that produced the fault: for a replica disagreement (``event.kind == "replica"``;
@@ -49,16 +56,20 @@ def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor]
     (:func:`_evidence`; rank 0 when nobody knows, and ``details.ranks`` is empty then).
 
     ``event.rank`` (and ``host``, ``device``, ``local_rank``) become the chosen rank's and
-    ``event.details["ranks"]`` lists the ranks with evidence (the disagreeing ones, for a replica). Returns the
-    chosen rank's :class:`Account` (``safe_factor``: this rank's, from its diagnosis). Costs one
+    ``event.details["ranks"]`` lists the ranks with evidence (the disagreeing ones, for a replica). ``diagnosis``
+    (this rank's: what the ranks' evidence is ranked by) becomes the chosen rank's, in place, with its ``ranks``.
+    Returns the chosen rank's :class:`Account` (``safe_factor``: this rank's, from its diagnosis). Costs one
     ``all_gather_object``; never called in steady state. ``local``: the rank's vector of the incident's step when it
     is not the last one reduced (a lagged read). ``found``: an incident outside a step (before a snapshot or a
     checkpoint, at validation or the end of fit): this rank's own evidence (its weights or optimizer state
-    non-finite), instead of a step's flags.
+    non-finite), instead of a step's flags. ``own_replica``: this rank's evidence of a replica disagreement
+    (:attr:`.StepRecord.replica`, the event's ``details.replica``).
     """
     if not ranks.distributed:
         return Account(extra, None, safe_factor)
-    gathered = ranks.gather(dict(_payload(ranks, event, extra, local, own_norm, found), safe_factor=safe_factor))
+    mine = diagnosis if diagnosis is not None else Diagnosis()
+    gathered = ranks.gather(dict(_payload(ranks, event, extra, local, own_norm, found, mine), safe_factor=safe_factor,
+                                 replica=own_replica))
     best = max(gathered, key=lambda p: (p["evidence"], -p["rank"]))
     # (a rank whose only evidence is its own share of the gradient, while another rank made the fault: its share is
     # what the gradients' reduction brought it)
@@ -70,24 +81,24 @@ def share_incident(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor]
         named = replica["odd_ranks"]
         if named:
             best = gathered[named[0]]
-    _adopt(event, best, named, replica)
+    _adopt(event, mine, best, named, replica)
     return Account(best["extra"], named, best["safe_factor"])
 
 
-def _payload(ranks: Ranks, event: Any, extra: str, local: Optional[Tensor], own_norm: Optional[float],
-             found: Optional[bool]) -> dict[str, Any]:
+def _payload(ranks: Ranks, event: NaNEvent, extra: str, local: Optional[Tensor], own_norm: Optional[float],
+             found: Optional[bool], diagnosis: Diagnosis) -> dict[str, Any]:
     """What this rank tells the others of the incident: its rank, the strength of its evidence (:func:`_evidence`),
-    its own flags, its report text, its norm and checksum residues of its copy (a replica incident) and its event's
-    account (:data:`_EVENT_FIELDS`). Reads the device (incident only)."""
+    its own flags, its report text, its norm and checksum residues of its copy (a replica incident), its event's
+    account (:data:`_EVENT_FIELDS`) and its diagnosis. Reads the device (incident only)."""
     residues = _own_checksum(ranks, event, local, own_norm)
     shard = found is None and ranks.shard_bad(local)
     own_flags = [bool(found)] if found is not None else ranks.local_flags(local)
-    return {"rank": ranks.rank, "evidence": _evidence(event, own_flags, shard), "local": own_flags, "extra": extra,
-            "own_norm": own_norm, "residues": None if residues is None else list(residues),
-            "event": {k: getattr(event, k) for k in _EVENT_FIELDS}}
+    return {"rank": ranks.rank, "evidence": _evidence(event, diagnosis, own_flags, shard), "local": own_flags,
+            "extra": extra, "own_norm": own_norm, "residues": None if residues is None else list(residues),
+            "event": {k: getattr(event, k) for k in _EVENT_FIELDS}, "diagnosis": diagnosis}
 
 
-def _own_checksum(ranks: Ranks, event: Any, local: Optional[Tensor],
+def _own_checksum(ranks: Ranks, event: NaNEvent, local: Optional[Tensor],
                   own_norm: Optional[float]) -> Optional[tuple[int, ...]]:
     """A replica incident under ``replica_compare: exact``: this rank's checksum residues, back from its checksum
     fields in its vector of the incident's step (``local``, else the last one reduced); None otherwise."""
@@ -103,15 +114,15 @@ def _own_checksum(ranks: Ranks, event: Any, local: Optional[Tensor],
 _SHARD = 1  # the evidence of a rank whose own share of the gradient is non-finite, and nothing more
 
 
-def _evidence(event: Any, own_flags: list[bool], shard: bool) -> int:
+def _evidence(event: NaNEvent, found: Diagnosis, own_flags: list[bool], shard: bool) -> int:
     """How strongly this rank's own evidence says it produced the fault (0: none); the highest wins, the lowest
     rank among equals:
 
     6. its own weights hold the non-finite values (under sharding a rank checks its own shards, and a bad shard
        spoils every rank's loss through the forward's all-gather);
-    5. its own replay of its own micro-batches reproduced the fault of its own (``details.replay``; under sharding
+    5. its own replay of its own micro-batches reproduced the fault of its own (``found.replay``; under sharding
        not a replay whose non-finite values came through a collective, ``replay.received``);
-    4. its own batch holds non-finite values (``details.inputs``, kind ``input``) and its own flags are set: under
+    4. its own batch holds non-finite values (``found.inputs``, kind ``input``) and its own flags are set: under
        tensor parallel every rank of a group computes on the same batch, and one rank's bad copy spoils the others'
        losses through the row-wise layer's all-reduce (their flags, below, are what it brought them);
     3. local evidence (a non-finite loss, input, parameter or module output: ``own_flags``);
@@ -122,11 +133,11 @@ def _evidence(event: Any, own_flags: list[bool], shard: bool) -> int:
 
     A rank whose replay showed its non-finite values coming from another rank (``replay.received``) has none of 1-3
     and 5: they are what the collective brought it."""
-    replay = event.details.get("replay") or {}
-    received = bool(replay.get("received"))
-    inputs = bool(event.details.get("inputs")) or event.kind == "input"
-    reproduced = bool(replay.get("reproduced")) and not received and not replay.get("timeout")
-    weights = event.kind in ("parameter", "buffer") and bool(event.details.get("nonfinite_parameters"))
+    replay = found.replay
+    received = replay is not None and bool(replay.received)
+    inputs = bool(found.inputs) or event.kind == "input"
+    reproduced = replay is not None and replay.reproduced and not received and not replay.timeout
+    weights = event.kind in ("parameter", "buffer") and bool(found.nonfinite_parameters)
     if received:  # its replay showed its non-finite values coming from another rank: its flags and share too
         return 6 if weights else 2 if inputs else 0
     return (6 if weights else 5 if reproduced else 4 if inputs and any(own_flags) else 3 if any(own_flags)
@@ -134,7 +145,7 @@ def _evidence(event: Any, own_flags: list[bool], shard: bool) -> int:
 
 
 def _odd_replica(ranks: Ranks, gathered: list[dict[str, Any]],
-                 recomputed: Optional[tuple[float, Any]]) -> dict[str, Any]:
+                 recomputed: Optional[Recomputed]) -> dict[str, Any]:
     """A replica disagreement: which ranks' copies of the reduced gradient disagree, by their checksums
     (:func:`~.detect.replicas.odd_checksums`, ``replica_compare: exact``), else by their norms
     (:func:`~.detect.replicas.odd_ranks`), from every rank's payload and the gradient recomputed from the replays.
@@ -154,20 +165,24 @@ def _odd_replica(ranks: Ranks, gathered: list[dict[str, Any]],
     return replica
 
 
-def _adopt(event: Any, best: dict[str, Any], named: list[int], replica: Optional[dict[str, Any]]) -> None:
-    """Make ``event`` the chosen rank's account (``best``, its payload), with ``details.ranks`` = ``named`` and the
-    replica disagreement's fields (``replica``) over the account's own ``details.replica``."""
+def _adopt(event: NaNEvent, diagnosis: Diagnosis, best: dict[str, Any], named: list[int],
+           replica: Optional[dict[str, Any]]) -> None:
+    """Make ``event`` and ``diagnosis`` the chosen rank's account (``best``, its payload), with ``details.ranks`` =
+    ``named`` and the replica disagreement's fields (``replica``) over the account's own evidence of it."""
     for key, value in best["event"].items():
-        setattr(event, key, value)
+        setattr(event, key, dict(value) if key == "details" else value)
     event.rank = best["rank"]
-    event.details = dict(event.details)
+    theirs: Diagnosis = best["diagnosis"]
+    for f in fields(Diagnosis):
+        setattr(diagnosis, f.name, getattr(theirs, f.name))
+    diagnosis.ranks = named
     event.details["ranks"] = named
     if replica is not None:
-        event.details["replica"] = dict(event.details.get("replica") or {}, **replica)
+        event.details["replica"] = dict(best["replica"] or {}, **replica)
 
 
 def recompute_reduced_norm(ranks: Ranks, trainer: Any, pl_module: Any, record: Optional[StepRecord],
-                           replays: bool) -> Optional[tuple[float, Optional[tuple[int, ...]]]]:
+                           replays: bool) -> Optional[Recomputed]:
     """Two replicas disagree and no majority can tell which copy is wrong: recompute the reduced gradient's norm
     (and checksum) from every rank's replayed local gradient (one incident-only all-reduce of the whole gradient, on
     every rank: :meth:`.Ranks.reduced_norm`). None where it cannot be: no ``replays`` (``anomaly.mode: off``),

@@ -3,18 +3,22 @@ whose hardware is suspect (``recovery.on_suspect_hardware``), in words, and the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..config import RecoveryConfig
 from ..core.causes import where_it_ran
 from ..core.console import say
 from ..core.events import NaNEvent
 from ..errors import NaNGuardError
+from ..recover.recovery import Recovery
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 __all__ = ["give_up_message", "suspect_hardware", "stop_or_raise", "act_on_suspect_hardware"]
 
 
-def stop_or_raise(trainer: Any, on_give_up: str, message: str) -> None:
+def stop_or_raise(trainer: "pl.Trainer", on_give_up: str, message: str) -> None:
     """``recovery.on_give_up``: raise :class:`NaNGuardError` with ``message``, or stop the Trainer and say it."""
     if on_give_up == "raise":
         raise NaNGuardError(message)
@@ -22,7 +26,7 @@ def stop_or_raise(trainer: Any, on_give_up: str, message: str) -> None:
     say(trainer, "[nanguard] " + message)
 
 
-def act_on_suspect_hardware(trainer: Any, recovery: Any, policy: str, text: str) -> None:
+def act_on_suspect_hardware(trainer: "pl.Trainer", recovery: Recovery, policy: str, text: str) -> None:
     """``recovery.on_suspect_hardware``: warn (on screen, the run goes on), stop the Trainer (the weights are good:
     the faulty steps were skipped), or raise :class:`NaNGuardError` naming the rank and host (``text``)."""
     if policy == "raise":
@@ -33,16 +37,28 @@ def act_on_suspect_hardware(trainer: Any, recovery: Any, policy: str, text: str)
     say(trainer, "[nanguard] " + text)
 
 
-def give_up_message(event: NaNEvent, incidents: int, rollbacks: int, bad: Sequence[dict], report: str) -> str:
-    """The give-up at ``event``: exactly what it restored (and from which step), or that nothing could be, and
-    whether the weights left are finite (``bad``: the non-finite ones, when nothing was restored). ``rollbacks``:
-    before the give-up's own restore."""
-    restored = event.details.get("restored_step")
+def give_up_message(event: NaNEvent, restored: Optional[int], not_restored: Optional[str], incidents: int,
+                    rollbacks: int, bad: Sequence[dict], report: str) -> str:
+    """The give-up at ``event``, in words.
+
+    Args:
+        event: the incident it gave up at (its step, kind, cause, culprit and suggestion).
+        restored: the step of the snapshot its restore restored (None: nothing; :attr:`.Applied.restored`).
+        not_restored: why nothing could be restored (:attr:`.Applied.not_restored`).
+        incidents: the incidents of the fit so far.
+        rollbacks: the rollbacks before the give-up's own restore.
+        bad: the non-finite weights left, when nothing was restored.
+        report: the path of the incident's report.
+
+    Returns:
+        Exactly what it restored (and from which step), or that nothing could be, and whether the weights left are
+        finite.
+    """
     if restored is not None:
         state = (f"the module, optimizers and LR schedulers were restored to the last known-good state, the "
                  f"snapshot of step {restored}")
     else:
-        state = (f"nothing could be restored ({event.details.get('not_restored', 'no snapshot')}): the weights "
+        state = (f"nothing could be restored ({not_restored or 'no snapshot'}): the weights "
                  + (f"are left NON-FINITE ({', '.join(f['name'] for f in bad[:5])})" if bad else
                     f"are left as they were before step {event.step} (finite; that step was not applied)"))
     return (f"NaNGuard gave up at step {event.step} after {incidents} incident(s) and {rollbacks} rollback(s); "

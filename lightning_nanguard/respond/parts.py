@@ -44,6 +44,8 @@ class Parts:
     recorder: Recorder
     ranks: Ranks = field(default_factory=Ranks)
     flow: FlowWindows = field(default_factory=lambda: FlowWindows(0))  # the gradient-flow windows
+    # the rollbacks of this fit: (the step restored, the step of the incident that rolled back), oldest first
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def build(cls, cfg: NaNGuardConfig, name: Optional[str]) -> "Parts":
@@ -79,12 +81,10 @@ class Parts:
         if flow is None:
             return None
         marks = list(flow.marks)
-        for event in self.recorder.events:
-            restored = event.details.get("restored_step") if "rollback" in event.actions else None
-            if isinstance(restored, int):
-                for j, step in enumerate(flow.steps):
-                    if restored < step <= event.step and marks[j] in "h?o":
-                        marks[j] = "r"
+        for restored, at in self.rollbacks:
+            for j, step in enumerate(flow.steps):
+                if restored < step <= at and marks[j] in "h?o":
+                    marks[j] = "r"
         flow.marks = "".join(marks)
         return flow
 

@@ -17,7 +17,6 @@ from ..core.causes import cause as cause_entry
 from ..core.causes import suggest
 from ..core.events import NaNEvent
 from ..core.record import StepRecord, Window
-from ..detect.flow import REPLAY_OUTPUTS
 from ..detect.placement import whereabouts
 from ..diagnose.context import IncidentContext
 from ..recover.ladder import Plan
@@ -176,18 +175,19 @@ class Responder:
             if incident.anomaly is not None:
                 extra = p.diagnoser.diagnose_error(ctx, incident.anomaly)
             elif incident.diagnose:
-                extra = p.diagnoser.diagnose(ctx, p.recorder.events)
+                extra = p.diagnoser.diagnose(ctx)
                 recomputed = recompute_reduced_norm(p.ranks, fit.trainer, fit.module, incident.record,
                                                     p.config.anomaly.mode != "off") if incident.replica else None
         if not incident.share:
             return Account(extra, None, ctx.safe_factor)
         record = incident.record
-        found = None if incident.own_evidence is None else bool(ctx.param_findings) or incident.own_evidence
+        found = None if incident.own_evidence is None else bool(ctx.evidence.param_findings) or incident.own_evidence
         account = share_incident(p.ranks, event, extra, record.local if record else None,
                                  own_norm=record.read_flags.grad_norm if record and incident.replica else None,
-                                 recomputed=recomputed, found=found, safe_factor=ctx.safe_factor)
+                                 recomputed=recomputed, found=found, safe_factor=ctx.safe_factor,
+                                 diagnosis=ctx.diagnosis, own_replica=record.replica if record else None)
         if p.ranks.distributed:  # the suggestion names where the chosen rank ran
-            event.suggestion = suggest(event, event.cause)
+            event.suggestion = suggest(event, event.cause, ctx.diagnosis)
         return account
 
     def _look(self, incident: Incident, ctx: IncidentContext) -> str:
@@ -198,7 +198,7 @@ class Responder:
             pl_module, ctx.batches, weights=looked, parameters_only=incident.look is Look.PARAMETERS,
             inputs=incident.look_at_inputs)
         if looked:
-            ctx.param_findings = weights
+            ctx.evidence.param_findings = weights
         ctx.input_findings = inputs
         return kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
 
@@ -264,13 +264,15 @@ class Responder:
                           f"{event.suggestion} Report: {p.recorder.report_path(event)}")
         return response
 
-    def _apply(self, event: NaNEvent, plan: Plan, keep_step: bool = False) -> Response:
+    def _apply(self, event: NaNEvent, plan: Plan, keep_step: bool = False) -> tuple[Response, Applied]:
         """Carry out ``plan`` (:meth:`.Recovery.apply`) and write what was done into ``event``."""
         fit = self.fit
         done = self.parts.recovery.apply(fit.trainer, fit.module, plan, event.step, self.parts.overflow.overflows,
                                          keep_step)
         _tell(event, done)
-        return Response(rollback=done.rollback)
+        if done.rollback is not None and done.restored is not None and done.restored.step is not None:
+            self.parts.rollbacks.append((done.restored.step, event.step))  # (the gradient-flow window's marks)
+        return Response(rollback=done.rollback), done
 
     def _conclude(self, item: Queued, keep_step: bool = False) -> Response:
         """Carry out the plan, record the event, and stop or raise if the plan gives up (or the rank's hardware is
@@ -278,7 +280,7 @@ class Responder:
         p, (incident, plan, ctx, account) = self.parts, item
         event, cfg, trainer = incident.event, p.config.recovery, self.fit.trainer
         rollbacks = p.counters["rollbacks"]
-        response = self._apply(event, plan, keep_step)
+        response, done = self._apply(event, plan, keep_step)
         p.evidence.weights.refresh()  # a rollback replaced the tensors, and the flag computed on them
         p.evidence.forget_state()
         if plan.give_up:
@@ -293,7 +295,8 @@ class Responder:
             bad = [] if response.rolled_back else p.evidence.weights.find(self.fit.module)  # (restored: finite)
             self.left_nonfinite = bool(bad)
             stop_or_raise(trainer, cfg.on_give_up,
-                          give_up_message(event, p.counters["incidents"], rollbacks, bad, str(report)))
+                          give_up_message(event, done.restored.step if done.restored else None, done.not_restored,
+                                          p.counters["incidents"], rollbacks, bad, str(report)))
         elif message is not None:
             act_on_suspect_hardware(trainer, p.recovery, cfg.on_suspect_hardware,
                                     f"NaNGuard at step {event.step}: {message} Report: {report}")
@@ -309,7 +312,8 @@ class Responder:
         if refused:
             event.details["refused"] = refused
         told = act.conclude(restored.step, p.recovery.why_nothing_to_restore() if restored.snapshot is None else "")
-        _tell(event, Applied((told.action,), told.details))
+        event.add_action(told.action)
+        event.details.update(told.details)
         event.suggestion = told.suggestion
         self._record(event, self._context(incident), "")
         if told.stop:
@@ -319,10 +323,11 @@ class Responder:
         return Response(rollback=Rollback() if restored.snapshot is not None else None, stopped=told.stop)
 
     def _record(self, event: NaNEvent, ctx: IncidentContext, extra: str) -> None:
-        text = ReportText(ctx.norm_history, ctx.loss_history, extra)
-        outputs = event.details.pop(REPLAY_OUTPUTS, [])  # the replay's, of the account every rank adopted
-        if ctx.flow is not None and self._pictured < self.parts.config.logging.max_reports:
-            event.flow = ctx.flow.for_event(event.step, event.culprit, outputs).to_dict()
+        past = ctx.history
+        text = ReportText(past.norm_history, past.loss_history, extra)
+        outputs = ctx.diagnosis.replay_outputs  # the replay's, of the account every rank adopted
+        if past.flow is not None and self._pictured < self.parts.config.logging.max_reports:
+            event.flow = past.flow.for_event(event.step, event.culprit, outputs).to_dict()
             self._pictured += 1
         self.parts.recorder.record(event, text, lambda: self.parts.scalars(self.fit.trainer))
 

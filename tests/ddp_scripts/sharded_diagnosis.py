@@ -55,10 +55,10 @@ DIAGNOSES: list[float] = []  # the wall time of each diagnosis (the replay, most
 
 
 def _timed(original):
-    def diagnose(self, ctx, events):
+    def diagnose(self, ctx):
         start = time.perf_counter()
         try:
-            return original(self, ctx, events)
+            return original(self, ctx)
         finally:
             DIAGNOSES.append(time.perf_counter() - start)
     return diagnose
