@@ -66,10 +66,6 @@ class Applied:
     def rolled_back(self) -> bool:
         return self.rollback is not None
 
-    @property
-    def kept_step(self) -> bool:
-        return self.rollback is not None and self.rollback.kept_step
-
 
 class Recovery:
     """Everything the guard can undo or change about training, and the ladder that decides when.
