@@ -102,7 +102,12 @@ def folder_is_a_file(root: Path) -> None:
 
 
 def folder_removed(root: Path) -> None:
-    shutil.rmtree(root / "nanguard")
+    # the guard's writer threads may add a file while the folder is being removed: remove until it is gone
+    for _ in range(50):
+        shutil.rmtree(root / "nanguard", ignore_errors=True)
+        if not (root / "nanguard").exists():
+            return
+    raise AssertionError("the folder could not be removed")
 
 
 def snapshots_full(root: Path) -> None:  # every temporary snapshot file of this fit lands on a full disk
