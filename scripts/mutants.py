@@ -289,11 +289,11 @@ MUTANTS: list[Mutant] = [
            "reference[0] < step and False:",
            "after a long growth the onset's 1e18 gradient is measured against the fit-start weights: LR to the floor"),
     Mutant("lr", "lr-edge-from-growth-before-the-cut", RULES,
-           "growth=dynamics.growth_rate(_norms(ctx, since=ctx.lr_cut_step)),",
+           "growth=dynamics.growth_rate(_norms(ctx, since=ctx.history.lr_cut_step)),",
            "growth=dynamics.growth_rate(_norms(ctx)),",
            "the edge of stability after an LR cut is estimated from the growth measured at the LR before it"),
     Mutant("lr", "lr-history-steps-shifted", RULES,
-           "end = ctx.norm_history_end if ctx.norm_history_end is not None else ctx.event.step - 1",
+           "end = past.norm_history_end if past.norm_history_end is not None else ctx.event.step - 1",
            "end = ctx.event.step - 1",
            "skipped incident steps shift the gradient-norm history: a norm is taken for another step's"),
 
@@ -376,7 +376,7 @@ MUTANTS: list[Mutant] = [
 
     # ----------------------------------------------------------------------------------------- diagnosis
     Mutant("diagnosis", "diag-optimizer-always", RULES,
-           'cause = "optimizer" if ctx.grads_were_finite else "unknown"',
+           'cause = "optimizer" if evidence.grads_were_finite else "unknown"',
            'cause = "optimizer"',
            "non-finite parameters after non-finite gradients are blamed on the optimizer"),
     Mutant("diagnosis", "diag-overflow-precision-swapped", RULES,
@@ -390,7 +390,7 @@ MUTANTS: list[Mutant] = [
            '        return "precision"',
            "a backward NaN that is finite in float64 is called backward_op instead of precision"),
     Mutant("diagnosis", "diag-history-override-ignores-features", RULES,
-           'data_explained = found in ("overflow", "precision") and bool(details.get("extreme_features"))',
+           'data_explained = found in ("overflow", "precision") and bool(diagnosis.extreme_features)',
            "data_explained = False",
            "an overflow from badly scaled input features is blamed on exploding gradients"),
     Mutant("diagnosis", "diag-input-kind-not-set", RESPONDER,
@@ -966,7 +966,7 @@ MUTANTS: list[Mutant] = [
            "(exploding_gradient); here a too-high LR whose gradient norm grew is called exploding_gradient (and "
            "cut by lr_factor instead of to the safe LR)"),
     Mutant("diagnosis", "doc-diag-symptom-dropped", RULES,
-           '        details["symptom"] = found',
+           '        diagnosis.symptom = found',
            "        pass",
            "docs/diagnosis.md: 'When 4a, 4c or 4d replaces an overflow or precision finding, that finding is "
            "kept in details.symptom'"),
@@ -980,8 +980,8 @@ MUTANTS: list[Mutant] = [
            'self.counters["replays"] <= self.cfg.max_replays',
            "docs/diagnosis.md: 'At most anomaly.max_replays incidents are replayed per fit'; here one more"),
     Mutant("diagnosis", "doc-diag-reuse-any-kind", RULES,
-           "ctx.previous is not None and ctx.previous.kind == ev.kind and ctx.previous.cause",
-           "ctx.previous is not None and ctx.previous.cause",
+           "ctx.previous is not None and ctx.previous[0].kind == ev.kind and ctx.previous[0].cause",
+           "ctx.previous is not None and ctx.previous[0].cause",
            "docs/diagnosis.md: after max_replays 'an incident of the same kind takes the diagnosis of the last "
            "replayed one'; here an incident of another kind takes it too"),
     Mutant("diagnosis", "doc-diag-manual-replayed", DIAGNOSER,
@@ -1166,7 +1166,7 @@ MUTANTS: list[Mutant] = [
            "tiny weights (a zero-initialised layer) get their gradients clipped to almost nothing"),
     # ------------------------------------------------------------------ checkpoints and the end of fit
     Mutant("checkpoint", "doc-ckpt-guard-state-not-rebuilt", CKPT,
-           "        checkpoint[\"callbacks\"][guard_key] = guard_state", "        pass",
+           "        callbacks[guard_key] = guard_state", "        pass",
            "docs/recovery.md: a bad checkpoint 'is rebuilt from the restored state', and 'Resuming restores "
            "counters, the LR scale, the ladder, the running statistics and the event numbering'; here the "
            "guard state in it is from before the checkpoint-time incident (its rollback and event are lost on "
@@ -1210,7 +1210,7 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: a snapshot holds 'every LR scheduler' and a rollback loads it into the live "
            "schedulers; here their step count and LR are not rolled back"),
     Mutant("snapshots", "doc-snap-scaler-not-restored", SNAPSHOTS,
-           'if scaler is not None and state.get("scaler"):',
+           'if scaler is not None and saved:',
            "if False:",
            "docs/recovery.md / distributed.md: 'Snapshots include the scaler and a rollback restores it'"),
     Mutant("snapshots", "doc-snap-confirm-cadence-inverted", RECOVERY,
@@ -1295,9 +1295,9 @@ MUTANTS: list[Mutant] = [
     # ------------------------------------------------------------------ give up
     Mutant("ladder", "doc-giveup-no-restore", RECOVERY,
            "            restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()\n"
-           "            rollback = self._restored(details, restored)",
+           "            rollback, why = self._restored(details, restored)",
            "            restored = self.rollback(trainer, pl_module, scaler_overflows) if False else Restored()\n"
-           "            rollback = self._restored(details, restored)",
+           "            rollback, why = self._restored(details, restored)",
            "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
            "last known-good state (the newest snapshot)"),
     Mutant("ladder", "doc-giveup-steps-continue", STEP,
