@@ -412,6 +412,12 @@ MUTANTS: list[Mutant] = [
     Mutant("diagnosis", "diag-float64-key-ignored", DIAGNOSER,
            "float64_check=self.cfg.float64_check", "float64_check=True",
            "anomaly.float64_check: false still reruns the replay in float64"),
+    Mutant("diagnosis", "diag-in-place-op-judged-after-it-wrote", PROBES,
+           "            before = (args[0].detach().clone(), *args[1:])  # an in-place op: its input as it was",
+           "            pass",
+           "docs/diagnosis.md, the replay: an in-place op (h /= h.norm() on a zero row, x.log_() on a negative) is "
+           "judged on its input before it wrote it; here on what it wrote, so the NaN looks passed on and no op is "
+           "named (cause unknown instead of domain)"),
     Mutant("diagnosis", "diag-diverging-not-passed", RECOVERY,
            "can_roll_back=self.can_roll_back, cause=cause,",
            "can_roll_back=self.can_roll_back, cause=None,",

@@ -187,3 +187,62 @@ def test_the_op_behind_an_intended_minus_inf_mask_is_the_softmax_not_the_masked_
     assert ev.details["domain"] == {"op": "softmax", "input": "an all -inf row", "argument": "input", "positions": 2,
                                     "dim": -1}  # the two first queries of the left-padded row see no key
     assert "torch.softmax(scores, -1)" in ev.details["forward_op"]["source"]
+
+
+# ------------------------------------------------------------------ an in-place op that makes the NaN (issue 46)
+
+
+class InPlaceNormalise(Trap):
+    """``h /= h.norm(dim=1, keepdim=True)`` on a copy of the batch's rows, in place: an all-zero row is 0/0. (A copy:
+    on the batch itself the in-place op would also write into the batch the guard replays, and on an activation
+    that requires grad torch's own backward refuses it: the norm saved ``h``.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x.clone()
+        h /= h.norm(dim=1, keepdim=True)
+        return F.mse_loss(self.lin(h), y)
+
+
+class InPlaceLog(Trap):
+    """``x.log_()`` on a copy of the inputs, two of which are negative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = x.clone()
+        z.log_()
+        return F.mse_loss(self.lin(z), y)
+
+
+def test_an_in_place_op_that_makes_the_nan_is_named_with_its_domain_and_its_fix(fit: Any) -> None:
+    """docs/diagnosis.md, the replay: the op named is the first torch op whose output holds a NaN its tensor inputs
+    did not, an in-place op judged on its input as it was before it wrote it: ``h /= h.norm()`` on a zero row is
+    the division (0/0, the fix: an eps), ``x.log_()`` on a negative is the log (negative input, its fix)."""
+    x = torch.rand(16, 4) + 0.5
+    x[[3, 9]] = 0.0  # two all-zero rows: their hidden rows are zero, their norms zero
+    guard = NaNGuard(logging=QUIET)
+    fit(InPlaceNormalise(), TensorDataset(x, torch.randn(16, 1)), [guard], subdir="div", batch_size=16, steps=1)
+    ev = guard.events[0]
+    assert (ev.cause, ev.op) == ("domain", "div"), (ev.cause, ev.op, ev.details.get("forward_op"))
+    assert ev.details["forward_op"]["function"] == "div_"
+    assert "h /= h.norm(dim=1, keepdim=True)" in ev.details["forward_op"]["source"]
+    found = ev.details["domain"]
+    assert (found["op"], found["input"], found["argument"], found["positions"], found["zero_over_zero"]) == \
+        ("div", "zero", "denominator", 2, True)
+    assert "0/0" in ev.suggestion and "eps" in ev.suggestion
+
+    x = torch.rand(16, 4) + 0.5
+    x[5, 1], x[11, 2] = -1.0, -2.0
+    guard = NaNGuard(logging=QUIET)
+    fit(InPlaceLog(), TensorDataset(x, torch.randn(16, 1)), [guard], subdir="log", batch_size=16, steps=1)
+    ev = guard.events[0]
+    assert ev.cause == "domain" and ev.details["forward_op"]["function"] == "log_", ev.details.get("forward_op")
+    found = ev.details["domain"]
+    assert (found["op"], found["input"], found["positions"]) == ("log", "negative", 2), found
+    assert domain.fix(found) in ev.suggestion
