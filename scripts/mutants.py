@@ -302,6 +302,17 @@ MUTANTS: list[Mutant] = [
            "limits = [x for x in (self.cfg.max_norm, extra) if x is not None]",
            "limits = [x for x in (extra,) if x is not None]",
            "clip.max_norm is ignored altogether"),
+    Mutant("clipping", "clip-lagged-compared-in-float32", CLIPPING,
+           '    above = (norm if norm.device.type == "mps" else norm.double()) > limit',
+           "    above = norm > limit",
+           "docs/performance.md, check.sync: lagged compares on the device with the same limit as eager; here in "
+           "float32, so a norm within a float32 rounding of the limit (1.0 against 1 - 2**-30) is clipped by eager "
+           "and not by lagged"),
+    Mutant("clipping", "clip-lagged-host-count-at-limit", CLIPPING,
+           "        if limit is not None and norm_value > limit:",
+           "        if limit is not None and norm_value >= limit:",
+           "docs/performance.md, check.sync: a lagged step's clip is counted on the host as eager decides it; here a "
+           "norm exactly at the limit counts as clipped (clipped_steps differs from eager's, the weights do not)"),
     Mutant("clipping", "clip-larger-limit-wins", CLIPPING,
            "return min(limits) if limits else None", "return max(limits) if limits else None",
            "with max_norm and adaptive clipping both on, the larger limit wins"),

@@ -248,6 +248,40 @@ def test_device_clipping_matches_host_clipping(pair):
     assert_same_run(runs)
 
 
+class UnitGradient(pl.LightningModule):
+    """One weight whose gradient is exactly 1.0 at every step (total norm 1.0, exact in float32); fused SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.w.sum() + 0.0 * batch[0].sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, fused=True)
+
+
+@pytest.mark.parametrize("limit, clips", [(1 - 2**-30, True), (1.0, False), (1 + 2**-30, False)],
+                         ids=["below", "at", "above"])
+def test_a_norm_within_a_float32_rounding_of_the_limit_is_clipped_alike_in_both_modes(pair, limit, clips):
+    """docs/performance.md, check.sync: lagged compares the norm on the device with the same limit, the same
+    gradients bitwise. A float32 norm of exactly 1.0 against a limit that rounds to 1.0 in float32 (1 - 2**-30 just
+    below it, 1 + 2**-30 just above) or is 1.0: clipped (the norm is over the limit) exactly where eager clips it,
+    on the device (the weights) and on the host (clipped_steps, counted once the norm is read)."""
+    assert torch.tensor(limit, dtype=torch.float32).item() == 1.0  # the limit is within a float32 rounding of it
+    runs = pair(UnitGradient, {"clip": {"max_norm": limit}}, steps=6)
+    assert runs["eager"][1].counters["clipped_steps"] == (6 if clips else 0)
+    unclipped = torch.nn.Parameter(torch.zeros(1))  # six steps of the same SGD on a gradient 1.0 left alone
+    sgd = torch.optim.SGD([unclipped], lr=0.1, fused=True)
+    for _ in range(6):
+        unclipped.grad = torch.ones(1)
+        sgd.step()
+    assert torch.equal(runs["eager"][0].w.detach(), unclipped.detach()) is not clips
+    assert runs["lagged"][1].lagged and not runs["eager"][1].lagged
+    assert_same_run(runs)
+
+
 def test_batchnorm_statistics_of_a_skipped_step_are_undone_on_the_device(pair):
     """Bad inputs in batches 6 and 7: each step's NaN running statistics are undone on the device; step 6 is judged
     while step 7's NaN statistics are in the buffers, and is still an input incident, not a buffer one."""
