@@ -1409,6 +1409,12 @@ MUTANTS: list[Mutant] = [
            "return [s for s in kept if not s.in_memory] + [s for s in kept if s.in_memory]", "return kept",
            "docs/recovery.md: a snapshot the disk refused is a target of last resort; here its host copy is "
            "restored before the older snapshot on disk"),
+    Mutant("snapshots", "held-copies-pile-up", SNAPSHOTS,
+           '            old.failed, old.tensors, old.in_memory = "replaced in memory by a newer snapshot", [], False',
+           "            pass",
+           "docs/recovery.md, snapshots: only the newest snapshot the disk refused is held in memory; here every "
+           "refused one keeps its copy (host memory grows by one state per refusal) and stays a rollback target, "
+           "so a rollback whose newest copy is refused restores an older one"),
     Mutant("snapshots", "trust-ranks-do-not-agree", SHARDED,
            "            dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # each rank wrote its own column only",
            "            pass",

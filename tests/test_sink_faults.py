@@ -282,6 +282,68 @@ def test_a_give_up_with_every_snapshot_write_failing_still_restores_from_memory(
     assert not [p for p in (root / "snaps").iterdir() if not p.is_symlink()]  # nothing written: the disk is full
 
 
+class HeldCopies(pl.Callback):
+    """Listed ahead of the guard: at the start of step ``step``, once the writes in flight are done, records the
+    snapshots the guard holds (each one's
+    step, whether it holds a copy of the state, and the rollback targets); with ``flip``, then flips one bit of RAM
+    in the newest copy held in host memory (its first tensor's first element, its sign), as bit rot would."""
+
+    def __init__(self, guard: NaNGuard, step: int, flip: bool = False) -> None:
+        self.guard, self.step, self.flip = guard, step, flip
+        self.seen: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        self.guard.snapshots.flush()  # the snapshot thread's writes are done (each refused by the disk)
+        ring = list(self.guard.snapshots.ring)
+        self.seen = {"steps": [s.step for s in ring], "holding": [s.step for s in ring if s.tensors],
+                     "in_memory": [s.step for s in ring if s.in_memory],
+                     "targets": [s.step for s in self.guard.snapshots.targets()]}
+        if self.flip:
+            held = [s for s in ring if s.in_memory]
+            held[-1].tensors[0].view(-1)[0].neg_()
+
+
+def _held_fit(root: Path, flip: bool = False) -> tuple[NaNGuard, HeldCopies]:
+    """Disk snapshots every 2 steps, 3 kept, each one refused by a full disk; a NaN weight at step 11 rolls back (its
+    event is step 12's)."""
+    from lightning_nanguard.testing import Fault, FaultInjector
+
+    guard = NaNGuard(logging={"verbose": False}, recovery={
+        "snapshot": "disk", "snapshot_every": 2, "keep_snapshots": 3, "snapshot_dir": str(root / "snaps")})
+    held = HeldCopies(guard, 11, flip)
+    before = [At(-1, snapshots_full, root), FaultInjector([Fault("parameter", steps=[11])], seed=0), held]
+    pl.seed_everything(0, verbose=False)
+    trainer = models.trainer(root, [*before, guard], max_steps=STEPS, max_epochs=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Net(), models.loader(models.regression_data(), 16))
+    return guard, held
+
+
+@pytest.mark.slow  # two fits, ~2.5 s
+def test_only_the_newest_disk_refused_snapshot_is_held_in_memory(tmp_path):
+    """docs/recovery.md, snapshots: when the disk refuses snapshots one after another, only the newest is kept in
+    host memory (one copy of the state), and an older one held so is no longer a rollback target once a newer one
+    takes its place: the rollback restores the newest; and when that copy is refused when read back (a bit flipped
+    in RAM), no older copy is restored in its place."""
+    guard, held = _held_fit(tmp_path / "full")
+    failures = guard.snapshots.failures
+    assert len(failures) >= 6 and all(f["in_memory"] for f in failures), failures  # each refusal was kept so ...
+    assert held.seen == {"steps": [6, 8, 10], "holding": [10], "in_memory": [10], "targets": [10]}, held.seen
+    rollback = guard.events[0]  # the NaN weight of step 11, seen at its batch end (global step 12)
+    assert (rollback.step, rollback.kind) == (12, "parameter") and "rollback" in rollback.actions
+    assert rollback.details["restored_step"] == 10, rollback.details
+
+    guard, held = _held_fit(tmp_path / "flipped", flip=True)
+    assert held.seen["in_memory"] == [10]
+    event = guard.events[0]
+    assert (event.step, event.kind) == (12, "parameter") and "rollback" not in event.actions, event.details
+    assert event.details["restored_step"] is None and "every snapshot left was refused" in event.details["not_restored"]
+    assert [(r.step, r.reason) for r in guard.snapshots.refused] == [(10, "digest")]
+
+
 class PoisonAfterStop(pl.Callback):
     """Listed after the guard: once it has stopped, writes NaN into a weight (code outside the optimizer)."""
 
