@@ -1420,6 +1420,17 @@ MUTANTS: list[Mutant] = [
            "            pass",
            "docs/recovery.md: under DDP every rank refuses a snapshot one rank's share failed; here ranks decide "
            "alone (rank 1 falls back, rank 0 broadcasts from the newest: a mix of two snapshots, or a hang)"),
+    Mutant("snapshots", "sharded-large-tensor-not-split", SHARDED,
+           "                take = min(size - start, limit - total)",
+           "                take = size - start",
+           "docs/distributed.md: a sharded rollback splits a tensor larger than the room left in a 16 MiB bucket; "
+           "here a tensor goes whole into one broadcast (20 MB for a 5M-float weight: the largest tensor plus a "
+           "bucket of extra host memory)"),
+    Mutant("snapshots", "sharded-bucket-room-ignored", SHARDED,
+           "                take = min(size - start, limit - total)",
+           "                take = min(size - start, limit)",
+           "docs/distributed.md: a bucket holds at most 16 MiB; here a tensor takes up to 16 MiB on top of what the "
+           "bucket already holds (a 12 MB tensor then 12 MB of the next: one 24 MB broadcast)"),
     Mutant("events", "trust-tensorboard-folder-unchecked", SINKS,
            "and \"://\" not in str(folder) and not os.path.isdir(folder):",
            "and False:",

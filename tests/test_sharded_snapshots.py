@@ -162,3 +162,62 @@ def test_a_sharded_snapshot_loads_into_the_live_tensors_bucket_by_bucket(tmp_pat
                 for key, value in saved.items():
                     loaded = found[what][key]
                     assert loaded.dtype == value.dtype and torch.equal(loaded, value), (rank, bucket, what, key)
+
+
+# ------------------------------------------------------------------- buckets no larger than 16 MiB (issue 46)
+
+
+def big_state() -> dict[str, torch.Tensor]:
+    """Over 2 ranks: ``big`` (20 MB, larger than a bucket) to rank 0; ``a`` and ``b`` (12 MB each) to rank 1, so that
+    ``b`` is larger than the room ``a`` leaves in rank 1's first bucket."""
+    g = torch.Generator().manual_seed(0)
+    return {"big": torch.randn(5_000_000, generator=g), "a": torch.randn(3_000_000, generator=g),
+            "b": torch.randn(3_000_000, generator=g)}
+
+
+def test_a_tensor_larger_than_the_room_left_in_a_bucket_is_split_across_buckets():
+    """docs/distributed.md: a rollback broadcasts one 16 MiB bucket at a time, a larger tensor split across buckets,
+    so no broadcast grows to the largest tensor plus a bucket: every bucket but the last of an owner is exactly
+    16 MiB, the last one no larger, and the pieces cover each tensor's bytes once, in order."""
+    from lightning_nanguard.store.sharded import BUCKET_BYTES, ShardedStore
+    from lightning_nanguard.store.snapshots import MemoryStore
+
+    state = big_state()
+    store = ShardedStore(MemoryStore(2), world_size=2, rank=0)  # taking a snapshot issues no collective
+    snap = store.take(0, state, {})
+    layout = snap.plan
+    assert layout.plan.owners == (0, 1, 1)
+    for owner, indices in ((0, [0]), (1, [1, 2])):
+        buckets = store._buckets(layout, indices)
+        sizes = [total for _, total in buckets]
+        want = sum(state[k].numel() * 4 for k in ("big",) if owner == 0) + \
+            sum(state[k].numel() * 4 for k in ("a", "b") if owner == 1)
+        assert sizes == [BUCKET_BYTES] * (want // BUCKET_BYTES) + [want % BUCKET_BYTES], (owner, sizes)
+        covered: dict[int, int] = {}
+        for pieces, total in buckets:
+            assert sum(end - start for _, start, end, _ in pieces) == total
+            for i, start, end, off in pieces:
+                assert start == covered.get(i, 0) and end > start and off + end - start <= total
+                covered[i] = end
+        assert covered == {i: layout.nbytes(i) for i in indices}
+
+
+@pytest.mark.slow  # two gloo processes, a 44 MB state: ~5 s on two cores
+@pytest.mark.ddp
+def test_a_sharded_rollback_broadcasts_no_bucket_larger_than_16_mib(tmp_path):
+    """docs/distributed.md, on real gloo ranks: a rollback of a state with a 20 MB tensor (rank 0's) and two of 12 MB
+    (rank 1's) broadcasts one bucket of at most 16 MiB at a time (the split tensors' buckets full, the rest last),
+    the same broadcasts on both ranks, and every tensor arrives in the live one, bitwise."""
+    from lightning_nanguard.store.sharded import BUCKET_BYTES
+
+    script = Path(__file__).parent / "ddp_scripts" / "sharded_buckets.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"buckets-rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["owners"] == (0, 1, 1) and ranks[0]["calls"] == ranks[1]["calls"]
+    broadcasts = [n for name, n in ranks[0]["calls"] if name == "broadcast"]
+    assert broadcasts == [BUCKET_BYTES, 20_000_000 - BUCKET_BYTES, BUCKET_BYTES, 24_000_000 - BUCKET_BYTES], broadcasts
+    assert all(r["in_place"] and r["bitwise"] for r in ranks)
