@@ -1424,4 +1424,10 @@ MUTANTS: list[Mutant] = [
     Mutant("events", "flow-pictures-never-drawn", PICTURE_SINK,
            "if self.available and event.flow is not None and", "if False and",
            "issue 37: every event that kept its window is drawn into TensorBoard and as PNG files; here none is"),
+    # ------------------------------------------------------------- promises no test pinned (issues 43, 46)
+    Mutant("events", "report-json-comma-per-file", CLI,
+           "    first = True\n    for f, _, end in scanned:\n",
+           "    for f, _, end in scanned:\n        first = True\n",
+           "docs/events.md: `nanguard report FOLDER --json` prints one JSON document; here the first event of every "
+           "file after the first has no comma before it (invalid JSON over two or more files)"),
 ]
