@@ -1430,4 +1430,9 @@ MUTANTS: list[Mutant] = [
            "    for f, _, end in scanned:\n        first = True\n",
            "docs/events.md: `nanguard report FOLDER --json` prints one JSON document; here the first event of every "
            "file after the first has no comma before it (invalid JSON over two or more files)"),
+    Mutant("events", "numbering-reports-only-without-jsonl", RECORDER,
+           "            found = max(found, highest_report(self._reports.directory))",
+           "            found = found or highest_report(self._reports.directory)",
+           "docs/events.md: a fit numbers after the highest number in events.jsonl or among the report files; here "
+           "an events.jsonl that is behind (lines the disk refused) hides the report files: numbers and names reused"),
 ]
