@@ -1435,4 +1435,9 @@ MUTANTS: list[Mutant] = [
            "            found = found or highest_report(self._reports.directory)",
            "docs/events.md: a fit numbers after the highest number in events.jsonl or among the report files; here "
            "an events.jsonl that is behind (lines the disk refused) hides the report files: numbers and names reused"),
+    Mutant("events", "progress-bar-waits-for-an-incident", PROGRESS,
+           "        if incidents == 0 and lr_scale == 1.0:  # healthy so far",
+           "        if incidents == 0:  # healthy so far",
+           "docs/events.md, progress bar: ng_lr_scale shows from the first incident or LR cut; here an LR cut "
+           "without an incident (a reduce_lr spike, three spikes in the window) never reaches the bar"),
 ]
