@@ -1440,4 +1440,9 @@ MUTANTS: list[Mutant] = [
            "        if incidents == 0:  # healthy so far",
            "docs/events.md, progress bar: ng_lr_scale shows from the first incident or LR cut; here an LR cut "
            "without an incident (a reduce_lr spike, three spikes in the window) never reaches the bar"),
+    Mutant("events", "folder-beside-checkpoints-by-string-prefix", RECORDER,
+           "if Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(d))]",
+           "if os.path.abspath(folder).startswith(os.path.abspath(d))]",
+           "docs/events.md, where events go: the folder moves beside a checkpoint folder only when it lies inside it; "
+           "here ModelCheckpoint(dirpath='runs/a') with default_root_dir='runs/a2' sends it to runs/a-nanguard"),
 ]
