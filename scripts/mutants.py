@@ -1445,4 +1445,8 @@ MUTANTS: list[Mutant] = [
            "if os.path.abspath(folder).startswith(os.path.abspath(d))]",
            "docs/events.md, where events go: the folder moves beside a checkpoint folder only when it lies inside it; "
            "here ModelCheckpoint(dirpath='runs/a') with default_root_dir='runs/a2' sends it to runs/a-nanguard"),
+    Mutant("ladder", "give-up-step-0-restored-as-nothing", ENDINGS,
+           "    if restored is not None:\n        state = (", "    if restored:\n        state = (",
+           "docs/recovery.md, give up: a give-up that restored the train-start snapshot says 'the snapshot of step 0'; "
+           "here step 0 is falsy and the message says nothing could be restored"),
 ]

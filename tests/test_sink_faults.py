@@ -268,6 +268,26 @@ def test_a_give_up_without_a_snapshot_says_nothing_was_restored(tmp_path):
     assert guard.events[-1].details["restored_step"] is None
 
 
+@pytest.mark.slow
+def test_a_give_up_that_restored_the_train_start_snapshot_says_step_0(tmp_path):
+    """docs/recovery.md, give up: a give-up that restored the snapshot taken at train start (step 0) says so:
+    "restored to the last known-good state, the snapshot of step 0", ``details.restored_step: 0``; step 0 is a
+    snapshot like any other, never "nothing could be restored"."""
+    guard = NaNGuard(logging={"verbose": False},
+                     recovery={"max_skips": 1, "max_rollbacks": 1, "snapshot_every": 100, "on_give_up": "raise"})
+    trainer = models.trainer(tmp_path, [guard], max_steps=STEPS, max_epochs=-1)
+    model = Net(tuple(range(1, 40)))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NaNGuardError) as info:
+        trainer.fit(model, models.loader(models.regression_data(), 16))
+    message = str(info.value)
+    assert ("the module, optimizers and LR schedulers were restored to the last known-good state, the snapshot of "
+            "step 0.") in message, message
+    assert "nothing could be restored" not in message
+    assert guard.events[-1].details["restored_step"] == 0 and "not_restored" not in guard.events[-1].details
+    assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())  # taken before step 0 ran
+
+
 def test_a_give_up_with_every_snapshot_write_failing_still_restores_from_memory(tmp_path):
     """Every snapshot write hits a full disk: the newest snapshot is kept in host memory, and the give-up restores
     it (its message names the step), the same step as with a working disk; the weights are the same."""
