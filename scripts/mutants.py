@@ -1449,4 +1449,13 @@ MUTANTS: list[Mutant] = [
            "    if restored is not None:\n        state = (", "    if restored:\n        state = (",
            "docs/recovery.md, give up: a give-up that restored the train-start snapshot says 'the snapshot of step 0'; "
            "here step 0 is falsy and the message says nothing could be restored"),
+    Mutant("ladder", "give-up-unrestored-weights-not-looked-at", RESPONDER,
+           "            bad = [] if response.rolled_back else p.evidence.weights.find(self.fit.module)",
+           "            bad = []",
+           "docs/recovery.md, give up: a give-up that restored nothing says which weights it leaves non-finite; here "
+           "it calls NaN weights 'finite' (and the end of fit records a second event about them)"),
+    Mutant("ladder", "give-up-non-finite-said-twice", RESPONDER,
+           "            self.left_nonfinite = bool(bad)", "            self.left_nonfinite = False",
+           "docs/recovery.md, end of fit: nothing new where the give-up already said the weights are left non-finite; "
+           "here the end of fit records a second event about the same weights"),
 ]

@@ -9,6 +9,7 @@ are what the fault left (nothing lost but the failed file). docs/recovery.md has
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import warnings
@@ -22,6 +23,7 @@ from pytorch_lightning.loggers import Logger
 
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.errors import SinkWriteWarning, SnapshotWriteWarning
+from lightning_nanguard.testing import Fault, FaultInjector
 
 from . import models
 
@@ -286,6 +288,28 @@ def test_a_give_up_that_restored_the_train_start_snapshot_says_step_0(tmp_path):
     assert "nothing could be restored" not in message
     assert guard.events[-1].details["restored_step"] == 0 and "not_restored" not in guard.events[-1].details
     assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())  # taken before step 0 ran
+
+
+def test_a_give_up_that_restored_nothing_names_the_non_finite_weights_once(tmp_path, caplog):
+    """docs/recovery.md, give up: with ``recovery.snapshot: off`` a parameter made NaN (written after the optimizer
+    step, ``FaultInjector``) cannot be replaced: the give-up looks at the weights it leaves and says which are
+    non-finite (never "finite"); the end of fit, which checks the weights once more, records no second event
+    about them ("nothing new where the give-up already said so")."""
+    caplog.set_level(logging.INFO)
+    guard = NaNGuard(logging={"verbose": False}, recovery={"snapshot": "off", "on_give_up": "stop"})
+    injector = FaultInjector(Fault("parameter", steps=[5], target="linear.weight"))
+    model = Net()
+    trainer = models.trainer(tmp_path, [injector, guard], max_steps=STEPS, max_epochs=-1)
+    trainer.fit(model, models.loader(models.regression_data(), 16))
+    said = [r.getMessage() for r in caplog.records if "gave up" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "nothing could be restored (recovery.snapshot is 'off'): the weights are left NON-FINITE (linear.weight)" \
+        in said[0], said[0]
+    assert "finite;" not in said[0]
+    assert guard.stopped and not models.all_finite(model)
+    assert [(e.kind, e.actions[-1]) for e in guard.events] == [("parameter", "stop")]  # none at train end
+    assert guard.events[0].details["restored_step"] is None
+    assert guard.events[0].details["not_restored"] == "recovery.snapshot is 'off'"
 
 
 def test_a_give_up_with_every_snapshot_write_failing_still_restores_from_memory(tmp_path):
