@@ -1458,4 +1458,10 @@ MUTANTS: list[Mutant] = [
            "            self.left_nonfinite = bool(bad)", "            self.left_nonfinite = False",
            "docs/recovery.md, end of fit: nothing new where the give-up already said the weights are left non-finite; "
            "here the end of fit records a second event about the same weights"),
+    Mutant("snapshots", "give-up-failed-writes-not-said", RECOVERY,
+           "        failures = self.store.failures\n",
+           "        failures = [f for f in self.store.failures if f[\"in_memory\"]]\n",
+           "docs/recovery.md, give up: where every snapshot failed to be kept the give-up says 'no snapshot could be "
+           "kept: N snapshot write(s) failed (...)'; here only disk refusals count and it says 'no snapshot was "
+           "taken yet'"),
 ]

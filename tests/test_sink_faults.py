@@ -312,6 +312,38 @@ def test_a_give_up_that_restored_nothing_names_the_non_finite_weights_once(tmp_p
     assert guard.events[0].details["not_restored"] == "recovery.snapshot is 'off'"
 
 
+@pytest.mark.slow
+def test_a_give_up_where_every_snapshot_write_failed_says_why(tmp_path):
+    """docs/recovery.md, give up: where every snapshot failed to be kept (not a full disk, whose refusals are held in
+    host memory: a state the pickler cannot save, here an optimizer param group holding an instance of a class
+    defined inside a function), the give-up says why nothing could be restored: "no snapshot could be kept: N
+    snapshot write(s) failed (...)" in the message and in ``details.not_restored``, not "no snapshot was taken
+    yet"."""
+    class Tag(str):  # a local class: pickle cannot find it by name
+        pass
+
+    class Tagged(Net):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW([{"params": list(self.parameters()), "tag": Tag("run-7")}], lr=self.lr,
+                                     fused=True)
+
+    guard = NaNGuard(logging={"verbose": False},
+                     recovery={"snapshot": "disk", "snapshot_dir": str(tmp_path / "snaps"), "snapshot_every": 2,
+                               "max_skips": 1, "max_rollbacks": 0, "on_give_up": "raise"})
+    trainer = models.trainer(tmp_path, [guard], max_steps=STEPS, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(NaNGuardError) as info:
+        warnings.simplefilter("always")
+        trainer.fit(Tagged(tuple(range(6, 40))), models.loader(models.regression_data(), 16))
+    failures = guard.snapshots.failures
+    assert failures and not any(f["in_memory"] for f in failures)
+    why = f"no snapshot could be kept: {len(failures)} snapshot write(s) failed ({failures[-1]['error']})"
+    assert "pickle" in failures[-1]["error"].lower(), failures[-1]
+    assert f"nothing could be restored ({why})" in str(info.value), str(info.value)
+    assert "no snapshot was taken yet" not in str(info.value)
+    assert guard.events[-1].details["not_restored"] == why and guard.events[-1].details["restored_step"] is None
+    assert len([w for w in caught if issubclass(w.category, SnapshotWriteWarning)]) == 1  # warned once per fit
+
+
 def test_a_give_up_with_every_snapshot_write_failing_still_restores_from_memory(tmp_path):
     """Every snapshot write hits a full disk: the newest snapshot is kept in host memory, and the give-up restores
     it (its message names the step), the same step as with a working disk; the weights are the same."""
