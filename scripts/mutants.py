@@ -1458,4 +1458,44 @@ MUTANTS: list[Mutant] = [
     Mutant("events", "flow-pictures-never-drawn", PICTURE_SINK,
            "if self.available and event.flow is not None and", "if False and",
            "issue 37: every event that kept its window is drawn into TensorBoard and as PNG files; here none is"),
+    # ------------------------------------------------------------- promises no test pinned (issues 43, 46)
+    Mutant("events", "report-json-comma-per-file", CLI,
+           "    first = True\n    for f, _, end in scanned:\n",
+           "    for f, _, end in scanned:\n        first = True\n",
+           "docs/events.md: `nanguard report FOLDER --json` prints one JSON document; here the first event of every "
+           "file after the first has no comma before it (invalid JSON over two or more files)"),
+    Mutant("events", "numbering-reports-only-without-jsonl", RECORDER,
+           "            found = max(found, highest_report(self._reports.directory))",
+           "            found = found or highest_report(self._reports.directory)",
+           "docs/events.md: a fit numbers after the highest number in events.jsonl or among the report files; here "
+           "an events.jsonl that is behind (lines the disk refused) hides the report files: numbers and names reused"),
+    Mutant("events", "progress-bar-waits-for-an-incident", PROGRESS,
+           "        if incidents == 0 and lr_scale == 1.0:  # healthy so far",
+           "        if incidents == 0:  # healthy so far",
+           "docs/events.md, progress bar: ng_lr_scale shows from the first incident or LR cut; here an LR cut "
+           "without an incident (a reduce_lr spike, three spikes in the window) never reaches the bar"),
+    Mutant("events", "folder-beside-checkpoints-by-string-prefix", RECORDER,
+           "if Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(d))]",
+           "if os.path.abspath(folder).startswith(os.path.abspath(d))]",
+           "docs/events.md, where events go: the folder moves beside a checkpoint folder only when it lies inside it; "
+           "here ModelCheckpoint(dirpath='runs/a') with default_root_dir='runs/a2' sends it to runs/a-nanguard"),
+    Mutant("ladder", "give-up-step-0-restored-as-nothing", ENDINGS,
+           "    if restored is not None:\n        state = (", "    if restored:\n        state = (",
+           "docs/recovery.md, give up: a give-up that restored the train-start snapshot says 'the snapshot of step 0'; "
+           "here step 0 is falsy and the message says nothing could be restored"),
+    Mutant("ladder", "give-up-unrestored-weights-not-looked-at", RESPONDER,
+           "            bad = [] if response.rolled_back else p.evidence.weights.find(self.fit.module)",
+           "            bad = []",
+           "docs/recovery.md, give up: a give-up that restored nothing says which weights it leaves non-finite; here "
+           "it calls NaN weights 'finite' (and the end of fit records a second event about them)"),
+    Mutant("ladder", "give-up-non-finite-said-twice", RESPONDER,
+           "            self.left_nonfinite = bool(bad)", "            self.left_nonfinite = False",
+           "docs/recovery.md, end of fit: nothing new where the give-up already said the weights are left non-finite; "
+           "here the end of fit records a second event about the same weights"),
+    Mutant("snapshots", "give-up-failed-writes-not-said", RECOVERY,
+           "        failures = self.store.failures\n",
+           "        failures = [f for f in self.store.failures if f[\"in_memory\"]]\n",
+           "docs/recovery.md, give up: where every snapshot failed to be kept the give-up says 'no snapshot could be "
+           "kept: N snapshot write(s) failed (...)'; here only disk refusals count and it says 'no snapshot was "
+           "taken yet'"),
 ]

@@ -73,6 +73,24 @@ def test_report_json_round_trips_the_events(capsys, run_dir):
     assert all(e["source"] == str(events_file) for e in data["events"])
 
 
+def test_report_json_over_three_files_is_one_json_document(capsys, run_dir, tmp_path):
+    """docs/events.md: ``--json`` over a folder prints ``{"events": [...], "totals": {...}}``, streamed, one event at
+    a time: over three ``events.jsonl`` files the whole of stdout is still one valid JSON document, every event of
+    every file in it, in file order, each naming its ``source``."""
+    root, guard = run_dir
+    text = next(root.rglob("events.jsonl")).read_text()
+    files = [tmp_path / run / "nanguard" / "events.jsonl" for run in ("a", "b", "c")]
+    for f in files:
+        f.parent.mkdir(parents=True)
+        f.write_text(text)
+    code, out, err = cli(capsys, "report", str(tmp_path), "--json")
+    assert code == 0, err
+    data = json.loads(out)  # one document: no comma missing, none doubled, between the files' events
+    assert [e["source"] for e in data["events"]] == [str(f) for f in files for _ in BAD_BATCHES]
+    assert [e["step"] for e in data["events"]] == list(BAD_BATCHES) * 3
+    assert data["totals"]["incidents"] == 3 * len(BAD_BATCHES) and data["totals"]["files"] == 3
+
+
 def test_report_skips_a_truncated_last_line_with_a_warning(capsys, run_dir, tmp_path):
     root, guard = run_dir
     text = next(root.rglob("events.jsonl")).read_text()

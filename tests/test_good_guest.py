@@ -394,3 +394,22 @@ def test_nanguard_folder_is_never_inside_a_checkpoint_folder(tmp_path, monkeypat
     assert guard.report_dir == expected
     assert [json.loads(line)["step"] for line in (expected / "events.jsonl").read_text().splitlines()] == [2]
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["epoch=0-step=8.ckpt"]  # only checkpoints there
+
+
+def test_a_checkpoint_folder_whose_name_prefixes_the_root_dir_is_not_the_folder_it_is_inside(tmp_path, monkeypatch):
+    """docs/events.md, where events go: the guard moves beside a checkpoint folder only when its folder would lie
+    *inside* that folder's ``dirpath``, decided by path, not by string prefix: ``ModelCheckpoint(dirpath="runs/a")``
+    with ``default_root_dir="runs/a2"`` (``runs/a2/nanguard`` starts with the string ``runs/a``, but is not inside
+    ``runs/a``) writes to ``runs/a2/nanguard/``, not ``runs/a-nanguard/``."""
+    monkeypatch.chdir(tmp_path)
+    guard = lightning_nanguard.NaNGuard(logging={"verbose": False})
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath="runs/a", every_n_train_steps=4)
+    trainer = pl.Trainer(callbacks=[guard, ckpt], max_steps=8, accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir="runs/a2")
+    trainer.fit(_module(pl), _data(bad=(2,)))
+    assert [e.step for e in guard.events] == [2]
+    assert Path(os.path.abspath(guard.report_dir)) == tmp_path / "runs" / "a2" / "nanguard"
+    assert [json.loads(line)["step"] for line in (tmp_path / "runs/a2/nanguard/events.jsonl").read_text().splitlines()
+            ] == [2]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a", "a2"]  # no runs/a-nanguard
+    assert sorted(p.name for p in (tmp_path / "runs" / "a").iterdir()) == ["epoch=0-step=8.ckpt"]

@@ -140,6 +140,37 @@ def test_progress_bar_shows_guard_status_from_the_first_incident_on(fit):
     assert INCIDENTS_KEY not in t.logged_metrics
 
 
+class _LossSpikes(Regression):
+    """nn.Linear + SGD whose loss value jumps by 1000 (a finite spike; the gradient is unchanged) at ``steps``."""
+
+    def __init__(self, steps: tuple[int, ...]) -> None:
+        super().__init__(lr=0.05)
+        self.spike_steps = steps
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 1000.0 if self.global_step in self.spike_steps else loss
+
+
+@pytest.mark.parametrize("spikes, check", [((30,), {"spike_action": "reduce_lr"}), ((30, 34, 38), {})],
+                         ids=["reduce_lr-spike", "three-spikes"])
+def test_progress_bar_shows_the_lr_scale_from_an_lr_cut_without_an_incident(fit, spikes, check):
+    """docs/events.md, progress bar: nothing "until the first incident or learning-rate cut". A loss spike with
+    ``check.spike_action: reduce_lr``, or three spikes in the incident window (``spike_action: warn``), cut the LR
+    with no incident: from the step of the cut on the bar shows ``ng_lr_scale`` (and ``ng_incidents`` 0.0)."""
+    guard = NaNGuard(logging={"verbose": False}, check={"spike_warmup": 20, **check})
+    probe = _ProgressProbe(guard)
+    fit(_LossSpikes(spikes), regression_data(512), [guard, probe], steps=40, log_every_n_steps=50)
+    cut = spikes[-1]
+    assert [e.kind for e in guard.events] == ["spike"] * len(spikes) and guard.events[-1].actions == ["reduce_lr"]
+    assert guard.counters["incidents"] == 0 and guard.lr_scale == 0.5
+    for step, shown_incidents, shown_scale, _incidents, _scale in probe.seen:
+        if step <= cut:  # global_step has advanced at batch end: step cut + 1 is the batch of the cut
+            assert (shown_incidents, shown_scale) == (None, None), step
+        else:
+            assert (shown_incidents, shown_scale) == (0.0, 0.5), step
+
+
 def test_progress_bar_status_can_be_turned_off(fit):
     guard = NaNGuard(logging={"verbose": False, "progress_bar": False})
     t = fit(Regression(lr=0.05), poisoned_loader(), [guard], max_steps=4)

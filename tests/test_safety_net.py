@@ -67,6 +67,34 @@ def test_a_resumed_fit_says_its_numbering_goes_on_after_the_events_the_crashed_r
     assert [e["index"] for e in models.read_events(tmp_path)] == [1, 2, 3]  # no gap
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("jsonl", ["off", "behind"])
+def test_a_fit_numbers_its_events_after_the_report_files_when_events_jsonl_is_absent_or_behind(tmp_path, jsonl):
+    """docs/events.md, numbering: a fit starts after the highest number in ``events.jsonl`` *or among the report
+    files*, so no number and no report name is used twice. The first fit writes events 1-3 and their reports;
+    then ``events.jsonl`` is absent (``logging.events_file: false`` in both fits) or behind (it kept only its
+    first line, as when the disk refused the others). The second fit into the same folder numbers 4-6: its
+    report files are new names (none ``-2``), and the first fit's reports are untouched."""
+    logging_keys = {"verbose": False, "events_file": jsonl != "off"}
+    _fit(tmp_path, NaNGuard(logging=logging_keys))
+    folder = tmp_path / "nanguard"
+    first = {p.name: p.read_text() for p in folder.glob("incident-*.txt")}
+    assert sorted(first) == [f"incident-{i:04d}-step{s}.txt" for i, s in ((1, 3), (2, 9), (3, 12))]
+    if jsonl == "behind":
+        lines = (folder / "events.jsonl").read_text().splitlines(keepends=True)
+        (folder / "events.jsonl").write_text(lines[0])
+    else:
+        assert not (folder / "events.jsonl").exists()
+    guard = NaNGuard(logging=logging_keys)
+    _fit(tmp_path, guard)
+    assert [e.index for e in guard.events] == [4, 5, 6]
+    names = sorted(p.name for p in folder.glob("incident-*.txt"))
+    assert names == sorted([*first, *(f"incident-{i:04d}-step{s}.txt" for i, s in ((4, 3), (5, 9), (6, 12)))])
+    assert {n: (folder / n).read_text() for n in first} == first  # none overwritten
+    if jsonl == "behind":
+        assert [e["index"] for e in models.read_events(tmp_path)] == [1, 4, 5, 6]
+
+
 # ------------------------------------------------------------------------------------------- a full disk
 
 

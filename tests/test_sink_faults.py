@@ -9,6 +9,7 @@ are what the fault left (nothing lost but the failed file). docs/recovery.md has
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import warnings
@@ -22,6 +23,7 @@ from pytorch_lightning.loggers import Logger
 
 from lightning_nanguard import NaNGuard, NaNGuardError
 from lightning_nanguard.errors import SinkWriteWarning, SnapshotWriteWarning
+from lightning_nanguard.testing import Fault, FaultInjector
 
 from . import models
 
@@ -266,6 +268,95 @@ def test_a_give_up_without_a_snapshot_says_nothing_was_restored(tmp_path):
     assert "nothing could be restored (recovery.snapshot is 'off')" in message, message
     assert "restored to the last known-good" not in message and "(finite; that step was not applied)" in message
     assert guard.events[-1].details["restored_step"] is None
+
+
+@pytest.mark.slow
+def test_a_give_up_that_restored_the_train_start_snapshot_says_step_0(tmp_path):
+    """docs/recovery.md, give up: a give-up that restored the snapshot taken at train start (step 0) says so:
+    "restored to the last known-good state, the snapshot of step 0", ``details.restored_step: 0``; step 0 is a
+    snapshot like any other, never "nothing could be restored"."""
+    guard = NaNGuard(logging={"verbose": False},
+                     recovery={"max_skips": 1, "max_rollbacks": 1, "snapshot_every": 100, "on_give_up": "raise"})
+    trainer = models.trainer(tmp_path, [guard], max_steps=STEPS, max_epochs=-1)
+    model = Net(tuple(range(1, 40)))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NaNGuardError) as info:
+        trainer.fit(model, models.loader(models.regression_data(), 16))
+    message = str(info.value)
+    assert ("the module, optimizers and LR schedulers were restored to the last known-good state, the snapshot of "
+            "step 0.") in message, message
+    assert "nothing could be restored" not in message
+    assert guard.events[-1].details["restored_step"] == 0 and "not_restored" not in guard.events[-1].details
+    assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())  # taken before step 0 ran
+
+
+def _local_tag() -> str:
+    class Tag(str):  # a class defined inside a function: pickle cannot find it by name
+        pass
+
+    return Tag("run-7")
+
+
+class Unsaved(Net):
+    """:class:`Net` whose optimizer's param group holds a value no snapshot file can be written with (pickling fails:
+    not the disk, so its host copy is not kept in memory either): no snapshot is ever kept."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([{"params": list(self.parameters()), "tag": _local_tag()}], lr=self.lr, fused=True)
+
+
+@pytest.mark.parametrize("snapshot", ["off", "none_kept"])
+def test_a_give_up_that_restored_nothing_names_the_non_finite_weights_once(tmp_path, caplog, snapshot):
+    """docs/recovery.md, give up: with ``recovery.snapshot: off``, or before the first snapshot is kept (every
+    write fails: :class:`Unsaved`), a parameter made NaN (written after the optimizer step, ``FaultInjector``)
+    cannot be replaced: the give-up looks at the weights it leaves and says which are non-finite (never
+    "finite"); the end of fit, which checks the weights once more, records no second event about them ("nothing
+    new where the give-up already said so")."""
+    caplog.set_level(logging.INFO)
+    recovery: dict[str, Any] = ({"snapshot": "off"} if snapshot == "off" else
+                                {"snapshot": "disk", "snapshot_dir": str(tmp_path / "snaps"), "snapshot_every": 2})
+    guard = NaNGuard(logging={"verbose": False}, recovery={**recovery, "on_give_up": "stop"})
+    injector = FaultInjector(Fault("parameter", steps=[5], target="linear.weight"))
+    model = Net() if snapshot == "off" else Unsaved()
+    trainer = models.trainer(tmp_path, [injector, guard], max_steps=STEPS, max_epochs=-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SnapshotWriteWarning)  # (none_kept: each write fails, warned once)
+        trainer.fit(model, models.loader(models.regression_data(), 16))
+    said = [r.getMessage() for r in caplog.records if "gave up" in r.getMessage()]
+    assert len(said) == 1, said
+    why = guard.events[0].details["not_restored"]
+    assert why == ("recovery.snapshot is 'off'" if snapshot == "off" else
+                   f"no snapshot could be kept: {len(guard.snapshots.failures)} snapshot write(s) failed "
+                   f"({guard.snapshots.failures[-1]['error']})"), why
+    assert f"nothing could be restored ({why}): the weights are left NON-FINITE (linear.weight)" in said[0], said[0]
+    assert "finite;" not in said[0]
+    assert guard.stopped and not models.all_finite(model)
+    assert [(e.kind, e.actions[-1]) for e in guard.events] == [("parameter", "stop")]  # none at train end
+    assert guard.events[0].details["restored_step"] is None
+
+
+@pytest.mark.slow
+def test_a_give_up_where_every_snapshot_write_failed_says_why(tmp_path):
+    """docs/recovery.md, give up: where every snapshot failed to be kept (not a full disk, whose refusals are held in
+    host memory: a state the pickler cannot save, here an optimizer param group holding an instance of a class
+    defined inside a function), the give-up says why nothing could be restored: "no snapshot could be kept: N
+    snapshot write(s) failed (...)" in the message and in ``details.not_restored``, not "no snapshot was taken
+    yet"."""
+    guard = NaNGuard(logging={"verbose": False},
+                     recovery={"snapshot": "disk", "snapshot_dir": str(tmp_path / "snaps"), "snapshot_every": 2,
+                               "max_skips": 1, "max_rollbacks": 0, "on_give_up": "raise"})
+    trainer = models.trainer(tmp_path, [guard], max_steps=STEPS, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(NaNGuardError) as info:
+        warnings.simplefilter("always")
+        trainer.fit(Unsaved(tuple(range(6, 40))), models.loader(models.regression_data(), 16))
+    failures = guard.snapshots.failures
+    assert failures and not any(f["in_memory"] for f in failures)
+    why = f"no snapshot could be kept: {len(failures)} snapshot write(s) failed ({failures[-1]['error']})"
+    assert "pickle" in failures[-1]["error"].lower(), failures[-1]
+    assert f"nothing could be restored ({why})" in str(info.value), str(info.value)
+    assert "no snapshot was taken yet" not in str(info.value)
+    assert guard.events[-1].details["not_restored"] == why and guard.events[-1].details["restored_step"] is None
+    assert len([w for w in caught if issubclass(w.category, SnapshotWriteWarning)]) == 1  # warned once per fit
 
 
 def test_a_give_up_with_every_snapshot_write_failing_still_restores_from_memory(tmp_path):
