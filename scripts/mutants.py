@@ -1424,4 +1424,27 @@ MUTANTS: list[Mutant] = [
     Mutant("events", "flow-pictures-never-drawn", PICTURE_SINK,
            "if self.available and event.flow is not None and", "if False and",
            "issue 37: every event that kept its window is drawn into TensorBoard and as PNG files; here none is"),
+    # ------------------------------------------------------------------ a good guest again (issue 43)
+    Mutant("events", "guest-pictures-drawn-on-a-thread", PICTURE_SINK,
+           "            self.draw(event.to_dict(), event.step if event.log_step is None else event.log_step)",
+           "            __import__('threading').Thread(target=self.draw, daemon=True, args=(\n"
+           "                event.to_dict(), event.step if event.log_step is None else event.log_step)).start()",
+           "issue 43: the guard draws in the training thread, never beside the user's own matplotlib (not "
+           "thread-safe); here a drawing thread races it: pictures lost, ParseException in the user's figure"),
+    Mutant("snapshots", "guest-write-event-pickled", WRITER,
+           '        del state["_done"]\n', "",
+           "issue 43: a guard pickles and deep-copies during a fit; here a snapshot's write keeps its lock in the "
+           "copy (TypeError: cannot pickle '_thread.lock')"),
+    Mutant("snapshots", "guest-writer-thread-pickled", WRITER,
+           "        is copied itself).\"\"\"\n        return {}",
+           "        is copied itself).\"\"\"\n        return self.__dict__",
+           "issue 43: a guard that has run a fit pickles; here the snapshot thread and its queue go into the copy"),
+    Mutant("events", "guest-sinks-pickled", RECORDER,
+           "        state.update(sinks=[], _scalar_sinks=[], _reports=None, _jsonl=None)\n", "",
+           "issue 43: a copy of a guard leaves its fit's sinks behind; here the loggers' writers (threads, locks) "
+           "go into the copy and it does not pickle"),
+    Mutant("events", "guest-bound-fit-pickled", RESPONDER,
+           '        state["_fit"] = None\n', "",
+           "issue 43: a copy of a guard is not bound to the fit: here the Trainer, the module and the user's "
+           "callbacks are pickled with it"),
 ]
