@@ -1447,4 +1447,11 @@ MUTANTS: list[Mutant] = [
            '        state["_fit"] = None\n', "",
            "issue 43: a copy of a guard is not bound to the fit: here the Trainer, the module and the user's "
            "callbacks are pickled with it"),
+    Mutant("detection", "guest-activation-min-dropped", PKG + "detect/activations.py",
+           "for end in torch.aminmax(t)]", "for end in torch.aminmax(t)[1:]]",
+           "check.activations: a -Inf in a module output raises the step's flag; here only the max is judged"),
+    Mutant("detection", "guest-activation-sum-in-own-dtype", PKG + "detect/activations.py",
+           "        ends = [end for t in outputs if t.numel() for end in torch.aminmax(t)]",
+           "        ends = [t.sum() for t in outputs if t.numel()]",
+           "check.activations is exact: huge finite outputs whose sum overflows are no incident; here they are"),
 ]
