@@ -22,8 +22,9 @@ machine.
     python benchmarks/overhead.py --only "clip=1.0" "NaNGuard()" --baseline /tmp/base/lightning_nanguard
 
 ``--baseline DIR`` loads another copy of the package (e.g. ``git archive main lightning_nanguard | tar -x -C
-/tmp/base``) under its own name and runs its ``NaNGuard()`` side by side, as ``NaNGuard() before``: a change
-is measured in the same process, interleaved, instead of against numbers from another day.
+/tmp/base``) under its own name and runs its ``NaNGuard()`` side by side, as ``NaNGuard() before`` (and, with
+``+activations``, its ``+activations before``): a change is measured in the same process, interleaved, instead of
+against numbers from another day.
 
 Besides the step times, every ``NaNGuard()`` fit (and the baseline's) times each of the guard's hooks on every
 step (CPU time, median over the steps after the warm-up and over repeats): what the guard itself costs per hook.
@@ -196,12 +197,16 @@ def main() -> None:
         at = list(CONFIGS).index("NaNGuard()") + 1
         items = list(CONFIGS.items())
         items.insert(at, ("NaNGuard() before", ({}, lambda: [before()])))
+        items.insert([name for name, _ in items].index("+activations") + 1,
+                     ("+activations before", ({}, lambda: [before(check={"activations": "always"})])))
         CONFIGS.clear()
         CONFIGS.update(items)
     common.single_thread()
     repeats = args.repeats or (1 if args.quick else 4)
     steps = args.steps or (25 if args.quick else 50)
     configs = list(CONFIGS) if not args.only else ["plain"] + [c for c in args.only if c != "plain"]
+    if args.baseline is not None and "+activations" in configs and "+activations before" not in configs:
+        configs.insert(configs.index("+activations") + 1, "+activations before")
     if args.baseline is not None and "NaNGuard() before" not in configs:
         configs.insert(configs.index("NaNGuard()") + 1 if "NaNGuard()" in configs else len(configs),
                        "NaNGuard() before")

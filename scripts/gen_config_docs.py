@@ -54,9 +54,6 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
      "can name it the culprit of a divergence when no weights ran away (`by: gradients`)",
      "a healthy module's gradient norm wanders within a factor of about 2 over a window; the window itself is "
      "`logging.flow_window`"),
-    ("lightning_nanguard.report.picture_sink", "FLUSH_TIMEOUT",
-     "seconds the end of fit waits for incident pictures still being drawn (then they are dropped)",
-     "a picture takes well under a second; the bound only keeps a broken backend from holding the end of fit"),
     ("lightning_nanguard.respond.incident", "SPIKES_BEFORE_LR_CUT",
      "loss spikes within `recovery.incident_window` steps that cut the LR, whatever `check.spike_action` says "
      "(unless `off`)",

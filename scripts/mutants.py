@@ -1498,4 +1498,34 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md, give up: where every snapshot failed to be kept the give-up says 'no snapshot could be "
            "kept: N snapshot write(s) failed (...)'; here only disk refusals count and it says 'no snapshot was "
            "taken yet'"),
+    # ------------------------------------------------------------------ a good guest again (issue 43)
+    Mutant("events", "guest-pictures-drawn-on-a-thread", PICTURE_SINK,
+           "            self.draw(event.to_dict(), event.step if event.log_step is None else event.log_step)",
+           "            __import__('threading').Thread(target=self.draw, daemon=True, args=(\n"
+           "                event.to_dict(), event.step if event.log_step is None else event.log_step)).start()",
+           "issue 43: the guard draws in the training thread, never beside the user's own matplotlib (not "
+           "thread-safe); here a drawing thread races it: pictures lost, ParseException in the user's figure"),
+    Mutant("snapshots", "guest-write-event-pickled", WRITER,
+           '        del state["_done"]\n', "",
+           "issue 43: a guard pickles and deep-copies during a fit; here a snapshot's write keeps its lock in the "
+           "copy (TypeError: cannot pickle '_thread.lock')"),
+    Mutant("snapshots", "guest-writer-thread-pickled", WRITER,
+           "        is copied itself).\"\"\"\n        return {}",
+           "        is copied itself).\"\"\"\n        return self.__dict__",
+           "issue 43: a guard that has run a fit pickles; here the snapshot thread and its queue go into the copy"),
+    Mutant("events", "guest-sinks-pickled", RECORDER,
+           "        state.update(sinks=[], _scalar_sinks=[], _reports=None, _jsonl=None)\n", "",
+           "issue 43: a copy of a guard leaves its fit's sinks behind; here the loggers' writers (threads, locks) "
+           "go into the copy and it does not pickle"),
+    Mutant("events", "guest-bound-fit-pickled", RESPONDER,
+           '        state["_fit"] = None\n', "",
+           "issue 43: a copy of a guard is not bound to the fit: here the Trainer, the module and the user's "
+           "callbacks are pickled with it"),
+    Mutant("detection", "guest-activation-min-dropped", PKG + "detect/activations.py",
+           "for end in torch.aminmax(t)]", "for end in torch.aminmax(t)[1:]]",
+           "check.activations: a -Inf in a module output raises the step's flag; here only the max is judged"),
+    Mutant("detection", "guest-activation-sum-in-own-dtype", PKG + "detect/activations.py",
+           "        ends = [end for t in outputs if t.numel() for end in torch.aminmax(t)]",
+           "        ends = [t.sum() for t in outputs if t.numel()]",
+           "check.activations is exact: huge finite outputs whose sum overflows are no incident; here they are"),
 ]

@@ -434,3 +434,26 @@ def test_activation_flag_catches_unused_branch(fit: Any, activations: Any) -> No
     assert "domain" in ev.suggestion and "torch.log(h)" in ev.suggestion  # NaN in float64 too: a domain error
     assert len(guard.events) == (4 if activations == "always" else 2)
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_the_module_output_flag_is_exact_for_every_float_dtype_and_value():
+    """``outputs_nonfinite_flag`` (the CPU path of ``check.activations``): a NaN, +Inf or -Inf anywhere in any output
+    (contiguous or not, float16 to float64) raises the flag; huge finite values whose sum would overflow, empty
+    outputs and mixed dtypes do not."""
+    from lightning_nanguard.detect.activations import outputs_nonfinite_flag
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        big = torch.finfo(dtype).max
+        healthy = [torch.full((300, 7), big, dtype=dtype), torch.full((9,), -big, dtype=dtype),
+                   torch.ones(0, dtype=dtype), torch.randn(40, 30).to(dtype).t()]
+        assert not outputs_nonfinite_flag(healthy), dtype
+        assert not healthy[3].is_contiguous()
+        for value in (math.nan, math.inf, -math.inf):
+            for where, at in ((0, (150, 3)), (1, (8,)), (3, (17, 5))):
+                outputs = list(healthy)
+                outputs[where] = healthy[where].clone() if where != 3 else healthy[3].t().clone().t()
+                outputs[where][at] = value
+                assert outputs_nonfinite_flag(outputs), (dtype, value, where)
+    mixed = [torch.ones(3, dtype=torch.float16), torch.tensor([1e300], dtype=torch.float64)]
+    assert not outputs_nonfinite_flag(mixed) and outputs_nonfinite_flag([*mixed, torch.tensor([-math.inf])])
+    assert outputs_nonfinite_flag([torch.ones(0)]) is None

@@ -413,3 +413,51 @@ def test_a_checkpoint_folder_whose_name_prefixes_the_root_dir_is_not_the_folder_
             ] == [2]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a", "a2"]  # no runs/a-nanguard
     assert sorted(p.name for p in (tmp_path / "runs" / "a").iterdir()) == ["epoch=0-step=8.ckpt"]
+
+
+# --------------------------------------------------------------------------------- copied and pickled, any time
+
+
+@pytest.mark.slow  # two fits with a disk store and activation hooks
+def test_a_guard_deep_copies_and_pickles_fresh_during_a_fit_and_after_and_the_copy_works(tmp_path):
+    """``copy.deepcopy`` and ``pickle`` of a guard at every point of its life: fresh, from a callback during a fit (the
+    snapshot thread at work, a TensorBoard writer in its sinks, activation hooks on), after the fit; the unpickled guard
+    handles an incident in a new Trainer and writes it to its new folder."""
+    import copy
+    import pickle
+
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from . import models
+
+    def guard_made(**kwargs: Any) -> Any:
+        return lightning_nanguard.NaNGuard(logging={"verbose": False}, check={"activations": "always"},
+                                           recovery={"snapshot": "disk"}, **kwargs)
+
+    guard = guard_made()
+    copies = [copy.deepcopy(guard), pickle.loads(pickle.dumps(guard))]
+    failed: list[str] = []
+
+    class CopyMidFit(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step in (2, 5):  # before and after the incident at step 3
+                try:
+                    copies.extend([copy.deepcopy(guard), pickle.loads(pickle.dumps(guard))])
+                except Exception as exc:  # noqa: BLE001  (asserted below: none)
+                    failed.append(f"step {trainer.global_step}: {type(exc).__name__}: {exc}")
+
+    trainer = models.trainer(tmp_path / "first", [guard, CopyMidFit()], max_steps=8, max_epochs=-1,
+                             logger=TensorBoardLogger(str(tmp_path / "first"), name="tb"))
+    trainer.fit(models.NaNLossOnBatches(bad={3}), models.loader(models.regression_data(256), 32))
+    assert failed == [] and len(copies) == 6
+    assert [e.step for e in guard.events] == [3] and [e.step for e in copies[-1].events] == [3]
+    copies += [copy.deepcopy(guard), pickle.loads(pickle.dumps(guard))]
+    again = copies[-1]
+    assert [e.to_dict() for e in again.events] == [e.to_dict() for e in guard.events]
+    trainer = models.trainer(tmp_path / "second", [again], max_steps=6, max_epochs=-1)
+    model = models.NaNLossOnBatches(bad={2})
+    trainer.fit(model, models.loader(models.regression_data(256), 32))
+    assert [(e.step, e.kind, e.actions[0]) for e in again.events] == [(2, "loss", "skip_step")]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    written = (tmp_path / "second" / "nanguard" / "events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in written] == [2]

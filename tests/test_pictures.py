@@ -326,3 +326,71 @@ def test_a_matplotlib_that_raises_warns_once_and_changes_nothing(runs, tmp_path,
     assert [e.to_dict() for e in guard.events] == [e.to_dict() for e in runs["nan"].events]
     assert models.same_weights(model, runs["nan_model"])
     assert not list(tmp_path.rglob("*.png")) and guard._recorder.failed_writes == {"the incident pictures": 1}
+
+
+# ------------------------------------------------------------------------------ a good guest to the user's plots
+
+
+class _UsersOwnPlot(pl.Callback):
+    """The user's own matplotlib at every batch end, in the training thread: a small log-scale pyplot figure with a
+    math-text title, drawn to PNG (each error it raises is kept, as a user's callback that does not catch it would
+    end the fit)."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.drawn = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        import io
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(2, 1.5))
+        try:
+            ax.plot([1, 2, 3], [1.0, 10.0, 100.0])
+            ax.set_yscale("log")
+            ax.set_title(r"$\alpha_{i}^{2}$ loss")
+            fig.savefig(io.BytesIO(), format="png")
+            self.drawn += 1
+        except Exception as exc:  # noqa: BLE001  (what the user would see: counted, then asserted to be none)
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            plt.close(fig)
+
+
+@pytest.mark.slow
+def test_two_guards_and_the_users_own_plots_lose_no_picture_and_never_raise(tmp_path):
+    """Two guards (one named) and the user's own math-text plotting at every batch end, in one fit with six NaN
+    losses, three fits in a row: every picture of both guards is written (PNG files and ``add_image`` tags), no
+    picture warning, and the user's figure never raises (matplotlib is not thread-safe: the guard draws in the
+    training thread)."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    bad = (4, 9, 14, 19, 24, 29)
+    for run in range(3):
+        logger = TensorBoardLogger(str(tmp_path), name=f"fit{run}")
+        guards = [NaNGuard(logging={"verbose": False}), NaNGuard(name="b", logging={"verbose": False})]
+        user = _UsersOwnPlot()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = models.trainer(tmp_path / f"fit{run}", [*guards, user], max_steps=36, max_epochs=-1,
+                                     logger=logger, log_every_n_steps=50)
+            trainer.fit(models.NaNLossOnBatches(bad=set(bad)), models.loader(models.regression_data(36 * 8), 8))
+        assert user.errors == [] and user.drawn == 36, (run, user.errors[:3])
+        assert not [str(w.message) for w in caught if issubclass(w.category, SinkWriteWarning)], run
+        acc = EventAccumulator(logger.log_dir, size_guidance={"images": 0})
+        acc.Reload()
+        for guard, prefix in zip(guards, ("nanguard/", "nanguard/b/")):
+            assert [e.step for e in guard.events] == list(bad), (run, prefix)
+            pngs = sorted(p.name for p in guard.report_dir.glob("incident-*.png"))
+            assert pngs == sorted(f"incident-{i:04d}-step{s}-{name}.png" for i, s in enumerate(bad, 1)
+                                  for name in ("gradient_flow", "where_it_broke")), (run, prefix)
+            tags = [t for t in acc.Tags()["images"] if t.startswith(prefix + "incident/")
+                    and (prefix == "nanguard/b/" or not t.startswith("nanguard/b/"))]
+            assert sorted((t, im.step) for t in tags for im in acc.Images(t)) == sorted(
+                (f"{prefix}incident/loss/{name}", s) for s in bad for name in ("gradient_flow", "where_it_broke")), \
+                (run, prefix)

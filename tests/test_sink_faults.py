@@ -104,7 +104,8 @@ def folder_is_a_file(root: Path) -> None:
 
 
 def folder_removed(root: Path) -> None:
-    # the guard's writer threads may add a file while the folder is being removed: remove until it is gone
+    # nothing of the guard's writes into nanguard/ off the training thread (the pictures are drawn in it, issue 43),
+    # so one rmtree is enough; removing until it is gone also holds if a writer thread ever comes back
     for _ in range(50):
         shutil.rmtree(root / "nanguard", ignore_errors=True)
         if not (root / "nanguard").exists():

@@ -27,8 +27,10 @@ def outputs_nonfinite_flag(outputs: list[Tensor]) -> Optional[Tensor]:
     """0-dim bool device tensor: does any output hold NaN/Inf? No host sync.
 
     On CUDA one fused inf-norm kernel (:func:`~.kernels.any_nonfinite_flag`). On CPU, where that kernel is
-    slow, one sum per tensor accumulated in float64: a sum is non-finite iff a value is, and cannot overflow
-    for float32/float16/bfloat16 values.
+    slow, one ``aminmax`` per tensor (one vectorised pass in the tensor's own dtype, no copy, nothing to
+    overflow: NaN propagates to both, an Inf is the max or the min), then one ``isfinite`` over their stack (a
+    wider dtype where they differ, which keeps finiteness). About half the time of the float64 sum per tensor
+    it replaces (issue 43: 1.3 ms against 2.4 ms for the 19 outputs of the benchmark's transformer LM).
     """
     # a DTensor output (tensor parallel with use_local_output=False): its local shard, never a collective
     values = [local(t) if is_strided(t) else stored_values(t, coalesce=False) for t in outputs]
@@ -38,8 +40,8 @@ def outputs_nonfinite_flag(outputs: list[Tensor]) -> Optional[Tensor]:
     with torch.no_grad():
         if outputs[0].device.type != "cpu":
             return any_nonfinite_flag(outputs)
-        sums = torch.stack([t.sum(dtype=torch.float64) for t in outputs])
-        return ~torch.isfinite(sums).all()
+        ends = [end for t in outputs if t.numel() for end in torch.aminmax(t)]  # (an empty tensor: nothing)
+        return ~torch.isfinite(torch.stack(ends)).all() if ends else None
 
 
 class ActivationCheck:

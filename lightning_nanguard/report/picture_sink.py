@@ -5,18 +5,19 @@ the event's logger step, under ``nanguard/incident/<kind>/<picture>``) and as PN
 layout (TensorBoard's own plugin) with the loss, the gradient norm against the clip threshold, the LR scale and the
 incident counts on one page.
 
-Drawing runs on a worker thread of its own (rank 0 only, like every sink), never on the training thread: an event
-only queues a copy of its record; :meth:`PictureSink.flush` (the end of fit) waits for the queue. A picture that cannot
-be drawn or written fails like any sink's write: the worker keeps the error and the next call from the training
-thread raises it, so that the recorder warns once per fit and goes on (the event is already everywhere else; later
-events try again). Without matplotlib the sink says so in one line at fit start and draws nothing; the dashboard and
-everything else are unchanged.
+Drawing runs in the training thread, synchronously, when the event is recorded (rank 0 only, like every sink):
+matplotlib is not thread-safe (its math-text parser above all), so a drawing thread of the guard's would race the
+user's own matplotlib in the main thread, and a second guard's. Only incidents are drawn, and only those that keep
+their window (at most ``logging.max_reports`` per fit): about half a second of CPU each, never on a healthy step. The
+figures are built without pyplot (:mod:`.pictures`: a ``Figure`` on its own Agg canvas), so the user's pyplot figures
+are never touched. A picture that cannot be drawn or written fails like any sink's write: the recorder warns once per
+fit and goes on (the event is already everywhere else; later events try again). Without matplotlib the sink says so
+in one line at fit start and draws nothing; the dashboard and everything else are unchanged. The sink holds no thread
+nor lock: a guard that has run a fit copies and pickles.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence
 
@@ -24,14 +25,13 @@ from ..core.console import say
 from ..core.events import NaNEvent
 from .pictures import PLOTS_OFF, figures, plots_available, png_bytes, rgb_array
 from .render import ReportText
+from .sinks import _check_folder
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
     from pytorch_lightning.loggers import Logger
 
-__all__ = ["PictureSink", "dashboard_layout", "FLUSH_TIMEOUT"]
-
-FLUSH_TIMEOUT = 300.0  # seconds the end of fit waits for the pictures still being drawn (then they are dropped)
+__all__ = ["PictureSink", "dashboard_layout"]
 
 
 def dashboard_layout(prefix: str = "nanguard/") -> dict[str, dict[str, list]]:
@@ -77,10 +77,6 @@ class PictureSink:
         self.writers = [w for w in (_image_writer(lg) for lg in loggers if lg is not None) if w is not None]
         self.available = plots_available()
         self.written: dict[int, list[Path]] = {}
-        self._jobs: Optional[queue.Queue] = None
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self._lock = threading.Lock()
         self._dashboard()
         if not self.available and (self.writers or self.directory is not None):
             say(trainer, PLOTS_OFF)
@@ -97,54 +93,15 @@ class PictureSink:
     # ------------------------------------------------------------------------------------------------ Sink
 
     def event(self, event: NaNEvent, text: ReportText, scalars: dict[str, float]) -> None:
+        """Draw ``event``'s pictures now, in the calling (training) thread; a failure is raised to the recorder."""
         if self.available and event.flow is not None and (self.writers or self.directory is not None):
-            step = event.step if event.log_step is None else event.log_step
-            self._queue().put((event.to_dict(), step))
-        self._raise_failed()
+            self.draw(event.to_dict(), event.step if event.log_step is None else event.log_step)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         pass
 
     def flush(self) -> None:
-        """Wait for the pictures queued so far (at most :data:`FLUSH_TIMEOUT`), stop the worker, raise a failure."""
-        jobs, thread = self._jobs, self._thread
-        if jobs is not None and thread is not None and thread.is_alive():
-            done = threading.Event()
-            jobs.put(done)
-            done.wait(FLUSH_TIMEOUT)
-            jobs.put(None)
-        self._jobs = self._thread = None
-        self._raise_failed()
-
-    # ---------------------------------------------------------------------------------------------- worker
-
-    def _queue(self) -> queue.Queue:
-        if self._jobs is None or self._thread is None or not self._thread.is_alive():
-            self._jobs = queue.Queue()
-            self._thread = threading.Thread(target=self._work, args=(self._jobs,), name="nanguard-pictures",
-                                            daemon=True)
-            self._thread.start()
-        return self._jobs
-
-    def _raise_failed(self) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def _work(self, jobs: queue.Queue) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            if isinstance(job, threading.Event):
-                job.set()
-                continue
-            try:
-                self.draw(*job)
-            except Exception as exc:  # noqa: BLE001  (raised on the training thread's next call: one warning)
-                with self._lock:
-                    self._error = self._error or exc
+        """Nothing is left to draw (each event is drawn when recorded)."""
 
     def draw(self, record: Mapping[str, object], step: int) -> list[Path]:
         """Draw the pictures of one event (``record``: its ``to_dict()``) into the loggers at ``step`` and the PNG
@@ -164,6 +121,8 @@ class PictureSink:
                             raise
                 files.append(path)
             if self.writers:
+                for writer in self.writers:
+                    _check_folder(writer)  # never into a writer whose folder is gone (it would break the writer)
                 image = rgb_array(fig)
                 for writer in self.writers:
                     writer.add_image(f"{self.prefix}incident/{record.get('kind')}/{name}", image, global_step=step,

@@ -10,7 +10,9 @@ details), so that the live sink (:mod:`.picture_sink`) and ``nanguard report --p
   in the window); non-finite values are marked as such, never drawn as zero.
 
 The ``*_data`` functions are pure (lists and floats: what a test reads); the ``draw_*`` ones build a matplotlib
-``Figure`` without pyplot (no global state: safe off the main thread) and need matplotlib (the ``plots`` extra).
+``Figure`` on its own Agg canvas, without pyplot (no global state: the user's pyplot figures are never touched) and
+need matplotlib (the ``plots`` extra). matplotlib is not thread-safe (its math-text parser above all): they are
+called in the training thread (:mod:`.picture_sink`) or the CLI's, never on a thread beside the user's own plots.
 Nothing here imports torch.
 """
 

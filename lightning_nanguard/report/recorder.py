@@ -211,6 +211,14 @@ class Recorder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._index = int(state.get("index", 0))
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (``copy.deepcopy``, ``pickle``) keeps the events, the numbering and the folder, not the sinks: they
+        are of one fit (its Trainer's loggers, whose writers hold threads and locks, the Trainer itself, its files),
+        and the next fit's start makes them again."""
+        state = self.__dict__.copy()
+        state.update(sinks=[], _scalar_sinks=[], _reports=None, _jsonl=None)
+        return state
+
 
 def _name(sink: object) -> str:
     """What a sink is called in a warning (a sink of the user's own may have no ``name``)."""

@@ -86,6 +86,13 @@ class Responder:
         """The fit this guard runs in, from now on (``setup``: before any other hook)."""
         self._fit = Fit(trainer, pl_module)
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (``copy.deepcopy``, ``pickle``) of the guard is not bound to a fit: the Trainer and the module are
+        the user's, not the guard's (and hold what does not pickle); the copy's ``setup`` binds it to its own."""
+        state = self.__dict__.copy()
+        state["_fit"] = None
+        return state
+
     @property
     def fit(self) -> Fit:
         """The bound fit (:meth:`bind`)."""

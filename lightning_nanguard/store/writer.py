@@ -64,6 +64,19 @@ class Write:
         self.size: Optional[int] = None  # the size of the file written
         self._done = threading.Event()
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (``copy.deepcopy``, ``pickle``) is of the finished write: the snapshot thread finishes it first (its
+        seal taken, its file written or its error known); the copy's event is new and set (no lock is pickled)."""
+        self.wait()
+        state = self.__dict__.copy()
+        del state["_done"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._done = threading.Event()
+        self._done.set()
+
     @property
     def done(self) -> bool:
         return self._done.is_set()
@@ -87,13 +100,21 @@ class SnapshotWriter:
     ``submit`` hands over ``before`` (e.g. wait for the device copies the rest reads), ``seal`` (the snapshot's
     digest, taken first), ``build`` (what to save to ``path``; none without a path) and ``after`` (called whatever
     happened), all called on the writer thread: they must read only memory the training thread leaves alone until
-    the write is done. The thread starts with the first write and ends at :meth:`close` (a later write starts it
-    again).
+    the write is done. The thread and its queue start with the first write and end at :meth:`close` (a later write
+    starts new ones); they are left out of a copy (``copy.deepcopy``, ``pickle``), which starts idle.
     """
 
     def __init__(self) -> None:
-        self._queue: "queue.Queue[Union[None, Path, _Job]]" = queue.Queue()  # None: the end
+        self._queue: Optional["queue.Queue[Union[None, Path, _Job]]"] = None  # None in it: the end
         self._thread: Optional[threading.Thread] = None
+
+    def __getstate__(self) -> dict[str, object]:
+        """Nothing: the thread, its queue and its jobs are this fit's (each job's :class:`Write` finishes before it
+        is copied itself)."""
+        return {}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__()  # type: ignore[misc]  # (an idle writer, as new)
 
     @property
     def running(self) -> bool:
@@ -113,23 +134,25 @@ class SnapshotWriter:
         self._put(path)
 
     def _put(self, job: Union[Path, _Job]) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="nanguard-snapshot-writer", daemon=True)
+        if self._queue is None or self._thread is None or not self._thread.is_alive():
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._run, args=(self._queue,), name="nanguard-snapshot-writer",
+                                            daemon=True)
             self._thread.start()
         self._queue.put(job)
 
-    def _run(self) -> None:
+    def _run(self, jobs: "queue.Queue[Union[None, Path, _Job]]") -> None:
         while True:
-            job = self._queue.get()
+            job = jobs.get()
             if job is None:
-                self._queue.task_done()
+                jobs.task_done()
                 return
             if isinstance(job, Path):
                 try:
                     job.unlink(missing_ok=True)
                 except OSError:
                     pass
-                self._queue.task_done()
+                jobs.task_done()
                 continue
             write, build, before, after, seal = job
             try:
@@ -145,16 +168,16 @@ class SnapshotWriter:
                 if after is not None:
                     after()
                 write._done.set()
-                self._queue.task_done()
+                jobs.task_done()
 
     def drain(self) -> None:
         """Wait until every write and deletion submitted so far is done."""
-        if self.running:
+        if self.running and self._queue is not None:
             self._queue.join()
 
     def close(self) -> None:
         """Finish the writes submitted so far, then end the thread."""
-        if self._thread is not None and self._thread.is_alive():
+        if self._queue is not None and self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        self._thread = None
+        self._thread = self._queue = None
