@@ -230,6 +230,16 @@ class SnapshotStore:
         self.refused: list[Refusal] = []
         self.writer: Optional[SnapshotWriter] = SnapshotWriter()
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (``copy.deepcopy``, ``pickle``) holds finished snapshots: the device copies in flight are waited for
+        first, and the side stream and its events (CUDA objects, which do not pickle) stay behind; the copy makes its
+        own at its first device copy."""
+        if self._copier is not None:
+            self._copier.wait()
+        state = self.__dict__.copy()
+        state["_copier"] = None
+        return state
+
     def __len__(self) -> int:
         return len(self.ring)
 
