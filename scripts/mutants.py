@@ -66,6 +66,7 @@ LAYOUTS = PKG + "core/layouts.py"
 REPLAY = PKG + "diagnose/replay.py"
 FLOAT64 = PKG + "diagnose/float64.py"  # the float64 twin, was in diagnose/replay.py
 PROBES = PKG + "diagnose/probes.py"  # was diagnose/recorders.py
+RERUN = PKG + "diagnose/rerun.py"  # what every replay is made of (Rewritten: a batch the step wrote into)
 LOCKSTEP = PKG + "diagnose/lockstep.py"  # the sharded replay (issue 35)
 LIGHTNING = PKG + "lightning.py"
 USAGE = PKG + "usage_errors.py"
@@ -1528,4 +1529,31 @@ MUTANTS: list[Mutant] = [
            "        ends = [end for t in outputs if t.numel() for end in torch.aminmax(t)]",
            "        ends = [t.sum() for t in outputs if t.numel()]",
            "check.activations is exact: huge finite outputs whose sum overflows are no incident; here they are"),
+    Mutant("diagnosis", "batch-written-in-place-blamed-on-data", RESPONDER,
+           "                inputs = data\n", "                inputs = list(inputs)\n",
+           "docs/diagnosis.md, the replay: a NaN a training_step wrote into its own batch in place (x /= x.norm() on a "
+           "zero row, batch[0].log_() on a negative) is the step's, not bad data; here it is kind input, cause input"),
+    Mutant("diagnosis", "batch-versions-not-taken", EVIDENCE,
+           "rng_state() if self.keep_rng else None, batch_versions(batch))",
+           "rng_state() if self.keep_rng else None)",
+           "docs/diagnosis.md, the replay: the batch tensors' versions, taken when a micro-batch starts, tell a batch "
+           "the step wrote into in place; here none is taken and its NaN is blamed on the data"),
+    Mutant("diagnosis", "replay-writes-into-the-batch-again", RERUN,
+           "    return batch.copy()[0] if isinstance(batch, Rewritten) else batch",
+           "    return batch.batch if isinstance(batch, Rewritten) else batch",
+           "docs/diagnosis.md, the replay changes nothing of training: a batch the step wrote into in place is "
+           "replayed on copies; here every pass writes into the user's batch again"),
+    Mutant("diagnosis", "batch-writer-op-not-named", PROBES,
+           "        self.written = {t.untyped_storage().data_ptr(): path for path, t in written}",
+           "        self.written: dict[int, str] = {}",
+           "docs/diagnosis.md, the replay: the in-place op that wrote the NaN into the step's own batch is named (op, "
+           "details.batch_written's function and source); here no op is named"),
+    Mutant("diagnosis", "written-batch-replay-called-transient", RULES,
+           "    if ctx.written:\n        note.note", "    if not ctx.written:\n        note.note",
+           "docs/diagnosis.md, cause 4-: a clean replay of a batch the step wrote into in place ran on the values it "
+           "wrote, so it is not transient; here it is"),
+    Mutant("diagnosis", "written-batch-suggestion-lost", CAUSE_TABLE,
+           "    written = _written(d)\n    if written is not None:\n        return written\n", "",
+           "docs/diagnosis.md, suggestion: a NaN the step wrote into its batch in place says so and to clone the batch "
+           "before writing into it; here the generic advice of unknown"),
 ]

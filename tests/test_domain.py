@@ -246,3 +246,110 @@ def test_an_in_place_op_that_makes_the_nan_is_named_with_its_domain_and_its_fix(
     found = ev.details["domain"]
     assert (found["op"], found["input"], found["positions"]) == ("log", "negative", 2), found
     assert domain.fix(found) in ev.suggestion
+
+
+class NormaliseTheBatch(Trap):
+    """``x = batch[0]; x /= x.norm(dim=1, keepdim=True)``: the division writes into the batch tensor itself. The
+    first batch tensor it was given is kept (``seen``): the live step's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen = self.seen or [batch[0]]
+        x = batch[0]
+        x /= x.norm(dim=1, keepdim=True)
+        return F.mse_loss(self.lin(x), batch[1])
+
+
+class LogTheBatch(Trap):
+    """``batch[0].log_()`` on inputs two of which are negative: the log writes into the batch tensor itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen = self.seen or [batch[0]]
+        batch[0].log_()
+        return F.mse_loss(self.lin(batch[0]), batch[1])
+
+
+@pytest.mark.parametrize("sync", ["eager", "lagged"])
+def test_a_nan_the_step_wrote_into_its_own_batch_is_not_blamed_on_the_data(fit: Any, sync: str) -> None:
+    """docs/diagnosis.md, the replay: a training_step that writes into the batch tensor itself overwrites the
+    values its op was fed, so the NaN found in the batch afterwards is the step's own, not bad data: the cause is
+    not ``input``, the event says which batch tensor the step wrote (its version before and after) and names the
+    in-place op that wrote it, and the suggestion says to clone the batch before writing into it. The replay
+    writes into copies, never into the batch again."""
+    for model, bad, positions, function, source in (
+            (NormaliseTheBatch(), [3, 9], 8, "div_", "x /= x.norm(dim=1, keepdim=True)"),  # two rows of 4: 0/0
+            (LogTheBatch(), [5, 11], 2, "log_", "batch[0].log_()")):
+        x = torch.rand(16, 4) + 0.5
+        if function == "div_":
+            x[bad] = 0.0  # two all-zero rows: 0/0
+        else:
+            x[bad[0], 1], x[bad[1], 2] = -1.0, -2.0  # two negatives: log is NaN there
+        guard = NaNGuard(logging=QUIET, check={"sync": sync})
+        fit(model, TensorDataset(x, torch.randn(16, 1)), [guard], subdir=function, batch_size=16, steps=1)
+        ev = guard.events[0]
+        assert ev.kind == "loss" and ev.cause != "input", (ev.kind, ev.cause, ev.details.get("inputs"))
+        assert "inputs" not in ev.details
+        written = ev.details["batch_written"]
+        assert [(w["field"], w["version_after"] - w["version_before"]) for w in written] == [("batch[0]", 1)], written
+        assert written[0]["nonfinite"] == positions and written[0]["samples"] == bad, written
+        assert written[0]["function"] == function and source in written[0]["source"], written
+        assert ev.op == function.strip("_"), ev.op
+        assert ev.cause == "unknown" and "in place" in ev.suggestion and "batch[0].clone()" in ev.suggestion, \
+            (ev.cause, ev.suggestion)
+        # the replay ran on copies: the batch holds the live step's one write, no pass of the replay wrote into it
+        assert model.seen[0]._version == 1 and int(torch.isnan(model.seen[0]).sum()) == positions
+
+
+class ScaleTheBatchOnce(Trap):
+    """Halves the batch in place (``batch[0].mul_(0.5)``: finite), and its first call alone multiplies the loss by
+    NaN (a call counter of its own: the replay of the same batch is clean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        batch[0].mul_(0.5)
+        loss = F.mse_loss(self.lin(batch[0]), batch[1])
+        return loss * math.nan if self.calls == 1 else loss
+
+
+def test_a_clean_replay_of_a_batch_the_step_wrote_into_is_not_transient(fit: Any) -> None:
+    """docs/diagnosis.md: a replay of a batch the step wrote into in place runs on the values the step wrote, not
+    on those it was given, so a clean replay there says nothing of a fault that does not come back: not
+    ``transient``, and the replay's note says why."""
+    guard = NaNGuard(logging=QUIET)
+    fit(ScaleTheBatchOnce(), TensorDataset(torch.rand(16, 4), torch.randn(16, 1)), [guard], batch_size=16, steps=1)
+    ev = guard.events[0]
+    assert ev.details["replay"]["reproduced"] is False
+    assert ev.cause != "transient" and "wrote into in place" in ev.details["replay"]["note"], ev.details["replay"]
+    assert [(w["field"], w["nonfinite"]) for w in ev.details["batch_written"]] == [("batch[0]", 0)]
+
+
+def test_the_batch_tensors_written_in_place_are_told_by_their_versions() -> None:
+    """detect/writes.py: a tensor written in place since its micro-batch's versions were taken is named, with its
+    versions; the NaN found in it is set apart from bad data."""
+    from lightning_nanguard.detect.writes import batch_versions, split_written, written_in_place
+
+    batch = {"x": torch.ones(3, 2), "y": torch.zeros(3), "ids": [torch.arange(3)]}
+    before = batch_versions(batch)
+    batch["x"][1].div_(0.0).mul_(0.0)  # two writes through a view: NaN in row 1
+    written = written_in_place([(batch, 0)], [before])
+    assert written == [{"micro_batch": 0, "field": "batch['x']", "version_before": before[0],
+                        "version_after": before[0] + 2}]
+    assert written_in_place([(batch, 0)], [None]) == []  # versions not taken: nothing known
+    findings = [{"micro_batch": 0, "field": "batch['x']", "nan": 2, "inf": 0, "samples": [1]},
+                {"micro_batch": 0, "field": "batch['y']", "nan": 1, "inf": 0, "samples": [0]}]
+    data, wrote = split_written(findings, written)
+    assert data == findings[1:] and wrote[0]["nonfinite"] == 2 and wrote[0]["samples"] == [1]

@@ -199,7 +199,28 @@ def _transient(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
             "weights and RNG state was clean: a fault that does not come back. " + advice)
 
 
+def _written(d: Diagnosis) -> Optional[str]:
+    """A NaN the step wrote into its own batch in place (``d.batch_written``): what can be told, and the fix."""
+    entry = next((w for w in d.batch_written or [] if w.get("nonfinite")), None)
+    if entry is None:
+        return None
+    field, function = entry["field"], str(entry.get("function") or "")
+    by = f": {function} at {entry['source']}" if function and entry.get("source") else (
+        f": {function}" if function else "")
+    name = function.strip("_")
+    name = name[1:] if function.startswith("__i") else name  # __itruediv__ -> truediv
+    hint = f"; if {name} is what made it: {fix({'op': name})}" if name else ""
+    return (f"training_step wrote into its batch in place ({field}, version {entry['version_before']} -> "
+            f"{entry['version_after']}{by}), and the {entry['nonfinite']} non-finite value(s) there are what it "
+            "wrote: the values it was given are overwritten, so whether the data or the op made them cannot be told. "
+            f"Clone the batch before writing into it ({field}.clone()) and the next incident names the op and its "
+            f"domain{hint}.")
+
+
 def _unknown(ev: Where, d: Diagnosis, advice: str) -> Optional[str]:
+    written = _written(d)
+    if written is not None:
+        return written
     if not ev.culprit:
         return None
     where, op = _where(ev)

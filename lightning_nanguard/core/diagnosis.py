@@ -78,6 +78,8 @@ class Diagnosis:
     replay_skipped: Optional[str] = None  # sharded: why no rank replayed
     nonfinite_parameters: Optional[list[dict]] = None  # the non-finite weights, with their rows
     inputs: Optional[list[dict]] = None  # the non-finite inputs: fields, samples, features
+    # the batch tensors the step wrote into in place: field, versions, non-finite count, samples; the op that wrote
+    batch_written: Optional[list[dict]] = None
     diagnosis_from: Optional[str] = None  # reused from an earlier incident (anomaly.max_replays spent)
     replay: Optional[ReplayNote] = None
     float64: Optional[dict] = None  # the float64 rerun of the replay

@@ -53,26 +53,33 @@ def set_rng_state(state: Optional[RngState]) -> None:
 
 class Window:
     """The micro-batches of one optimizer step and the RNG state before each (what an incident replays), and the
-    step they belong to (a replay runs at that step's number, however late it comes)."""
+    step they belong to (a replay runs at that step's number, however late it comes), and the version counter of
+    each batch tensor when its micro-batch started (host integers: an incident tells a batch the step wrote into in
+    place, :mod:`~..detect.writes`)."""
 
-    __slots__ = ("batches", "rng", "step")
+    __slots__ = ("batches", "rng", "step", "versions")
 
     def __init__(self) -> None:
         self.batches: list[tuple[object, int]] = []  # (batch, batch_idx)
         self.rng: list[Optional[RngState]] = []  # None when replays are off
+        self.versions: list[Optional[tuple[int, ...]]] = []  # None: not taken
         self.step: Optional[int] = None
 
-    def add(self, batch: object, batch_idx: int, rng: Optional[RngState] = None) -> None:
+    def add(self, batch: object, batch_idx: int, rng: Optional[RngState] = None,
+            versions: Optional[tuple[int, ...]] = None) -> None:
         self.batches.append((batch, batch_idx))
         self.rng.append(rng)
+        self.versions.append(versions)
 
     def clear(self) -> None:
         self.batches.clear()
         self.rng.clear()
+        self.versions.clear()
 
     def copy(self) -> "Window":
         twin = Window()
         twin.batches, twin.rng, twin.step = list(self.batches), list(self.rng), self.step
+        twin.versions = list(self.versions)
         return twin
 
     @property

@@ -28,6 +28,7 @@ from .kernels import dense_nonfinite_flag
 from .ranks import Ranks
 from .vector import SCHEMA, StepFlags
 from .weights import WeightCheck
+from .writes import batch_versions
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler
@@ -78,7 +79,9 @@ class StepEvidence:
             self._loss_sum = self._input_bad = None
             self.activations.step_start(step)
             self.window.step = step
-        self.window.add(batch, batch_idx, rng_state() if self.keep_rng else None)
+        # the batch tensors' version counters (host integers, no device work): an incident tells the batch tensors
+        # the step itself wrote into in place (detect.writes)
+        self.window.add(batch, batch_idx, rng_state() if self.keep_rng else None, batch_versions(batch))
         if self.check.inputs == "always":
             flag = dense_nonfinite_flag(checkable(iter_tensors(batch)))  # sparse tensors: their stored values
             if flag is not None:

@@ -67,6 +67,8 @@ class IncidentContext:
     evidence: Evidence = field(default_factory=Evidence)
     history: History = field(default_factory=History)
     input_findings: list[dict] = field(default_factory=list)  # the non-finite inputs behind it (Responder._look)
+    # the batch tensors the step itself wrote into in place, with the non-finite values found there (detect.writes)
+    written: list[dict] = field(default_factory=list)
     replay: bool = False
     frames: int = 21
     float64_check: bool = True

@@ -21,7 +21,7 @@ from ..core.tree import map_tensors
 from ..detect.kernels import any_nonfinite_flag
 from .probes import FrameRecorder, is_compiled
 from ..core.jsonvalue import JSONDict
-from .rerun import ReplayResult, RngState, gradients, noop, run_step
+from .rerun import ReplayResult, RngState, fresh, gradients, noop, run_step
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -80,7 +80,7 @@ def float64_run(twin: "pl.LightningModule", root: str, batch: object, batch_idx:
     rec = FrameRecorder(twin, backward=False, root_name=f"<{root}>")
     try:
         with rec:
-            loss = run_step(twin, _to_double(batch), batch_idx, rng, nullcontext())
+            loss = run_step(twin, _to_double(fresh(batch)), batch_idx, rng, nullcontext())
         grads = gradients(loss, named) if loss is not None else []
     finally:
         torch.set_default_dtype(previous)

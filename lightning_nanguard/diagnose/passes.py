@@ -27,7 +27,16 @@ from ..core.dtensors import local
 from ..core.jsonvalue import JSONDict
 from ..detect.kernels import total_norm
 from .probes import FirstBadOp, Frame, FrameRecorder, GraphWatch, all_finite, floats_of, format_frames, forward_trace
-from .rerun import ReplayResult, RngState, forward_context, gradients, preserved_state, reentrant_checkpoint, run_step
+from .rerun import (
+    ReplayResult,
+    Rewritten,
+    RngState,
+    forward_context,
+    gradients,
+    preserved_state,
+    reentrant_checkpoint,
+    run_step,
+)
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -114,9 +123,14 @@ def op_pass(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Op
     """The op that made the first non-finite value inside the module call ``where`` (None: in all of
     ``training_step``): :class:`~.probes.FirstBadOp`'s finding. Where no op of this rank made it and a collective
     ran there (sharded), it came in through that collective: ``{"op": None, "function": its name, "received": its
-    name}``."""
+    name}``. A micro-batch its step wrote into in place (:class:`~.rerun.Rewritten`) runs on a copy, and the first
+    in-place op that writes a non-finite value into a tensor the step wrote is named (:class:`~.probes.FirstBadOp`'s
+    ``written``)."""
+    written: list[tuple[str, Tensor]] = []
+    if isinstance(batch, Rewritten):
+        batch, written = batch.copy()
     rec = FrameRecorder(module, backward=False, root_name=f"<{type(module).__name__}>")
-    mode = FirstBadOp(rec, where, float64)
+    mode = FirstBadOp(rec, where, float64, written=written)
     with rec, mode:
         run_step(module, batch, batch_idx, rng, forward_context(plugin))
     if mode.found is None and mode.collectives:

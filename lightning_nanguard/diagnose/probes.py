@@ -204,17 +204,33 @@ class FirstBadOp(TorchFunctionMode):
     Collectives (:func:`~.comms.is_communication`: sharded modules) are never the op: their results are other
     ranks' values, read only after the collective's wait (a later op's input); they are listed in
     :attr:`collectives`, the way by which a value no op of this rank made came in. Ops whose output is uninitialised
-    memory (``torch.empty``) are never the op either."""
+    memory (``torch.empty``) are never the op either.
 
-    def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]], float64: bool = True) -> None:
+    ``written``: the batch tensors (path, tensor: copies of those the step itself wrote into in place, whose values
+    are the ones it wrote) whose non-finite values no op of the rerun can be judged on: the first in-place op
+    whose output, written into one of them (or a view of it), is non-finite is the op, named with the path it
+    wrote (``wrote_batch``) and none of the float64 or domain evidence, which would read the values it wrote
+    instead of those it was fed."""
+
+    def __init__(self, recorder: FrameRecorder, module: Optional[tuple[str, int]], float64: bool = True,
+                 written: Sequence[tuple[str, Tensor]] = ()) -> None:
         super().__init__()
         self.recorder, self.module, self.float64 = recorder, module, float64
         self.found: Optional[JSONDict] = None
         self.collectives: list[str] = []
+        self.written = {t.untyped_storage().data_ptr(): path for path, t in written}
 
     def __torch_function__(self, func: domain.Op, types: Sequence[type], args: Sequence[object] = (),
                            kwargs: Optional[Mapping[str, object]] = None) -> object:
         kwargs = kwargs or {}
+        if self.found is None and self.written and domain.in_place(func) and args and isinstance(args[0], Tensor):
+            path = self.written.get(args[0].untyped_storage().data_ptr())
+            if path is not None:  # a write into a batch tensor the step wrote: what it wrote there is all we hold
+                out = func(*args, **kwargs)
+                outs = floats_of(out)
+                if outs and not all_finite(outs):
+                    self.found = self._wrote_batch(func, path, out, outs)
+                return out
         watched = self.found is None and (self.module is None or (self.recorder.stack[-1] if self.recorder.stack
                                                                     else None) == self.module)
         before: Sequence[object] = args
@@ -228,6 +244,14 @@ class FirstBadOp(TorchFunctionMode):
             if outs and domain.made_nonfinite(floats_of([before, kwargs]), outs, domain.scalars_of([before, kwargs])):
                 self.found = self._evidence(func, before, kwargs, out, outs)
         return out
+
+    def _wrote_batch(self, func: domain.Op, path: str, out: object, outs: list[Tensor]) -> JSONDict:
+        where = self.recorder.stack[-1] if self.recorder.stack else None
+        grad_fn = next((t.grad_fn for _, t in iter_tensors(out, "") if t.grad_fn is not None), None)
+        # (no count of positions: a rerun writes again over what the step wrote, details.batch_written counts those)
+        return {"op": grad_fn.name() if grad_fn is not None else None, "function": getattr(func, "__name__", str(func)),
+                "module": where[0] if where else None, "source": user_frame(), "wrote_batch": path,
+                "dtype": str(outs[0].dtype)}
 
     def _evidence(self, func: domain.Op, args: Sequence[object], kwargs: Mapping[str, object], out: object,
                   outs: list[Tensor]) -> JSONDict:

@@ -7,7 +7,10 @@ its gradients without touching ``.grad``, at the step's own number, eagerly.
 - :func:`gradients` computes the gradients with :func:`torch.autograd.grad` (a real ``backward()``, with every
   ``.grad`` put back, where autograd cannot: FSDP2, a reentrant checkpoint);
 - :func:`eager` and :func:`at_step`: a compiled model runs eagerly, and ``trainer.global_step`` reads the step's
-  own number.
+  own number;
+- :class:`Rewritten`: a micro-batch that its own step wrote into in place (:mod:`~..detect.writes`): every rerun
+  gets a fresh copy of it (:func:`fresh`), so that no pass writes into the user's batch again nor sees another
+  pass's writes.
 
 Used by the one-process replay (:mod:`.replay`), the lockstep one of a sharded module (:mod:`.lockstep`), their
 passes (:mod:`.passes`) and the float64 pass (:mod:`.float64`).
@@ -25,6 +28,7 @@ from torch import Tensor, nn
 
 from ..core.dtensors import is_dtensor
 from ..core.record import RngState, rng_state, set_rng_state
+from ..core.tree import iter_tensors, map_tensors
 from ..recover.metrics import MetricUndo
 from .probes import public_name
 
@@ -33,7 +37,8 @@ if TYPE_CHECKING:
     from pytorch_lightning.plugins import Precision
 
 __all__ = ["ReplayResult", "preserved_state", "run_step", "gradients", "eager", "at_step", "forward_context",
-           "quiet_hooks", "trainable", "reentrant_checkpoint", "noop", "RngState", "Batches"]
+           "quiet_hooks", "trainable", "reentrant_checkpoint", "noop", "RngState", "Batches", "Rewritten", "fresh",
+           "rewritten"]
 
 # one micro-batch's RNG state before it ran (:func:`~..core.record.rng_state`: the CPU and CUDA generators' states)
 # the micro-batches of a window, each with its batch_idx (:class:`~..core.record.Window`)
@@ -116,8 +121,39 @@ def _loss_of(output: object) -> Optional[Tensor]:
     return None
 
 
+class Rewritten:
+    """A micro-batch its own ``training_step`` wrote into in place (``fields``: the paths of the tensors it wrote,
+    :func:`~..core.tree.iter_tensors`'): what the guard holds are the values it wrote. A rerun is given a copy
+    (:meth:`copy`), never the batch itself."""
+
+    __slots__ = ("batch", "fields")
+
+    def __init__(self, batch: object, fields: Sequence[str]) -> None:
+        self.batch, self.fields = batch, tuple(fields)
+
+    def copy(self) -> tuple[object, list[tuple[str, Tensor]]]:
+        """A copy of the batch (every tensor cloned), and the copies of the written tensors with their paths."""
+        twin = map_tensors(self.batch, lambda t: t.detach().clone())
+        return twin, [(p, t) for p, t in iter_tensors(twin) if p in self.fields]
+
+
+def fresh(batch: object) -> object:
+    """The batch a rerun is given: a copy of a :class:`Rewritten` one, else the batch itself."""
+    return batch.copy()[0] if isinstance(batch, Rewritten) else batch
+
+
+def rewritten(batches: Batches, written: Sequence[dict]) -> list[tuple[object, int]]:
+    """``batches`` with each micro-batch that its step wrote into in place (``written``: the entries of
+    :func:`~..detect.writes.written_in_place`) wrapped in :class:`Rewritten`."""
+    fields: dict[int, list[str]] = {}
+    for w in written:
+        fields.setdefault(int(w["micro_batch"]), []).append(str(w["field"]))
+    return [(Rewritten(b, fields[i]) if i in fields else b, idx) for i, (b, idx) in enumerate(batches)]
+
+
 def run_step(module: "pl.LightningModule", batch: object, batch_idx: int, rng: Optional[RngState],
              ctx: ContextManager[object]) -> Optional[Tensor]:
+    batch = fresh(batch)
     set_rng_state(rng)
     with ctx, torch.enable_grad():
         return _loss_of(module.training_step(batch, batch_idx))

@@ -72,7 +72,7 @@ from ..detect.divergence import growth_streak
 from ..detect.find import nonfinite_rows
 from ..detect.flow import replay_outputs
 from ..detect.spikes import history_zscore, norm_growth
-from . import domain, dynamics, lockstep, replay
+from . import domain, dynamics, lockstep, replay, rerun
 from .context import IncidentContext
 from .culprit import RUNAWAY_CAUSES, runaway_culprit
 from .rerun import ReplayResult
@@ -112,6 +112,8 @@ def _diagnose(ctx: IncidentContext) -> str:
     cause: Optional[str] = None
     _agree_on_replay(ctx)
     found.grad_norm_zscore = history_zscore(evidence.grad_norm, ctx.history.norm_history)
+    if ctx.written:  # the step wrote into its own batch: the NaN found there is its own (Responder._look)
+        found.batch_written = [dict(w) for w in ctx.written]
     if evidence.at_fit_start:
         cause = "initialization"
         found.nonfinite_parameters = _with_rows(ctx.pl_module, evidence.param_findings)
@@ -164,7 +166,9 @@ def _cause_of_step(ctx: IncidentContext) -> tuple[Optional[str], str]:
     if ev.kind == "divergence":
         pass  # nothing is non-finite: nothing to replay
     elif ctx.replay and ctx.batches:
-        result = replay.replay_window(ctx.trainer, ctx.pl_module, ctx.batches, ctx.rng_states,
+        # a micro-batch the step wrote into in place is replayed on copies of what it wrote (rerun.Rewritten)
+        batches = rerun.rewritten(ctx.batches, ctx.written) if ctx.written else ctx.batches
+        result = replay.replay_window(ctx.trainer, ctx.pl_module, batches, ctx.rng_states,
                                       frames=ctx.frames, float64_check=ctx.float64_check,
                                       norm_type=ctx.history.norm_type, step=ctx.replay_step,
                                       timeout=ctx.replay_timeout, lock=ctx.lockstep)
@@ -424,6 +428,10 @@ def _unreproduced(ctx: IncidentContext, res: ReplayResult) -> Optional[str]:
         note.note = ("finite on replay, but on other weights: the step's update was applied before its flags were "
                      "read (an optimizer that cannot skip on the device)")
         return None
+    if ctx.written:
+        note.note = ("finite on replay, but of a batch the step wrote into in place: the replay ran on the values it "
+                     "wrote, not on those it was given")
+        return None
     note.note = ("finite on replay of the same batch on the same weights and RNG state: a fault that does not "
                  "come back")
     return TRANSIENT
@@ -443,12 +451,24 @@ def _forward_cause(ctx: IncidentContext, res: ReplayResult, forward: dict) -> Op
         found.forward_op = res.forward_op
         if ev.culprit == "training_step" and res.forward_op.get("module"):
             ev.culprit = res.forward_op["module"]
+        if res.forward_op.get("wrote_batch"):  # the op wrote into the step's own batch: the values it was fed are
+            _wrote_batch(found, res.forward_op)  # gone, nothing judges it (no float64 recompute, no domain)
+            return None
     micro_batch = res.micro_batch or 0  # (a replay that reproduced the fault names its micro-batch)
     features = _extreme_features([b for b, _ in ctx.batches[micro_batch:micro_batch + 1]])
     if features:
         found.extreme_features = features
     at_op = _judged_at_op(found, res.forward_op, res.float64)
     return at_op if at_op is not None else _judged_at_module(found, forward, res.float64)
+
+
+def _wrote_batch(found: Diagnosis, op: dict) -> None:
+    """The in-place op that wrote the non-finite values into the batch tensor the step wrote (``op``: the op pass's
+    finding), into that tensor's entry of ``found.batch_written``."""
+    for entry in found.batch_written or []:
+        if entry["field"] == op["wrote_batch"]:
+            entry.update(function=op.get("function"), source=op.get("source"))
+            break
 
 
 def _judged_at_module(found: Diagnosis, forward: dict, f64: Optional[dict]) -> Optional[str]:

@@ -18,6 +18,7 @@ from ..core.causes import suggest
 from ..core.events import NaNEvent
 from ..core.record import StepRecord, Window
 from ..detect.placement import whereabouts
+from ..detect.writes import split_written, written_in_place
 from ..diagnose.context import IncidentContext
 from ..recover.ladder import Plan
 from ..recover.clipping import Clipper
@@ -206,6 +207,12 @@ class Responder:
             inputs=incident.look_at_inputs)
         if looked:
             ctx.evidence.param_findings = weights
+        window = ctx.evidence.window
+        written = written_in_place(ctx.batches, window.versions) if window is not None else []
+        if written:  # the batch tensors the step itself wrote into in place: what they hold is what it wrote,
+            data, ctx.written = split_written(inputs, written)
+            if incident.event.kind != "input":  # (unless check.inputs: always saw the batch bad before the step)
+                inputs = data
         ctx.input_findings = inputs
         return kind_of(incident.event.kind, weights, {n for n, _ in pl_module.named_buffers()}, inputs)
 
