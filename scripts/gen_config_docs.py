@@ -210,6 +210,7 @@ NOT_THRESHOLDS: dict[str, str] = {
     "lightning_nanguard.detect.replicas.EPS32": "float32's unit roundoff (arithmetic)",
     "lightning_nanguard.detect.replicas.FLOAT32_EXACT": "the largest integer float32 holds exactly (arithmetic)",
     "lightning_nanguard.store.sharded.EVERY_RANK": "a sentinel owner rank",
+    "lightning_nanguard.detect.writes.UNTRACKED": "a sentinel version (a tensor that keeps no version counter)",
     "lightning_nanguard.store.sharded.BUCKET_BYTES": "the largest broadcast of a sharded restore (memory)",
     "lightning_nanguard.store.verify.FORMAT": "the layout version of a disk snapshot file's header",
     "lightning_nanguard.report.cli.MAX_LINE": "`nanguard report`: the longest line read as an event",
