@@ -40,7 +40,6 @@ def test_rescue_schedule_restarts_at_its_factor():
     assert s(21) < 20.0 * 0.2
 
 
-@pytest.mark.slow
 def test_rescue_tiny_healthy_case_runs_end_to_end_bitwise(tmp_path):
     payload = rescue.main(["--quick", "--cases", "healthy: MLP", "--out", str(tmp_path)])
     (name, res), = payload["results"].items()
