@@ -57,15 +57,17 @@ def regression_data(n: int = 4096, features: int = 20, seed: int = 0) -> TensorD
 
 
 class TinyLM(pl.LightningModule):
-    """A small causal transformer language model (pre-LN encoder layers with a causal mask)."""
+    """A small causal transformer language model (pre-LN encoder layers with a causal mask; ``norm_first=False``:
+    post-LN, nn.TransformerEncoderLayer's default order)."""
 
     def __init__(self, vocab: int = 128, d: int = 64, layers: int = 2, heads: int = 4, seq_len: int = 32,
-                 lr: float = 3e-3, optimizer: str = "adamw", dropout: float = 0.1) -> None:
+                 lr: float = 3e-3, optimizer: str = "adamw", dropout: float = 0.1, norm_first: bool = True) -> None:
         super().__init__()
         self.lr, self.optimizer_name = lr, optimizer
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq_len, d) * 0.02)
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=dropout, batch_first=True,
+                                           norm_first=norm_first)
         self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
