@@ -134,3 +134,32 @@ def test_fit_start_removes_the_snapshot_files_an_earlier_run_left_and_says_how_m
     models.trainer(tmp_path, [guard], max_steps=3).fit(models.Regression(), models.loader(models.regression_data()))
     assert sorted(p.name for p in snaps.iterdir()) == ["notes.txt", "snapshot-step0.pt"]
     assert f"[nanguard] removed 2 snapshot file(s) an earlier run left in {snaps}" in said(caplog)
+
+
+# --------------------------------------------------------------------------------- README: nanguard report
+
+
+def test_report_heads_each_file_with_its_own_count_and_totals_every_action(tmp_path, capsys):
+    """README, `nanguard report`: over a folder, each events.jsonl is headed with its own count
+    (``.../events.jsonl  (4 incidents)``, ``(1 incident)``), and the totals count every action of every event
+    (``actions: skip_step=5, clip=2, rollback=2, reduce_lr=2``), not one per event."""
+    pl.seed_everything(0, verbose=False)
+    quiet = {"verbose": False, "reports": False}
+    two = NaNGuard(recovery={"reduce_lr_after": 1}, logging=quiet)
+    models.trainer(tmp_path / "a", [two], max_steps=8).fit(models.NaNLossOnBatches({3, 6}),
+                                                           models.loader(models.regression_data()))
+    one = NaNGuard(logging=quiet)
+    data = models.poison_rows(models.regression_data(), [100], float("nan"))
+    models.trainer(tmp_path / "b", [one], max_steps=8).fit(models.Regression(), models.loader(data))
+    assert [len(g.events) for g in (two, one)] == [2, 1]
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'a' / 'nanguard' / 'events.jsonl'}  (2 incidents)\n" in out
+    assert f"{tmp_path / 'b' / 'nanguard' / 'events.jsonl'}  (1 incident)\n" in out
+    actions = [a for g in (two, one) for e in g.events for a in e.actions]
+    assert "reduce_lr" in actions and actions.count("skip_step") == 3
+    counted = {a: actions.count(a) for a in dict.fromkeys(actions)}
+    line = next(line for line in out.splitlines() if line.startswith("  actions: "))
+    assert dict(kv.split("=") for kv in line.removeprefix("  actions: ").split(", ")) == \
+        {a: str(n) for a, n in counted.items()}, line
+    assert "total: 3 incident(s) in 2 file(s)" in out
