@@ -1556,4 +1556,41 @@ MUTANTS: list[Mutant] = [
            "    written = _written(d)\n    if written is not None:\n        return written\n", "",
            "docs/diagnosis.md, suggestion: a NaN the step wrote into its batch in place says so and to clone the batch "
            "before writing into it; here the generic advice of unknown"),
+    # ------------------------------------------------ issue 46, second half: promises of README.md and docs/*.md
+    Mutant("lr", "doc-lr-before-read-after-cut", RECOVERY,
+           "details.update(lr_before=before,", "details.update(lr_before=current_lrs(trainer.optimizers),",
+           "docs/recovery.md: a cut records details.lr_before, lr_after and lr_scale; here lr_before is read after "
+           "the cut (the same LR as lr_after)"),
+    Mutant("events", "doc-clip-threshold-scalar-is-the-norm", PARTS,
+           'values["clip_threshold"] = float(threshold)', 'values["clip_threshold"] = float(self.clipper.last_norm)',
+           "docs/events.md, loggers: nanguard/clip_threshold is the clip limit in force (clip.max_norm); here it "
+           "logs the step's gradient norm"),
+    Mutant("events", "doc-event-line-batch-is-the-step", EVENTS,
+           "(epoch {self.epoch}, batch {self.batch_idx})", "(epoch {self.epoch}, batch {self.step})",
+           "docs/events.md, lines on screen: '[nanguard] step 19 (epoch 1, batch 3): ...'; here the batch shown is "
+           "the global step"),
+    Mutant("config", "doc-unknown-key-allowed-not-listed", CONFIG,
+           "msg = f\"{prefix}{key}: unknown key; allowed: {', '.join(known)}\"",
+           "msg = f\"{prefix}{key}: unknown key\"",
+           "the contract: an unknown key's ConfigError names the key and what is allowed; here a key with no near "
+           "match says only 'unknown key' (constructor, YAML, nanguard validate)"),
+    Mutant("snapshots", "doc-snapshot-failures-first-named-as-last", SNAPSHOTS,
+           "last = self.failures[-1]", "last = self.failures[0]",
+           "docs/recovery.md, snapshots: the end of fit says 'N snapshot(s) not written this fit (the last at step "
+           "S: ...)'; here it names the first failure's step and error"),
+    Mutant("snapshots", "doc-stale-tmp-snapshots-left", SNAPSHOTS,
+           '_SNAPSHOT_FILE = re.compile(r"snapshot-step\\d+\\.pt(\\.tmp)?")',
+           '_SNAPSHOT_FILE = re.compile(r"snapshot-step\\d+\\.pt")',
+           "docs/recovery.md: fit start clears the snapshot-step*.pt and .pt.tmp files an earlier run left; here the "
+           ".pt.tmp files of a killed write stay (and the count said is short)"),
+    Mutant("events", "doc-report-file-header-counts-all", CLI,
+           "out.write(f\"{f}  ({count} incident{'s' if count != 1 else ''})\\n\")",
+           "out.write(f\"{f}  ({totals.incidents} incident{'s' if count != 1 else ''})\\n\")",
+           "README, nanguard report: each events.jsonl of a folder is headed with its own count; here every header "
+           "shows the total over all files"),
+    Mutant("events", "doc-report-totals-first-action-only", CLI,
+           "for v in (vals if isinstance(vals, list) else [vals]):",
+           "for v in (vals[:1] if isinstance(vals, list) else [vals]):",
+           "README, nanguard report: the totals count every action of every event (actions: skip_step=5, clip=2, "
+           "...); here only each event's first action"),
 ]
