@@ -3,16 +3,36 @@ nowhere else, its schedule restarts where it says, and one tiny case runs end to
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import rescue  # noqa: E402  (benchmarks/ is not a package: its modules import each other by bare name)
+def _import_rescue():
+    """benchmarks/ is not a package (its modules import each other by bare name), and its ``common`` quiets
+    Lightning's loggers and some warnings for the benchmarks' output: imported here so that none of that reaches
+    the rest of the suite (the guard's lines on screen are Lightning's rank-zero logger at INFO, which other tests
+    read)."""
+    names = ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric")
+    levels = {name: logging.getLogger(name).level for name in names}
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        with warnings.catch_warnings():
+            return importlib.import_module("rescue")
+    finally:
+        sys.path.remove(folder)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+rescue = _import_rescue()
 
 
 @pytest.mark.parametrize("kind", rescue.CORRUPTIONS)
