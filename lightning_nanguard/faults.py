@@ -306,7 +306,7 @@ class FaultInjectorBase:
     def _write_back(entries: list[tuple[Tensor, tuple[int, ...], Tensor]]) -> None:
         with torch.no_grad():
             for tensor, index, original in reversed(entries):
-                tensor[index] = original
+                tensor.data[index] = original  # (no version bump either: the batch was never the step's to write)
 
     def _release_shared(self, batch: object) -> None:
         """Write back now the previous step's poisoned inputs whose storage this batch shares (a dataset handing
@@ -365,8 +365,8 @@ class FaultInjectorBase:
             return
         index = _element(tensor, p.rng)
         self._restore.append((tensor.detach(), index, tensor.detach()[index].clone()))
-        with torch.no_grad():
-            tensor.detach()[index] = _NUMBERS[p.value]
+        with torch.no_grad():  # through ``.data``: the value, without bumping the tensor's version counter, so that
+            tensor.data[index] = _NUMBERS[p.value]  # the guard sees bad data, not a write by the step (detect/writes)
         self._mark(p, where, index)
 
     def _hook_activation(self, p: _Planned, pl_module: nn.Module) -> None:

@@ -65,7 +65,9 @@ class Net(pl.LightningModule):
         x, y = batch
         mode = BAD.get(batch_idx) if self.global_rank == 1 else None
         if mode == "input":
-            x[1, 2] = float("nan")  # in place: the batch NaNGuard holds is the bad one (found on rank 1 only)
+            # bad data as it would arrive from the loader (through .data: no version bump, so the guard does not
+            # take it for a write of the step into its own batch); the batch NaNGuard holds is the bad one
+            x.data[1, 2] = float("nan")  # (found on rank 1 only)
         loss = nn.functional.mse_loss(self.layer(x), y)
         if mode == "const":
             loss = loss + torch.tensor(float("nan"))  # the gradient stays finite: only rank 1 can tell

@@ -56,7 +56,7 @@ class Net(pl.LightningModule):
         # step, which may run one step later (lagged reads), reproduces the fault
         fault = FAULTS.get(batch_idx) if self.global_rank == 1 else None
         if fault == "input":
-            x[1, 2] = float("nan")
+            x.data[1, 2] = float("nan")  # bad data, as from the loader (.data: no version bump, not the step's write)
         elif fault == "gradient":
             x[2] = 0.0
         h = self.proj(x)
