@@ -55,7 +55,8 @@ def test_stall_fires_on_a_stalled_lm_and_rescues_it(tmp_path: Any) -> None:
 
 def test_stall_probe_on_a_healthy_run_changes_nothing(tmp_path: Any) -> None:
     plain, _ = _fit(tmp_path / "plain", 3e-3, None, epochs=3)
-    guard = NaNGuard(check={"stall_window": 10, "stall_probe_steps": 5, "stall_progress": 1e3}, logging={"verbose": False})  # probes every time it may
+    guard = NaNGuard(check={"stall_window": 10, "stall_probe_steps": 5, "stall_progress": 1e3},
+                     logging={"verbose": False})  # probes every time it may
     guarded, _ = _fit(tmp_path / "guarded", 3e-3, guard, epochs=3)
     assert guard._parts.stall.probes >= 2  # the probe ran
     assert [e.kind for e in guard.events] == []
