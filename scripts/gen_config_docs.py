@@ -47,8 +47,8 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
     ("lightning_nanguard.detect.stall", "PROBE_FACTORS",
      "the LR factors a confirmed stall's probe measures (beside 1, the run's own); its cut is the one that learns "
      "most on the probe's batches",
-     "on the benchmark's stalled LMs 0.3 won the probe's 20 steps but left the fit higher (2.70 / 2.85) than 0.1 "
-     "(2.75 / 2.73): the probe's short horizon favours the larger of the cuts; 0.1 and 0.03 only"),
+     "with 0.3 among them the probe chose it on both stalled LMs of the benchmark: pre-LN ended at 2.70 (0.1: 2.75), "
+     "post-LN at 2.85 (0.1: 2.73); 0.1 and 0.03 only, the better sum (the probe's short horizon favours 0.3)"),
     ("lightning_nanguard.detect.stall", "MAX_COOLDOWN",
      "the longest wait, in steps, between two stall probes (the wait doubles after each probe that finds nothing)",
      "a bound: a long healthy run probes O(log steps) times, and a run that stalls late is still probed"),
