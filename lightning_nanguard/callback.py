@@ -240,7 +240,8 @@ class NaNGuardBase:
         return {"version": _STATE_VERSION, "counters": self._counters.state_dict(),
                 "recorder": self._recorder.state_dict(), "recovery": self._recovery.state_dict(),
                 "clipper": self._clipper.state_dict(), "losses": self._parts.losses.state_dict(),
-                "overflow": self._parts.overflow.state_dict(), "divergence": self._parts.divergence.state_dict()}
+                "overflow": self._parts.overflow.state_dict(), "divergence": self._parts.divergence.state_dict(),
+                "stall": self._parts.stall.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a saved state: checked first (:mod:`~lightning_nanguard.state_schema`), so that a state of
@@ -269,6 +270,7 @@ class NaNGuardBase:
         self._parts.losses.load_state_dict(state.get("losses", {}))
         self._parts.overflow.load_state_dict(state.get("overflow", {}))
         self._parts.divergence.load_state_dict(state.get("divergence", {}))
+        self._parts.stall.load_state_dict(state.get("stall", {}))
         self._resumed = True
 
     # ---------------------------------------------------------------------------------- fit lifecycle

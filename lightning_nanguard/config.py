@@ -131,6 +131,18 @@ class CheckConfig(_Section):
         100.0, "a loss this many times its first value for divergence_steps + 2 consecutive steps is a divergence; "
                "the last value of a growth streak must also be 10x every value before the streak", lo=1.0,
         lo_open=True)
+    stall: Literal["off", "warn", "act"] = _opt(
+        "act", "a run that stopped learning because its steps are too large (a loss that stopped falling arms a "
+               "probe: K steps at the run's LR and at 1/10 of it on the batches just seen): ignore it, record an "
+               "event, or also cut the LR by the factor the probe measured best")
+    stall_window: int = _opt(50, "steps of each of the two loss windows whose progress arms the stall probe", lo=2)
+    stall_progress: float = _opt(
+        0.5, "the stall probe is armed when the loss fell by less than this many spreads between the last two "
+             "stall_window windows", lo=-1e3, hi=1e3)
+    stall_probe_steps: int = _opt(20, "steps (and batches) of the stall probe", lo=1)
+    stall_gain_ratio: float = _opt(
+        1.43, "a stall: the loss gain of the probe at 1/10 of the LR is at least this many times the gain at the "
+              "run's LR", lo=1.0, lo_open=True)
     amp_overflow_patience: int = _opt(
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",

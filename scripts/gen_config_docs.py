@@ -44,6 +44,14 @@ _DIAGNOSIS = ("a diagnosis threshold: it decides which cause the event names (an
 # is not a key). Their values are read by import, so docs/configuration.md#constants cannot drift from the code;
 # tests/test_config.py checks that every module-level numeric constant of the package is here or in NOT_THRESHOLDS.
 CONSTANTS: list[tuple[str, str, str, str]] = [
+    ("lightning_nanguard.detect.stall", "PROBE_FACTORS",
+     "the LR factors a confirmed stall's probe measures (beside 1, the run's own); its cut is the one that learns "
+     "most on the probe's batches",
+     "with 0.3 among them the probe chose it on both stalled LMs of the benchmark: pre-LN ended at 2.70 (0.1: 2.75), "
+     "post-LN at 2.85 (0.1: 2.73); 0.1 and 0.03 only, the better sum (the probe's short horizon favours 0.3)"),
+    ("lightning_nanguard.detect.stall", "MAX_COOLDOWN",
+     "the longest wait, in steps, between two stall probes (the wait doubles after each probe that finds nothing)",
+     "a bound: a long healthy run probes O(log steps) times, and a run that stalls late is still probed"),
     ("lightning_nanguard.diagnose.culprit", "WEIGHT_CULPRIT_GROWTH",
      "growth of a module's weight norm since the snapshot before a divergence's onset that names it the culprit "
      "(the most grown module; `by: weights` in `details.runaway`)",

@@ -354,6 +354,19 @@ MUTANTS: list[Mutant] = [
            "plan = Plan(rollback=False, reduce_lr=True",
            "persistent adaptive clipping cuts the LR but does not roll back the drifted weights"),
 
+    # ------------------------------------------------------------------------------- stalls (issue 41 item 2)
+    Mutant("divergence", "stall-ratio-ignored", STEP,
+           "            if ratio is None or ratio < watch.ratio:", "            if ratio is None or ratio < 1e9:",
+           "docs/recovery.md: a lower-LR probe that learns check.stall_gain_ratio x more is a stall; here never"),
+    Mutant("divergence", "stall-probe-shares-optimizer-state", PKG + "diagnose/lr_probe.py",
+           "    twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))",
+           "    twin.load_state_dict(optimizer.state_dict())",
+           "the stall probe steps the run's own Adam moments in place: a healthy run is no longer bitwise"),
+    Mutant("divergence", "stall-trigger-blind", STEP,
+           "            p.stall.observe(record.step, loss)  # host floats only",
+           "            p.stall.observe(record.step, None)  # host floats only",
+           "the stall trigger never sees a loss: the probe is never armed"),
+
     # -------------------------------------------------------------------------------------------- spikes
     Mutant("spikes", "spike-two-sided", SPIKES,
            "return z if z > self.z_threshold else None", "return z if abs(z) > self.z_threshold else None",

@@ -44,6 +44,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                 "spikes usually precede a divergence to NaN.", headline="spike (finite, abnormal)"),
     Kind("divergence", "a finite loss or gradient norm running away", runaway=True,
          headline="divergence (finite, running away)"),
+    Kind("stall", "a finite run that stopped learning because its steps are too large (a lower-LR probe learns "
+                  "more from the same batches)", incident=False,
+         advice="The loss stopped falling, and the same batches learn more at a lower learning rate: the steps are "
+                "too large. Lower the learning rate (the cut the guard measured is in details.stall) or add warm-up.",
+         headline="stall (finite, not learning)"),
     Kind("replica", "DDP ranks disagree on a value that must be identical (their copies of the reduced gradient, or "
                     "of the weights)",
          advice="The DDP replicas disagreed: a fault in one rank's memory, its GPU or the interconnect (silent data "

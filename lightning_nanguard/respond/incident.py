@@ -27,7 +27,7 @@ from ..recover.recovery import Rollback
 
 __all__ = ["Act", "NoteNow", "ActNow", "ActAtStepEnd", "RestoreAtEnd", "StopAtStart", "Told", "Planning", "Ladder",
            "Given", "MustRollBack", "At", "Evidence", "Incident", "Look", "Response", "NOTHING_DONE", "Skip", "kind_of",
-           "nonfinite_step", "divergence", "spike", "persistent_clipping", "bad_weights", "replicas_drifted",
+           "nonfinite_step", "divergence", "stall", "spike", "persistent_clipping", "bad_weights", "replicas_drifted",
            "fit_start", "after_stop", "unfinished", "anomaly_error", "SPIKES_BEFORE_LR_CUT"]
 
 # loss spikes within recovery.incident_window steps that cut the LR whatever check.spike_action says (one
@@ -298,6 +298,39 @@ def divergence(at: At, record: StepRecord, found: dict, *, act: bool) -> Inciden
     return Incident(event, ActAtStepEnd(), record, evidence, diagnose=True, share=True,
                     planning=Ladder(rollback_before=found.get("onset_step")),
                     skip=Skip(mirrored=False, undo_buffers=True))
+
+
+def stall(at: At, found: dict, *, culprit: Optional[str], lr_factor: Optional[float],
+          rollback_before: Optional[int], act: bool) -> Incident:
+    """A run that stopped learning because its steps are too large (:mod:`.detect.stall`, confirmed by the
+    lower-LR probe): cause ``learning_rate``, the probe's and the trigger's numbers in ``details.stall``, the
+    parameter the probe's steps moved most (relative to its norm) as the culprit. Outside a step (at its end).
+
+    Args:
+        at: where (the step whose batch completed the probe).
+        found: the evidence: the trigger's numbers, the probe's losses, its gain ratio, the factor it chose.
+        culprit: the parameter that moves most.
+        lr_factor: the LR factor the probe measured best (None: none learned: no cut).
+        rollback_before: roll back to a snapshot at or before this step (None: no snapshot from before the
+            stall exists; the probe measured the cut from the current weights).
+        act: ``check.stall: act`` (else only recorded).
+
+    Returns:
+        An :class:`Incident` acting now on its own plan (:class:`Given`), or noting it (:class:`NoteNow`).
+    """
+    event = at.event("stall")
+    event.cause, event.culprit = "learning_rate", culprit
+    event.details["stall"] = found
+    factor = f" by {lr_factor:g}x" if lr_factor is not None else ""
+    event.suggestion = (f"The loss stopped falling and the same batches learn more at a lower learning rate: lower "
+                        f"it{factor} (or add warm-up). " + (f"The parameter that moves most: {culprit}." if culprit
+                                                            else ""))
+    if not act or lr_factor is None:
+        return Incident(event, NoteNow(), history=False)
+    reasons = [f"a lower-LR probe learned {found.get('gain_ratio', 0.0):.3g}x as much from the same batches"]
+    plan = Plan(rollback=rollback_before is not None, rollback_before=rollback_before, reduce_lr=True,
+                lr_factor=lr_factor, reasons=reasons)
+    return Incident(event, ActNow(), history=False, planning=Given(plan))
 
 
 def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_norm_zscore: Optional[float],

@@ -10,6 +10,7 @@ from ..config import NaNGuardConfig
 from ..core.counters import Counters
 from ..detect.amp import OverflowWatch, grad_scaler
 from ..detect.divergence import DivergenceWatch
+from ..detect.stall import StallWatch
 from ..detect.evidence import StepEvidence
 from ..detect.flow import Flow, FlowWindows
 from ..detect.ranks import Ranks
@@ -44,6 +45,7 @@ class Parts:
     recorder: Recorder
     ranks: Ranks = field(default_factory=Ranks)
     flow: FlowWindows = field(default_factory=lambda: FlowWindows(0))  # the gradient-flow windows
+    stall: StallWatch = field(default_factory=lambda: StallWatch("off"))  # a run that stopped learning
     # the rollbacks of this fit: (the step restored, the step of the incident that rolled back), oldest first
     rollbacks: list[tuple[int, int]] = field(default_factory=list)
 
@@ -60,7 +62,9 @@ class Parts:
         return cls(cfg, counters, StepEvidence(cfg.check, keep_rng=cfg.anomaly.mode != "off"), clipper, losses,
                    OverflowWatch(cfg.check.amp_overflow_patience, cfg.check.amp_min_scale), divergence, recovery,
                    Diagnoser(cfg.anomaly, counters), Recorder(cfg.logging, counters, name),
-                   flow=FlowWindows(cfg.logging.flow_window, cfg.clip.norm_type))
+                   flow=FlowWindows(cfg.logging.flow_window, cfg.clip.norm_type),
+                   stall=StallWatch(cfg.check.stall, cfg.check.stall_window, cfg.check.stall_progress,
+                                    cfg.check.stall_probe_steps, cfg.check.stall_gain_ratio))
 
     def history(self) -> History:
         """The guard's memory of the steps before an incident, for its diagnosis and report. Called on every rank at

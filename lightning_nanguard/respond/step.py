@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..core.console import say
+from ..core.console import say, warn
 from ..core.record import StepRecord, UpdateStage
 from ..detect.amp import clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from ..detect.ranks import Ranks
 from ..detect.read_mode import choose_read_mode
+from ..detect.stall import PROBE_FACTORS, best_factor, gain_ratio
 from ..detect.vector import SCHEMA
 from ..detect.verdict import Outcome, classify, device_skipped, skip_flag
+from ..diagnose.lr_probe import lr_probe
 from ..diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
 from ..recover.checkpoint import optimizer_state_nonfinite
 from ..report.recorder import logger_step
@@ -224,6 +226,8 @@ class StepFlow:
             response = response.merge(self.responder.respond(found))
             outcome = Outcome.INCIDENT
         p.losses.healthy(loss)
+        if self.responder.fit.automatic:
+            p.stall.observe(record.step, loss)  # host floats only: it may arm the lower-LR probe
         return outcome, response
 
     def _finite_incidents(self, record: StepRecord, loss: Optional[float],
@@ -316,6 +320,12 @@ class StepFlow:
         response, self.response = self.response, NOTHING_DONE
         if outcome is None:
             return False
+        probe = None
+        if p.stall.armed:  # (only while armed: a copy of the step's batches for the probe)
+            if outcome in (Outcome.HEALTHY, Outcome.STAGED) and not response.queued:
+                probe = p.stall.collect(p.evidence.window.batches)
+            else:
+                p.stall.disarm()  # an incident: the batches kept were seen on other weights
         p.evidence.step_end()
         if outcome is Outcome.STAGED:
             self._after_staged()
@@ -331,7 +341,52 @@ class StepFlow:
             p.recovery.undo_metrics()
         if outcome is Outcome.ROUTINE_OVERFLOW:  # log the lowered scale like a healthy step
             self._scalars()
+        if probe:
+            self._probe_stall()
         return True
+
+    def _probe_stall(self) -> None:
+        """The stall watch kept its probe's batches: run the lower-LR probe (:mod:`..diagnose.lr_probe`) and, where a
+        lower LR learns ``check.stall_gain_ratio`` times more from them, respond with a ``stall`` event (its LR cut:
+        the factor the probe measured best). Only one optimizer on one process; the guard's own failure here is
+        warned once and the watch turned off, never the end of the run."""
+        p, fit = self.parts, self.responder.fit
+        trainer, module, watch = fit.trainer, fit.module, p.stall
+        trigger = dict(watch.trigger)
+        if self._unread is not None:
+            self.flush()  # a lagged step not judged yet: judged first (the probe reads the weights anyway)
+        kept = watch.take(stalled=False)
+        if p.recovery.stopped or len(trainer.optimizers) != 1 or trainer.world_size > 1:
+            return
+        try:
+            first = lr_probe(trainer, module, trainer.optimizers[0], kept, (1.0, 0.1))
+            before, after = first["before"], dict(first["after"])
+            ratio = gain_ratio(before, after[1.0], after[0.1])
+            if ratio is None or ratio < watch.ratio:
+                return
+            more = lr_probe(trainer, module, trainer.optimizers[0], kept,
+                            [f for f in PROBE_FACTORS if f not in after], before=before)
+        except Exception as exc:  # noqa: BLE001  (the guard's own failure never ends the run)
+            watch.enabled = False
+            warn(f"[nanguard] the stall probe failed and is off for the rest of the fit: {exc!r}")
+            return
+        watch.cooldown, watch.wait = 2 * watch.window, 0  # a stall: the next probe as soon as a new window is full
+        after.update(more["after"])
+        factor = best_factor(before, after)
+        moved = first["moved"]
+        culprit = max(moved, key=lambda n: moved[n]) if moved else None
+        onset = int(trigger.get("onset_step", 0))
+        store = p.recovery.store
+        before_stall = store.ring[0] if store is not None and len(store) and store.ring[0].step <= onset else None
+        found = {"trigger": trigger, "probe_steps": len(kept), "loss_before": before,
+                 "loss_after": {f"x{f:g}": v for f, v in sorted(after.items(), reverse=True)},
+                 "gain_ratio": ratio, "threshold": watch.ratio, "lr_factor": factor,
+                 "relative_update": moved.get(culprit) if culprit else None,
+                 "rollback_target": before_stall.step if before_stall is not None else None}
+        self.responder.respond(incidents.stall(
+            self.responder.at(), found, culprit=culprit, lr_factor=factor,
+            rollback_before=before_stall.step if before_stall is not None else None,
+            act=p.config.check.stall == "act"))
 
     def _scalars(self, step: Optional[int] = None) -> None:
         """The guard's scalars of a step without an event, at the logger ``step`` of its batch (default: the

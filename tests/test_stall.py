@@ -1,0 +1,83 @@
+"""Issue 41 item 2: a run that has stopped learning because its steps are too large is a ``stall`` event
+(lightning_nanguard/detect/stall.py, diagnose/lr_probe.py), through a real ``pl.Trainer``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_nanguard import NaNGuard
+from lightning_nanguard.detect.stall import StallWatch, best_factor, gain_ratio, progress
+from .models import markov_tokens, trainer
+from .test_healthy_corpus import Net, TinyLM, _ce
+
+# a small window and probe: the fit stays short (the defaults are 50 and 20)
+FAST = {"stall_window": 10, "stall_probe_steps": 5}
+
+
+def _lm(lr: float) -> Net:
+    return Net(TinyLM(), _ce, lambda p: torch.optim.AdamW(p, lr=lr))
+
+
+def _fit(tmp_path: Any, lr: float, guard: Any, epochs: int = 4) -> tuple[Net, float]:
+    pl.seed_everything(0, verbose=False)
+    model = _lm(lr)
+    data = markov_tokens(n=256, vocab=32, successors=3)
+    trainer(tmp_path, [guard] if guard is not None else [], max_epochs=epochs).fit(
+        model, DataLoader(data, batch_size=8))
+    model.eval()
+    x, y = data.tensors
+    with torch.no_grad():
+        return model, float(_ce(model.body(x), y))
+
+
+@pytest.mark.slow
+def test_stall_fires_on_a_stalled_lm_and_rescues_it(tmp_path: Any) -> None:
+    """AdamW at lr=0.1 on the tiny LM: stuck near 2.28 (lr=3e-3: 1.02); the probe finds a lower LR learns 4x more,
+    the LR is cut, and the fit ends lower."""
+    _, plain = _fit(tmp_path / "plain", 0.1, None, epochs=6)
+    guard = NaNGuard(check={**FAST, "stall": "act", "stall_gain_ratio": 1.43}, logging={"verbose": False})
+    _, guarded = _fit(tmp_path / "guarded", 0.1, guard, epochs=6)
+    stalls = [e for e in guard.events if e.kind == "stall"]
+    assert stalls, [(e.kind, e.step) for e in guard.events]
+    first = stalls[0]
+    assert first.cause == "learning_rate" and first.culprit
+    found = first.details["stall"]
+    assert found["gain_ratio"] >= 1.43 and found["lr_factor"] < 1.0
+    assert "reduce_lr" in first.actions and guard.lr_scale < 1.0
+    assert guarded < plain, (guarded, plain)
+
+
+def test_stall_probe_on_a_healthy_run_changes_nothing(tmp_path: Any) -> None:
+    plain, _ = _fit(tmp_path / "plain", 3e-3, None, epochs=3)
+    guard = NaNGuard(check={"stall_window": 10, "stall_probe_steps": 5, "stall_progress": 1e3},
+                     logging={"verbose": False})  # probes every time it may
+    guarded, _ = _fit(tmp_path / "guarded", 3e-3, guard, epochs=3)
+    assert guard._parts.stall.probes >= 2  # the probe ran
+    assert [e.kind for e in guard.events] == []
+    for (k, a), b in zip(plain.state_dict().items(), guarded.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_check_stall_off_never_probes(tmp_path: Any) -> None:
+    guard = NaNGuard(check={**FAST, "stall": "off", "stall_progress": 1e3}, logging={"verbose": False})
+    _fit(tmp_path, 3e-3, guard, epochs=3)
+    assert guard._parts.stall.probes == 0
+
+
+def test_stall_watch_arms_on_a_flat_loss_and_not_on_a_falling_one() -> None:
+    watch = StallWatch(window=5, threshold=0.5, probe_steps=2)
+    falling = [10.0 - 0.5 * i for i in range(10)]
+    assert not any(watch.observe(i, v) for i, v in enumerate(falling))
+    flat = StallWatch(window=5, threshold=0.5, probe_steps=2)
+    armed = [flat.observe(i, 3.0 + 0.01 * (-1) ** i) for i in range(10)]
+    assert armed[-1] and flat.armed
+    assert progress(falling, 5) is not None and progress(falling, 5) > 0.5
+    assert gain_ratio(3.0, 2.9, 2.8) == 2.0 and gain_ratio(3.0, 3.1, 2.9) == math.inf
+    assert gain_ratio(3.0, 2.9, 3.1) is None
+    assert best_factor(3.0, {1.0: 2.9, 0.1: 2.8, 0.03: 2.85}) == 0.1
