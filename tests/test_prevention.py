@@ -270,7 +270,7 @@ def test_warn_spike_records_but_changes_nothing(fit: Any) -> None:
     fit(plain, regression_data(), subdir="plain", shuffle=True, max_epochs=3)
     pl.seed_everything(0, verbose=False)
     guarded = SpikyRegression(at=30, mode="offset")
-    guard = NaNGuard(check={"spike_warmup": 20})  # spike_action: warn (the default)
+    guard = NaNGuard(check={"spike_action": "warn", "spike_warmup": 20})
     fit(guarded, regression_data(), [guard], subdir="guarded", shuffle=True, max_epochs=3)
     assert [(e.kind, e.step, e.actions) for e in guard.events] == [("spike", 30, ["warn"])]
     # the gradient was normal, only the loss value jumped, on weights whose loss was healthy a step before: the data
@@ -405,7 +405,7 @@ def test_repeated_spikes_cut_the_lr_even_when_the_action_is_warn(fit: Any) -> No
 
     # each pair's first spike is on weights healthy a step before (a bad batch: never counts towards the cut), its
     # second on the weights the first one's applied update moved
-    guard = NaNGuard(check={"spike_warmup": 20})  # spike_action: warn
+    guard = NaNGuard(check={"spike_action": "warn", "spike_warmup": 20})
     tr = fit(ThreeSpikes(at=-1, mode="offset"), regression_data(), [guard], shuffle=True, max_epochs=3)
     assert SPIKES_BEFORE_LR_CUT == 3
     assert [(e.kind, e.step, e.cause, e.actions) for e in guard.events] == [
@@ -428,7 +428,7 @@ def test_three_spikes_cut_the_lr_only_within_incident_window_steps(fit: Any, thi
             return loss + 1000.0 * 100.0 ** pair if pair is not None else loss
 
     # the counted spikes are the second of each pair (31, 35, third + 1): the first is a bad batch's
-    guard = NaNGuard(check={"spike_warmup": 20}, recovery={"incident_window": 8})  # spike_action: warn
+    guard = NaNGuard(check={"spike_action": "warn", "spike_warmup": 20}, recovery={"incident_window": 8})
     tr = fit(Spikes(at=-1, mode="offset"), regression_data(), [guard], shuffle=True, max_epochs=3)
     assert [(e.kind, e.step) for e in guard.events] == [("spike", s) for s in (30, 31, 34, 35, third, third + 1)]
     assert [e.actions for e in guard.events] == [["warn"]] * 5 + [["reduce_lr"] if cut else ["warn"]]
@@ -538,7 +538,7 @@ def test_spike_z_is_the_detection_threshold(fit_scripted: Any) -> None:
     expected = (f32[-1] - statistics.fmean(f32[:-1])) / statistics.pstdev(f32[:-1])
     assert expected == pytest.approx(8.0, rel=1e-5)
     low = fit_scripted(ScriptedLoss(values), {"spike_z": 7.5, "spike_warmup": WARMUP}, subdir="low")
-    assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["warn"])]
+    assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["skip_step"])]  # the default
     assert low.events[0].details["loss_zscore"] == pytest.approx(expected, rel=1e-6)
     high = fit_scripted(ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP}, subdir="high")
     assert high.events == [] and high.counters["spikes"] == 0
