@@ -115,7 +115,8 @@ class CheckConfig(_Section):
     activations: Union[Literal["off", "on_incident", "always"], int] = _opt(
         "on_incident", "module outputs: off, during the incident replay, every step, or every N steps")
     spike_action: Literal["off", "warn", "skip_step", "clip", "reduce_lr"] = _opt(
-        "warn", "what to do when the loss jumps spike_z spreads above its running mean")
+        "skip_step", "what to do when the loss jumps spike_z spreads above its running mean (skip_step: its update "
+                     "never reaches the weights nor the optimizer's moments)")
     spike_z: float = _opt(6.0, "spreads above the loss's running mean that count as a spike (the spread: its standard "
                                "deviation, 1% of |mean|, or half the recent peak over the mean, the largest)",
                           lo=0.0, lo_open=True)

@@ -128,6 +128,12 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
      "(full-batch training, a converged run) does not turn a 1% wobble into a spike",
      "a floor for a loss without spread, not a sensitivity (`check.spike_z`'s help names it; the sensitivity is "
      "`check.spike_z`)"),
+    ("lightning_nanguard.detect.spikes", "SPIKE_PATIENCE",
+     "loss spikes in a row whose steps were skipped (`check.spike_action: skip_step`) after which the loss counts as "
+     "not coming back: a `divergence` event rolls back to before the first of them",
+     "longer than a short corrupt stretch (the rescue benchmark's 5 consecutive corrupt batches end within 0.1% of "
+     "the clean run with no rollback), far shorter than PaLM's windows of 200-500 batches; the sensitivity users set "
+     "is `check.spike_z`"),
     ("lightning_nanguard.detect.spikes", "ZSCORE_MIN_HISTORY",
      "finite gradient norms the healthy history needs before the diagnosis measures an incident's norm against it "
      "(`grad_norm_zscore`)",

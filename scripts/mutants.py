@@ -368,6 +368,32 @@ MUTANTS: list[Mutant] = [
            "the stall trigger never sees a loss: the probe is never armed"),
 
     # -------------------------------------------------------------------------------------------- spikes
+    Mutant("spikes", "spike-skipped-widens-the-test", SPIKES,
+           "            if self.hold:  # its update never lands",
+           "            if False:  # its update never lands",
+           "docs/recovery.md, loss spikes (issue 41): a skipped spike leaves the spike test's statistics as they were, "
+           "so every batch of a corrupt stretch is caught; here its capped loss widens the spread threefold and the "
+           "later corrupt batches get through"),
+    Mutant("spikes", "spike-bad-batch-counts-towards-lr-cut", STEP,
+           'repeated=cause != "input" and detector.repeated(',
+           "repeated=detector.repeated(",
+           "docs/recovery.md, loss spikes (issue 41): a bad batch's spike (cause input) never counts towards the LR "
+           "cut of repeated spikes; here five corrupt batches in a row cut the LR at the third"),
+    Mutant("spikes", "spike-after-healthy-not-input", RULES,
+           "    if after_healthy:\n",
+           "    if False:\n",
+           "docs/recovery.md, loss spikes (issue 41): a spike on weights whose loss was healthy a step before is cause "
+           "input (the batch); here it stays unknown and counts towards the LR cut"),
+    Mutant("spikes", "spike-loss-not-back-never-rolls-back", STEP,
+           "p.losses.detector.held >= SPIKE_PATIENCE:",
+           "p.losses.detector.held >= 100 * SPIKE_PATIENCE:",
+           "docs/recovery.md, loss spikes (issue 41): SPIKE_PATIENCE skipped spikes in a row are a divergence that "
+           "rolls back to before the first; here the steps are skipped for ever"),
+    Mutant("spikes", "spike-default-action-warn", CONFIG,
+           '"skip_step", "what to do when the loss jumps',
+           '"warn", "what to do when the loss jumps',
+           "docs/recovery.md, loss spikes (issue 41): check.spike_action defaults to skip_step (chosen on the rescue "
+           "benchmark); here a spike's update lands by default"),
     Mutant("spikes", "spike-two-sided", SPIKES,
            "return z if z > self.z_threshold else None", "return z if abs(z) > self.z_threshold else None",
            "a sudden drop of the loss counts as a spike"),

@@ -3,7 +3,7 @@ the guard's host-side detectors fed those numbers.
 
 Each case is a real ``pl.Trainer`` fit without a guard; :class:`Trace` records, per optimizer step, the loss
 the guard would read (the step's loss, float32) and the total gradient norm (``get_total_norm``, the same
-arithmetic as the guard's). A healthy step under ``NaNGuard()`` (``spike_action: warn``) changes nothing, so
+arithmetic as the guard's). A healthy step under ``NaNGuard()`` (no spike: nothing skipped) changes nothing, so
 these are the numbers the guard sees in the same fit. They are stored in ``tests/data/healthy_traces.json.gz``
 (base64 float32) so that :func:`judge` can replay 60,000 steps through the detectors in about two seconds;
 ``python -m tests.healthy_runs`` re-records them (about two minutes on one CPU core).

@@ -504,16 +504,20 @@ def test_each_spike_action_in_both_modes(both, fit, action, mode):
 
 
 def test_three_spikes_cut_the_lr_whatever_the_action_in_both_modes(both):
-    """Three warned spikes within recovery.incident_window steps cut the LR at the third, in both modes."""
+    """Three warned spikes within recovery.incident_window steps cut the LR at the third, in both modes. (Pairs: the
+    first of each is on weights healthy a step before, a bad batch's, not counted; the second is counted.)"""
 
     class ThreeSpikes(SpikyLin):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = super().training_step(batch, batch_idx)
-            return loss + 1000.0 if batch_idx in (30, 34, 38) else loss
+            pair = {30: 0, 31: 0, 34: 1, 35: 1, 38: 2, 39: 2}.get(batch_idx)  # each pair 100x the last
+            return loss + 1000.0 * 100.0 ** pair if pair is not None else loss
 
-    runs = both(lambda: ThreeSpikes(-1, "offset"), SPIKES, steps=40, data=models.regression_data(n=1024))
+    runs = both(lambda: ThreeSpikes(-1, "offset"), {"check": dict(SPIKES["check"], spike_action="warn")}, steps=40,
+                data=models.regression_data(n=1024))
     for r in runs.values():
-        assert [(e.step, e.actions) for e in r.guard.events] == [(30, ["warn"]), (34, ["warn"]), (38, ["reduce_lr"])]
+        assert [(e.step, e.actions) for e in r.guard.events] == [(s, ["warn"]) for s in (30, 31, 34, 35, 38)] + [
+            (39, ["reduce_lr"])]
         assert r.guard.lr_scale == 0.5 and r.guard.counters["lr_cuts"] == 1
     assert_same_runs(runs, weights=False)
 

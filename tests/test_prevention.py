@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.detect.spikes import RunningStats, SpikeDetector
+from lightning_nanguard.detect.spikes import SPIKE_PATIENCE, RunningStats, SpikeDetector
 from lightning_nanguard.diagnose.rules import spike_cause
 from lightning_nanguard.respond.incident import SPIKES_BEFORE_LR_CUT
 from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
@@ -200,8 +200,10 @@ def test_bad_batch_spike_is_one_event_and_skipped(tmp_path: Any, fit: Any) -> No
     event = guard.events[0]
     assert event.step == 30 and event.actions == ["skip_step"]
     assert event.details["loss_zscore"] > 6 and event.details["loss"] > 1e3
-    # its gradient norm is an outlier too, but one hard or bad batch is not growth: no exploding_gradient
-    assert event.cause == "unknown" and event.details["grad_norm_zscore"] > 100
+    # its gradient norm is an outlier too, but one hard or bad batch is not growth: no exploding_gradient; on
+    # weights whose loss was healthy a step before, the batch is the data's fault (issue 41)
+    assert event.cause == "input" and event.details["grad_norm_zscore"] > 100
+    assert event.details["spike_after_healthy"] is True and "batch" in event.suggestion
     assert "grad_norm_growth" not in event.details and "grad_norm_trend" not in event.details
     assert guard.counters["spikes"] == 1 and guard.counters["incidents"] == 0
     assert guard.counters["skipped_steps"] == 1
@@ -246,6 +248,9 @@ def test_spike_cause_needs_growth_across_steps() -> None:
     cause, evidence = spike_cause(1.0, flat + [30.0, 25.0, 40.0, 35.0, 30.0], 2.0, 3)  # a sustained rise before
     assert cause == "exploding_gradient" and evidence["grad_norm_trend"]["recent_mean"] == 32.0
     assert spike_cause(0.0, [], 2.0, 3) == ("unknown", {})  # no norm (check.gradients off), no history
+    # on weights whose loss was healthy a step before: a bad batch, unless the gradients grew
+    assert spike_cause(1000.0, flat, 2.0, 3, after_healthy=True) == ("input", {"spike_after_healthy": True})
+    assert spike_cause(8.0, flat + [1.0, 2.0, 4.0], 2.0, 3, after_healthy=True)[0] == "exploding_gradient"
 
 
 def test_unguarded_bad_batch_wrecks_the_same_run(fit: Any) -> None:
@@ -265,10 +270,11 @@ def test_warn_spike_records_but_changes_nothing(fit: Any) -> None:
     fit(plain, regression_data(), subdir="plain", shuffle=True, max_epochs=3)
     pl.seed_everything(0, verbose=False)
     guarded = SpikyRegression(at=30, mode="offset")
-    guard = NaNGuard(check={"spike_warmup": 20})  # spike_action: warn (the default)
+    guard = NaNGuard(check={"spike_action": "warn", "spike_warmup": 20})
     fit(guarded, regression_data(), [guard], subdir="guarded", shuffle=True, max_epochs=3)
     assert [(e.kind, e.step, e.actions) for e in guard.events] == [("spike", 30, ["warn"])]
-    assert guard.events[0].cause == "unknown"  # the gradient was normal: only the loss value jumped
+    # the gradient was normal, only the loss value jumped, on weights whose loss was healthy a step before: the data
+    assert guard.events[0].cause == "input"
     assert same_weights(plain, guarded)
 
 
@@ -394,13 +400,17 @@ def test_repeated_spikes_cut_the_lr_even_when_the_action_is_warn(fit: Any) -> No
     class ThreeSpikes(SpikyRegression):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = super().training_step(batch, batch_idx)
-            return loss + 1000.0 if self.global_step in (30, 34, 38) else loss
+            pair = {30: 0, 31: 0, 34: 1, 35: 1, 38: 2, 39: 2}.get(self.global_step)  # each pair 100x the last
+            return loss + 1000.0 * 100.0 ** pair if pair is not None else loss
 
-    guard = NaNGuard(check={"spike_warmup": 20})  # spike_action: warn
+    # each pair's first spike is on weights healthy a step before (a bad batch: never counts towards the cut), its
+    # second on the weights the first one's applied update moved
+    guard = NaNGuard(check={"spike_action": "warn", "spike_warmup": 20})
     tr = fit(ThreeSpikes(at=-1, mode="offset"), regression_data(), [guard], shuffle=True, max_epochs=3)
     assert SPIKES_BEFORE_LR_CUT == 3
-    assert [(e.kind, e.step, e.actions) for e in guard.events] == [
-        ("spike", 30, ["warn"]), ("spike", 34, ["warn"]), ("spike", 38, ["reduce_lr"])]
+    assert [(e.kind, e.step, e.cause, e.actions) for e in guard.events] == [
+        ("spike", 30, "input", ["warn"]), ("spike", 31, "unknown", ["warn"]), ("spike", 34, "input", ["warn"]),
+        ("spike", 35, "unknown", ["warn"]), ("spike", 38, "input", ["warn"]), ("spike", 39, "unknown", ["reduce_lr"])]
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025) and guard.counters["incidents"] == 0
     d = SpikeDetector()
     assert [d.repeated(s, 3, 100) for s in (0, 50, 150, 160, 170, 180)] == [False, False, False, False, True, False]
@@ -409,17 +419,78 @@ def test_repeated_spikes_cut_the_lr_even_when_the_action_is_warn(fit: Any) -> No
 @pytest.mark.parametrize("third, cut", [(37, True), (38, False)])
 def test_three_spikes_cut_the_lr_only_within_incident_window_steps(fit: Any, third: int, cut: bool) -> None:
     """docs/recovery.md: 'Three spikes within recovery.incident_window steps cut the LR'. With a window of 8, a
-    third spike 7 steps after the first cuts; one 8 steps after it does not (the first has left the window)."""
+    third counted spike 7 steps after the first cuts; one 8 steps after it does not (the first has left the window).
+    A bad batch's spike (cause input) is not counted."""
     class Spikes(SpikyRegression):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             loss = super().training_step(batch, batch_idx)
-            return loss + 1000.0 if self.global_step in (30, 34, third) else loss
+            pair = {30: 0, 31: 0, 34: 1, 35: 1, third: 2, third + 1: 2}.get(self.global_step)  # each 100x the last
+            return loss + 1000.0 * 100.0 ** pair if pair is not None else loss
 
-    guard = NaNGuard(check={"spike_warmup": 20}, recovery={"incident_window": 8})  # spike_action: warn
+    # the counted spikes are the second of each pair (31, 35, third + 1): the first is a bad batch's
+    guard = NaNGuard(check={"spike_action": "warn", "spike_warmup": 20}, recovery={"incident_window": 8})
     tr = fit(Spikes(at=-1, mode="offset"), regression_data(), [guard], shuffle=True, max_epochs=3)
-    assert [(e.kind, e.step) for e in guard.events] == [("spike", 30), ("spike", 34), ("spike", third)]
-    assert [e.actions for e in guard.events] == [["warn"], ["warn"], ["reduce_lr"] if cut else ["warn"]]
+    assert [(e.kind, e.step) for e in guard.events] == [("spike", s) for s in (30, 31, 34, 35, third, third + 1)]
+    assert [e.actions for e in guard.events] == [["warn"]] * 5 + [["reduce_lr"] if cut else ["warn"]]
     assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025 if cut else 0.05)
+
+
+class CorruptStretch(SpikyRegression):
+    """1000 added to the loss on the ``n`` optimizer steps from ``at`` on: a stretch of corrupt batches."""
+
+    def __init__(self, at: int, n: int) -> None:
+        super().__init__(at=-1, mode="offset")
+        self.first, self.n = at, n
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + 1000.0 if self.first <= self.global_step < self.first + self.n else loss
+
+
+@pytest.mark.slow
+def test_skip_step_catches_every_batch_of_a_corrupt_stretch_and_never_cuts_the_lr(fit: Any) -> None:
+    """Issue 41: a skipped spike leaves the spike test's statistics as they were, so the five corrupt batches in a
+    row are all caught and skipped (a spike that widened the spread let the later ones through); each is on the
+    weights of the last healthy step (cause input), and bad data never counts towards the LR cut of repeated
+    spikes."""
+    guard = NaNGuard(check={"spike_action": "skip_step", "spike_warmup": 20})
+    tr = fit(CorruptStretch(at=30, n=5), regression_data(), [guard], shuffle=True, max_epochs=3)
+    assert [(e.kind, e.step, e.cause, e.actions) for e in guard.events] == [
+        ("spike", s, "input", ["skip_step"]) for s in range(30, 35)]
+    assert guard.counters["skipped_steps"] == 5 and guard.counters["lr_cuts"] == 0
+    assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
+    assert guard.state_dict()["losses"]["spikes"]["held"] == 0  # the loss came back
+    tests = [e.details["loss_threshold"] for e in guard.events]
+    assert max(tests) == pytest.approx(min(tests))  # every corrupt batch was tested against the same statistics
+
+
+def test_skip_step_spike_leaves_the_spike_statistics_as_they_were() -> None:
+    held, capped = SpikeDetector(6.0, 10, hold=True), SpikeDetector(6.0, 10)
+    for d in (held, capped):
+        for i in range(40):
+            d.observe(1.0 + 0.1 * (i % 2))
+    before = held.state_dict()
+    assert held.observe(100.0) is not None and capped.observe(100.0) is not None
+    assert {k: v for k, v in held.state_dict().items() if k != "held"} == \
+        {k: v for k, v in before.items() if k != "held"}
+    assert held.held == 1 and capped.spread() > 2 * held.spread()  # a capped spike widens the test threefold
+    assert held.observe(1.05) is None and held.held == 0
+
+
+@pytest.mark.slow
+def test_a_loss_that_does_not_come_back_after_skipped_spikes_rolls_back(fit: Any) -> None:
+    """Issue 41 (PaLM): SPIKE_PATIENCE spikes in a row on unchanged weights are not the batches' fault: a
+    divergence event rolls back to a snapshot from before the first and cuts the LR."""
+    guard = NaNGuard(check={"spike_action": "skip_step", "spike_warmup": 20})
+    tr = fit(CorruptStretch(at=30, n=SPIKE_PATIENCE + 3), regression_data(), [guard], shuffle=True, max_epochs=5)
+    kinds = [(e.kind, e.step) for e in guard.events]
+    last = 30 + SPIKE_PATIENCE - 1
+    assert kinds[:SPIKE_PATIENCE] == [("spike", s) for s in range(30, last)] + [("divergence", last)]
+    event = guard.events[SPIKE_PATIENCE - 1]
+    assert event.details["divergence"]["rule"] == "loss_spike_not_back"
+    assert event.details["divergence"]["onset_step"] == 30 - 1
+    assert "rollback" in event.actions and "reduce_lr" in event.actions
+    assert guard.counters["rollbacks"] >= 1 and tr.optimizers[0].param_groups[0]["lr"] < 0.05
 
 
 # ------------------------------------------------------------------- spike_z, spike_warmup, skip_step + BN
@@ -467,7 +538,7 @@ def test_spike_z_is_the_detection_threshold(fit_scripted: Any) -> None:
     expected = (f32[-1] - statistics.fmean(f32[:-1])) / statistics.pstdev(f32[:-1])
     assert expected == pytest.approx(8.0, rel=1e-5)
     low = fit_scripted(ScriptedLoss(values), {"spike_z": 7.5, "spike_warmup": WARMUP}, subdir="low")
-    assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["warn"])]
+    assert [(e.kind, e.step, e.actions) for e in low.events] == [("spike", WARMUP, ["skip_step"])]  # the default
     assert low.events[0].details["loss_zscore"] == pytest.approx(expected, rel=1e-6)
     high = fit_scripted(ScriptedLoss(values), {"spike_z": 8.5, "spike_warmup": WARMUP}, subdir="high")
     assert high.events == [] and high.counters["spikes"] == 0

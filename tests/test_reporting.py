@@ -149,14 +149,17 @@ class _LossSpikes(Regression):
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        return loss + 1000.0 if self.global_step in self.spike_steps else loss
+        pair = self.spike_steps.index(self.global_step) // 2 if self.global_step in self.spike_steps else None
+        return loss + 1000.0 * 100.0 ** pair if pair is not None else loss  # each pair of spikes 100x the last
 
 
-@pytest.mark.parametrize("spikes, check", [((30,), {"spike_action": "reduce_lr"}), ((30, 34, 38), {})],
+@pytest.mark.parametrize("spikes, check", [((30,), {"spike_action": "reduce_lr"}),
+                                           ((30, 31, 33, 34, 36, 37), {"spike_action": "warn"})],
                          ids=["reduce_lr-spike", "three-spikes"])
 def test_progress_bar_shows_the_lr_scale_from_an_lr_cut_without_an_incident(fit, spikes, check):
     """docs/events.md, progress bar: nothing "until the first incident or learning-rate cut". A loss spike with
-    ``check.spike_action: reduce_lr``, or three spikes in the incident window (``spike_action: warn``), cut the LR
+    ``check.spike_action: reduce_lr``, or three counted spikes in the incident window (``spike_action: warn``; the
+    second of each pair: the first is a bad batch's), cut the LR
     with no incident: from the step of the cut on the bar shows ``ng_lr_scale`` (and ``ng_incidents`` 0.0)."""
     guard = NaNGuard(logging={"verbose": False}, check={"spike_warmup": 20, **check})
     probe = _ProgressProbe(guard)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Sequence
 from torch import Tensor
 
 __all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore", "PEAK_SHARE", "PEAK_DECAY",
-           "SPIKE_ALPHA", "SPIKE_REL_FLOOR", "ZSCORE_MIN_HISTORY", "TREND_STEPS", "TREND_RATIO"]
+           "SPIKE_ALPHA", "SPIKE_REL_FLOOR", "SPIKE_PATIENCE", "ZSCORE_MIN_HISTORY", "TREND_STEPS", "TREND_RATIO"]
 
 # a z-score against a history (:func:`history_zscore`) needs this many finite values: fewer give no spread to
 # measure against
@@ -136,6 +136,12 @@ SPIKE_ALPHA = 0.98
 # the spike test's spread is at least this share of |mean|: an almost constant loss (full-batch training, a
 # converged run) does not turn a 1% wobble into a spike (check.spike_z's help names it)
 SPIKE_REL_FLOOR = 0.01
+# spikes in a row whose steps were skipped (check.spike_action: skip_step) after which the loss counts as not
+# coming back: the weights stayed those of the last healthy step while this many different batches all spiked,
+# so the weights (the update before the first spike), not the batches, are wrong: the run rolls back to before the
+# first spike and the batches since are dropped (PaLM). Longer than a short corrupt stretch (the rescue
+# benchmark's 5 batches), far shorter than PaLM's windows of 200-500 batches
+SPIKE_PATIENCE = 20
 
 
 class SpikeDetector:
@@ -161,10 +167,14 @@ class SpikeDetector:
     """
 
     def __init__(self, z_threshold: float = 6.0, warmup: int = 50, alpha: float = SPIKE_ALPHA,
-                 rel_floor: float = SPIKE_REL_FLOOR) -> None:
+                 rel_floor: float = SPIKE_REL_FLOOR, hold: bool = False) -> None:
         if z_threshold <= 0:
             raise ValueError(f"z_threshold must be > 0, got {z_threshold!r}")
         self.z_threshold = float(z_threshold)
+        self.hold = bool(hold)  # a spike leaves the statistics as they were (its step is skipped)
+        self.held = 0  # spikes in a row that left them so (their steps skipped: the weights are those before them)
+        self.after_healthy = True  # the latest spike's loss was taken on weights whose loss a step before was healthy
+        self._spiked = False  # the latest test found a spike whose update was not held back
         self.rel_floor = float(rel_floor)
         self.stats = RunningStats(alpha, warmup)
         self.peak = 0.0  # how far the highest recent loss rose above the mean, decaying by PEAK_DECAY per step
@@ -220,18 +230,28 @@ class SpikeDetector:
         z = (loss - mean) / spread
         band = self.z_threshold * spread
         self._last = (mean, stats.std, self.peak, spread)
+        if z > self.z_threshold:
+            # on weights that gave a healthy loss a step before: the previous step was no spike, or one held back
+            self.after_healthy = not self._spiked
+            self._spiked = not self.hold
+            if self.hold:  # its update never lands: its loss neither widens the spread nor shifts the mean
+                self.held += 1
+                return z
+        else:
+            self.held, self._spiked = 0, False
         capped = min(max(loss, mean - band), mean + band)
         self.peak = max(capped - mean, self.peak * PEAK_DECAY)
         stats.update(capped)
         return z if z > self.z_threshold else None
 
     def state_dict(self) -> dict[str, object]:
-        return dict(self.stats.state_dict(), peak=self.peak, recent=list(self._recent))
+        return dict(self.stats.state_dict(), peak=self.peak, recent=list(self._recent), held=self.held)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stats.load_state_dict(state)
         self.peak = float(state.get("peak", 0.0))
         self._recent = [int(s) for s in state.get("recent", [])]
+        self.held = int(state.get("held", 0))
 
 
 class LossWatch:
@@ -244,7 +264,7 @@ class LossWatch:
 
     def __init__(self, action: str, z_threshold: float, warmup: int) -> None:
         self.enabled = action != "off"
-        self.detector = SpikeDetector(z_threshold, warmup)
+        self.detector = SpikeDetector(z_threshold, warmup, hold=action == "skip_step")
         self.history: deque[float] = deque(maxlen=200)
 
     def observe(self, loss: Optional[float]) -> Optional[float]:

@@ -570,10 +570,13 @@ def _with_rows(pl_module: Optional[torch.nn.Module], findings: list[dict]) -> li
     return nonfinite_rows(named, findings)
 
 
-def spike_cause(grad_norm: float, norm_history: Sequence[float], growth: float, steps: int
-                ) -> tuple[str, dict[str, Any]]:
-    """A finite loss spike: ``exploding_gradient`` only with evidence that the gradients grew, else ``unknown``
-    (one bad or hard batch, a phase the LR is too high for), with that evidence for the event's details.
+def spike_cause(grad_norm: float, norm_history: Sequence[float], growth: float, steps: int,
+                after_healthy: bool = False) -> tuple[str, dict[str, Any]]:
+    """A finite loss spike: ``exploding_gradient`` only with evidence that the gradients grew; else ``input`` when
+    its loss was taken on weights that gave a healthy loss a step before (``after_healthy``: the step before was
+    no spike, or a spike whose update was skipped, so the weights are still those): the batch is far outside what
+    these weights give on the others, the data's fault [spike_after_healthy]; else ``unknown`` (a phase the LR is
+    too high for, after a spike whose update landed), with that evidence for the event's details.
 
     Growth is the gradient norm rising ``growth``-fold at each of the last ``steps`` steps up to the spike's own
     norm [grad_norm_growth] (``check.divergence_growth``, ``check.divergence_steps``), or the healthy history
@@ -586,6 +589,8 @@ def spike_cause(grad_norm: float, norm_history: Sequence[float], growth: float, 
     trend = norm_growth(norm_history)
     if trend is not None:
         return "exploding_gradient", {"grad_norm_trend": {"recent_mean": trend[0], "earlier_mean": trend[1]}}
+    if after_healthy:
+        return "input", {"spike_after_healthy": True}
     return "unknown", {}
 
 

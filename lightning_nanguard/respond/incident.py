@@ -360,7 +360,7 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
                          grad_norm=flags.grad_norm, grad_norm_zscore=grad_norm_zscore)
     event.cause = cause
     event.details.update(growth)
-    event.suggestion = KINDS["spike"].advice
+    event.suggestion = KINDS["spike"].advice if cause != "input" else _bad_batch(at, record, z, action)
     if clip_to is not None and action == "clip":
         event.details["clip_to"] = clip_to
     planning = None
@@ -371,6 +371,16 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
     return Incident(event, NoteNow(), record, planning=planning,
                     skip=Skip(mirrored=True, undo_buffers=True) if action == "skip_step" else None,
                     clip_to=clip_to if action == "clip" else None)
+
+
+def _bad_batch(at: At, record: StepRecord, z: float, action: str) -> str:
+    """What a spike on weights that gave a healthy loss a step before tells the user: this batch is bad data."""
+    done = "its update was skipped" if action == "skip_step" else "its update was applied (check.spike_action: " \
+        "skip_step keeps it out of the weights and the optimizer's moments)"
+    return (f"Bad input data: the loss of batch {at.batch_idx} of epoch {at.epoch} (step {record.step}) is {z:.3g} "
+            f"spreads above what the same weights gave on the batches before it, and {done}. Check that batch's "
+            "samples and their shard (corrupt or mislabelled data, a file read as the wrong type); a smaller LR "
+            "does not fix bad data.")
 
 
 def persistent_clipping(at: At, record: StepRecord, *, streak: int, threshold: Optional[float], cause: str,

@@ -28,6 +28,7 @@ from ..core.record import StepRecord, UpdateStage
 from ..detect.amp import clear_device_skip, ensure_unscaled, grad_scaler, skip_on_device
 from ..detect.ranks import Ranks
 from ..detect.read_mode import choose_read_mode
+from ..detect.spikes import SPIKE_PATIENCE
 from ..detect.stall import PROBE_FACTORS, best_factor, gain_ratio
 from ..detect.vector import SCHEMA
 from ..detect.verdict import Outcome, classify, device_skipped, skip_flag
@@ -242,15 +243,25 @@ class StepFlow:
             if found is not None:
                 yield incidents.divergence(self.responder.at(record), record, found,
                                            act=check.divergence != "warn")
-        if spike_z is not None:
+        if spike_z is not None and p.losses.detector.held >= SPIKE_PATIENCE:
+            # the loss did not come back on SPIKE_PATIENCE skipped batches: the weights are wrong, not the batches
+            held = p.losses.detector.held
+            found = {"rule": "loss_spike_not_back", "spikes": held, "loss": loss, "loss_zscore": spike_z,
+                     **{f"loss_{k}": v for k, v in p.losses.detector.last.items()},
+                     "onset_step": record.step - held}
+            yield incidents.divergence(self.responder.at(record), record, found, act=True)
+        elif spike_z is not None:
+            detector = p.losses.detector
             cause, growth = spike_cause(flags.grad_norm, list(p.clipper.history), check.divergence_growth,
-                                        check.divergence_steps)
+                                        check.divergence_steps, after_healthy=detector.after_healthy)
             window = p.config.recovery.incident_window
             yield incidents.spike(self.responder.at(record), record, z=spike_z,
                                   test=p.losses.detector.last, grad_norm_zscore=p.clipper.zscore(flags.grad_norm),
                                   cause=cause, growth=growth, action=check.spike_action,
                                   clip_to=p.clipper.zclip.mean,
-                                  repeated=p.losses.detector.repeated(record.step, SPIKES_BEFORE_LR_CUT, window),
+                                  # a bad batch's spike never counts towards the LR cut of repeated spikes
+                                  repeated=cause != "input" and detector.repeated(record.step, SPIKES_BEFORE_LR_CUT,
+                                                                                  window),
                                   window=window)
 
     def _clip(self, record: StepRecord, clip_to: Optional[float]) -> None:
