@@ -180,6 +180,26 @@ def run_suite(copy: Path, timeout: float, pytest_args: list[str], allow_empty: b
     return outcome, time.monotonic() - start, output
 
 
+def count_tests(copy: Path, pytest_args: list[str]) -> Optional[int]:
+    """How many tests the suite in ``copy`` holds (``pytest --collect-only``), or None if pytest does not say."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *pytest_args]
+    out = subprocess.run(cmd, cwd=copy, env=env_for(copy), capture_output=True, text=True, timeout=600)
+    m = re.search(r"^(\d+)(?:/\d+)? tests? collected", out.stdout, re.M)
+    return int(m.group(1)) if m else None
+
+
+def provenance(copy: Path, args: argparse.Namespace, pytest_args: list[str]) -> dict:
+    """What a results file needs to be read later (docs/mutation.md is generated from it): when, on which commit
+    (``+dirty`` with uncommitted edits, which the copy holds), the suite's size, and how the run was made."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short=7", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+            "tests": count_tests(copy, pytest_args), "jobs": args.jobs,
+            "selection": {"only": args.only, "area": args.area, "pytest_args": args.pytest_args,
+                          "one_pass": args.one_pass}}
+
+
 def _kill_all() -> None:
     with _procs_lock:
         for proc in list(_procs.values()):
@@ -342,6 +362,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         base = make_copy(ROOT, files, work / "_unmutated")
         check_import(base)
+        run = provenance(base, args, pytest_args)
         baseline = 0.0
         if not args.skip_baseline:
             outcome, baseline, output = run_suite(base, args.timeout or 1800, pytest_args)
@@ -371,7 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 raise
         order = {m.id: i for i, m in enumerate(MUTANTS)}
         results.sort(key=lambda r: order[r.id])
-        summary = summarise(results, time.monotonic() - start, baseline)
+        summary = {"run": run, **summarise(results, time.monotonic() - start, baseline)}
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
             print(f"\nwrote {args.json}")
