@@ -416,7 +416,8 @@ def test_default_yaml_lists_every_key_with_its_code_default_and_a_comment():
 
 def test_configuration_docs_list_every_key_with_its_code_default():
     """docs/configuration.md's reference table has one row per key, in order, with the code's default, and
-    is exactly what scripts/gen_config_docs.py generates (so a changed help text or range shows too)."""
+    is exactly what scripts/gen_config_docs.py generates (so a changed help text or range shows too); so are
+    configs/default.yaml and docs/events.md's cause row (``--check`` covers every file it writes)."""
     docs = (ROOT / "docs" / "configuration.md").read_text()
     reference = docs.split("\n## Reference\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in reference.splitlines() if line.startswith("| `")]
@@ -428,6 +429,17 @@ def test_configuration_docs_list_every_key_with_its_code_default():
     check = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_config_docs.py"), "--check"],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_events_docs_list_every_cause_of_the_cause_table():
+    """docs/events.md's ``cause`` row names every cause of lightning_nanguard/core/causes.py, in the table's order,
+    with its meaning: it is generated (scripts/gen_config_docs.py, checked above), so a new cause shows there."""
+    from lightning_nanguard.core.causes import CAUSES
+
+    row, = [line for line in (ROOT / "docs" / "events.md").read_text().splitlines() if line.startswith("| `cause` |")]
+    assert re.findall(r"<br>`(\w+)`: ", row) == list(CAUSES), \
+        "docs/events.md must list every cause, in order (python scripts/gen_config_docs.py)"
+    assert row == _gen_config_docs().cause_row()
 
 
 def _declared() -> list[str]:
