@@ -245,9 +245,9 @@ class NaNGuardBase:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a saved state: checked first (:mod:`~lightning_nanguard.state_schema`), so that a state of
-        another version than the current one (the older ones were never released) or a malformed decision raises
-        :class:`NaNGuardError` naming its key before anything is loaded, and malformed statistics are reset with one
-        warning.
+        another version than the current one (the older ones are layouts from before 0.1.0) or a malformed decision
+        raises :class:`NaNGuardError` naming its key before anything is loaded, and malformed statistics are reset
+        with one warning.
 
         Args:
             state_dict: what :meth:`state_dict` returned (Lightning passes it from the checkpoint).

@@ -228,13 +228,13 @@ def _where(source: str) -> str:
     return f"NaNGuard cannot resume from the guard state saved in the checkpoint ({source})"
 
 
-_NEVER_RELEASED = (1, 2)  # the layouts of development builds before 0.1.0: no upgrade path
+_PRE_RELEASE_VERSIONS = (1, 2)  # the layouts of the development builds before 0.1.0: not read, no upgrade path
 
 
 def check_version(state: object, current: int, source: str = "checkpoint['callbacks']['NaNGuard']") -> int:
     """The state's ``version``, which must be ``current``; raises :class:`~lightning_nanguard.errors.NaNGuardError`
     for a state that is not a mapping, a version that is absent or not an integer, an older one (versions 1 and 2
-    were layouts of development builds, never released, and are not read) or a newer one (written by a later
+    were layouts of the development builds before 0.1.0, and are not read) or a newer one (written by a later
     release, whose layout this one cannot read)."""
     if not isinstance(state, Mapping):
         raise NaNGuardError(f"{_where(source)}: got {_shown(state)}; expected a mapping of sections. "
@@ -242,8 +242,8 @@ def check_version(state: object, current: int, source: str = "checkpoint['callba
     reads = f"this lightning_nanguard reads version {current} only"
     version = state.get("version")
     if version is None:  # the version-1 layout had no version key
-        raise NaNGuardError(f"{_where(source)}: version: absent (version 1, a development build's layout, never "
-                            f"released); {reads}. " + _REMEDY.format(source=source, first=""))
+        raise NaNGuardError(f"{_where(source)}: version: absent (version 1, a development build's layout from "
+                            f"before 0.1.0); {reads}. " + _REMEDY.format(source=source, first=""))
     if isinstance(version, bool) or not isinstance(version, numbers.Integral) or int(version) < 1:
         raise NaNGuardError(f"{_where(source)}: version: got {_shown(version)}; expected the integer {current}. "
                             + _REMEDY.format(source=source, first=""))
@@ -251,7 +251,8 @@ def check_version(state: object, current: int, source: str = "checkpoint['callba
         raise NaNGuardError(f"{_where(source)}: version: got {version}; {reads} (the checkpoint was written by a "
                             f"newer release). " + _REMEDY.format(source=source, first="upgrade lightning_nanguard, "))
     if int(version) < current:
-        why = "a development build's layout, never released" if int(version) in _NEVER_RELEASED else "an older layout"
+        why = ("a development build's layout from before 0.1.0" if int(version) in _PRE_RELEASE_VERSIONS
+               else "an older layout")
         raise NaNGuardError(f"{_where(source)}: version: got {version}; {reads} (version {version} is {why}, and "
                             f"is not read). " + _REMEDY.format(source=source, first=""))
     return int(version)

@@ -223,8 +223,8 @@ NOT_THRESHOLDS: dict[str, str] = {
     "lightning_nanguard.detect.flow.FLOW_VERSION": "the format version of a stored gradient-flow window",
     "lightning_nanguard.report.pictures._DPI": "the incident pictures' resolution (dots per inch)",
     "lightning_nanguard.callback._STATE_VERSION": "the format version of the guard's checkpoint state",
-    "lightning_nanguard.state_schema._NEVER_RELEASED": "the format versions of the guard's checkpoint state that "
-                                                       "no release wrote (refused on resume)",
+    "lightning_nanguard.state_schema._PRE_RELEASE_VERSIONS": "the format versions of the guard's checkpoint state "
+                                                             "from before 0.1.0 (refused on resume)",
     "lightning_nanguard.detect.kernels.CPU_CHUNK": "elements per chunk of a CPU reduction (memory, not behaviour)",
     "lightning_nanguard.detect.replicas.EPS32": "float32's unit roundoff (arithmetic)",
     "lightning_nanguard.detect.replicas.FLOAT32_EXACT": "the largest integer float32 holds exactly (arithmetic)",

@@ -622,12 +622,12 @@ MUTANTS: list[Mutant] = [
     Mutant("checkpoint", "ckpt-resume-ladder-lost", LADDER,
            'self.failed_rollbacks = int(state.get("failed_rollbacks", 0))', "self.failed_rollbacks = 0",
            "a resumed run forgets its unconfirmed rollbacks (gives up later than configured)"),
-    # issue 25: the layouts of never-released builds (versions 1 and 2) are refused, no longer upgraded (these two
-    # replace ckpt-v1-not-upgraded and ckpt-v1-event-index-lost, whose upgrade code is gone)
+    # issue 25: the layouts of the development builds before 0.1.0 (versions 1 and 2) are refused, no longer
+    # upgraded (these two replace ckpt-v1-not-upgraded and ckpt-v1-event-index-lost, whose upgrade code is gone)
     Mutant("checkpoint", "ckpt-old-version-loaded", STATE_SCHEMA,
            "    if int(version) < current:\n", "    if int(version) < 1:\n",
-           "a version-2 state (never released) loads as if it were version 3: its counts are lost, and a resume "
-           "from it neither fails nor says so"),
+           "a version-2 state (a layout from before 0.1.0) loads as if it were version 3: its counts are lost, and a "
+           "resume from it neither fails nor says so"),
     Mutant("checkpoint", "ckpt-unversioned-state-loaded", STATE_SCHEMA,
            'version = state.get("version")', 'version = state.get("version", current)',
            "a state without a version (the version-1 layout) is taken as the current one and loads: the LR scale, "

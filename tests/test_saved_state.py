@@ -1,5 +1,5 @@
 """The guard state saved in a checkpoint is checked on resume: a malformed decision (counts, numbering, LR scale,
-ladder, faults per rank), a future version or an older one (never released) ends the resume with a NaNGuardError
+ladder, faults per rank), a future version or an older one (from before 0.1.0) ends the resume with a NaNGuardError
 naming the key; malformed running statistics are reset with one warning and the resumed fit still rescues; a cut LR
 without its ``recovery.lr_scale`` is reconciled from the optimizer.
 
@@ -220,11 +220,11 @@ def test_every_key_a_guard_saves_is_checked_and_a_real_state_passes_unchanged(sa
     assert check_state(fresh).reset == [] and set(leaves(fresh)) - {"version"} <= known_keys()
 
 
-# ------------------------------------------------------------------- the layouts of builds that were never released
+# --------------------------------------------------------------------- the layouts of the builds before 0.1.0
 
 
 def as_version_2(callbacks):
-    """``change``: the saved state in the version-2 layout (a development build before 0.1.0, never released):
+    """``change``: the saved state in the version-2 layout (a development build before 0.1.0):
     counts kept by the parts that counted them, adaptive clipping armed in the ladder."""
     v3 = state(callbacks)
     counts, recovery, clipper = v3["counters"], dict(v3["recovery"]), dict(v3["clipper"])
@@ -238,7 +238,7 @@ def as_version_2(callbacks):
 
 
 def as_version_1(callbacks):
-    """``change``: the saved state in the version-1 layout (the first development build, never released): one flat
+    """``change``: the saved state in the version-1 layout (the first development build): one flat
     dict of counters and statistics, no ``version`` key."""
     v3 = state(callbacks)
     callbacks["NaNGuard"] = {
@@ -251,15 +251,15 @@ def as_version_1(callbacks):
 
 @pytest.mark.parametrize("change, named", [
     (as_version_2, "version: got 2; this lightning_nanguard reads version 3 only (version 2 is a development "
-                   "build's layout, never released, and is not read)"),
+                   "build's layout from before 0.1.0, and is not read)"),
     (lambda c: c.__setitem__("NaNGuard", {"version": 2, "recorder": [1, 2, 3]}),  # not even a readable version 2
      "version: got 2; this lightning_nanguard reads version 3 only"),
     (put("version", value=1), "version: got 1; this lightning_nanguard reads version 3 only (version 1 is a "
-                              "development build's layout, never released"),
-    (as_version_1, "version: absent (version 1, a development build's layout, never released); this "
+                              "development build's layout from before 0.1.0"),
+    (as_version_1, "version: absent (version 1, a development build's layout from before 0.1.0); this "
                    "lightning_nanguard reads version 3 only"),
 ], ids=["version-2", "version-2-malformed", "version-1-numbered", "version-1"])
-def test_a_state_of_a_never_released_version_ends_the_resume_saying_so(saved, tmp_path, change, named):
+def test_a_state_of_a_pre_release_version_ends_the_resume_saying_so(saved, tmp_path, change, named):
     """Versions 1 and 2 were the layouts of development builds: they are not upgraded (there is no released
     checkpoint to upgrade), and a resume from one ends before training with a NaNGuardError naming ``version``,
     what was found, what is read and how to go on, never with an error from inside a part of the guard."""
@@ -273,7 +273,7 @@ def test_a_state_of_a_never_released_version_ends_the_resume_saying_so(saved, tm
                             "scale start over)."), message
 
 
-def test_deleting_a_never_released_state_resumes_the_fit_with_a_fresh_guard_state(saved, tmp_path):
+def test_deleting_a_pre_release_state_resumes_the_fit_with_a_fresh_guard_state(saved, tmp_path):
     """What the message says to do works: without its guard state the checkpoint resumes (weights, optimizer and
     schedule from the checkpoint) and the guard starts over, as the message says (counters, LR scale)."""
     g, trainer, said = resume(tmp_path, edited(saved, tmp_path, lambda c: c.pop("NaNGuard")), steps=SAVED_AT + 2)
