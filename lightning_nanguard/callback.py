@@ -112,7 +112,7 @@ class NaNGuardBase:
         lr_scale: the cumulative learning-rate scale the guard applied (1.0: untouched).
         stopped: the guard gave up; it skips every remaining step.
         lagged: ``check.sync`` as chosen at fit start (flags read one step late).
-        snapshots: the known-good snapshots (a :class:`~.recover.snapshots.SnapshotStore`, or None).
+        snapshots: the known-good snapshots (a :class:`~.store.snapshots.SnapshotStore`, or None).
         exempt_buffers: buffers non-finite before training (a -inf mask), never checked.
         report_dir: ``<log_dir>/nanguard``: ``events.jsonl`` and the incident reports (``report_path(event)``).
 
@@ -198,7 +198,7 @@ class NaNGuardBase:
 
     @property
     def snapshots(self) -> Optional[SnapshotStore]:
-        """The known-good snapshots of this fit (:class:`~.recover.snapshots.SnapshotStore`: ``ring``, ``newest``,
+        """The known-good snapshots of this fit (:class:`~.store.snapshots.SnapshotStore`: ``ring``, ``newest``,
         ``load(snapshot)``); None before fit start or with ``recovery.snapshot: off``."""
         return self._recovery.store
 
