@@ -83,7 +83,7 @@ def measure() -> list[dict[str, Any]]:
 def report(rows: list[dict[str, Any]], stamp: str, wall: float) -> str:
     def f(v: float) -> str:
         return f"{v:.3f}"
-    lines = [f"LR-cut sizing on the exploding-gradient MLP (issue 41 item 4; {stamp}; {machine()}; single-threaded; "
+    lines = [f"LR-cut sizing on the exploding-gradient MLP ({stamp}; {machine()}; single-threaded; "
              f"the losses are deterministic; {wall / 60:.1f} min). Validation MSE on held-out data after {STEPS} "
              "steps; the first row is the benchmark's case.", "",
              "**1-2. The cut's depth, and the steps lost** (`NaNGuard()` with `recovery.divergence_lr_factor` F; "

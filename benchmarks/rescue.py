@@ -391,7 +391,7 @@ def _ratio(v: Optional[float]) -> str:
 
 
 def report(results: dict[str, dict[str, Any]], quick: bool, stamp: str, wall: float) -> str:
-    lines = [f"Rescue quality, issue 41 ({'--quick, ' if quick else ''}{stamp}; {machine()}; single-threaded, on a "
+    lines = [f"Rescue quality ({'--quick, ' if quick else ''}{stamp}; {machine()}; single-threaded, on a "
              "machine shared with other jobs: the losses are deterministic, the wall ratios are noisy). Losses are "
              f"on held-out data; the LMs read CPython's `pydoc_data.topics` text (unigram entropy of the training "
              f"text {unigram_entropy():.3f} nats); {STEPS // 4 if quick else STEPS} steps of {BATCH} x {SEQ} "

@@ -1,4 +1,4 @@
-"""A run that has stopped learning because its steps are too large (issue 41): a cheap trigger, then a probe.
+"""A run that has stopped learning because its steps are too large: a cheap trigger, then a probe.
 
 The trigger reads only the host loss of every healthy optimizer step (the float the guard reads anyway: no device
 work, no sync). With ``W`` = ``check.stall_window``, its **progress** is (mean loss over the ``W`` steps before
