@@ -142,7 +142,7 @@ class CheckConfig(_Section):
              "stall_window windows", lo=-1e3, hi=1e3)
     stall_probe_steps: int = _opt(20, "steps (and batches) of the stall probe", lo=1)
     stall_gain_ratio: float = _opt(
-        1.43, "a stall: the loss gain of the probe at 1/10 of the LR is at least this many times the gain at the "
+        1.2, "a stall: the loss gain of the probe at 1/10 of the LR is at least this many times the gain at the "
               "run's LR", lo=1.0, lo_open=True)
     amp_overflow_patience: int = _opt(
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
@@ -233,6 +233,10 @@ class RecoveryConfig(_Section):
                   "or nowhere (under DDP each rank keeps 1/N of it)")
     snapshot_every: int = _opt(20, "healthy optimizer steps between snapshots", lo=1)
     keep_snapshots: int = _opt(2, "snapshots kept (older ones are the targets of further rollbacks)", lo=1)
+    stall_anchors: bool = _opt(
+        True, "with check.stall: act (one process, one optimizer), also keep the fit's first snapshot and the last one "
+              "before the LR rose (a warm restart), each for 20 stall windows: the rollback targets of a stall (up to "
+              "2 snapshots beside keep_snapshots)")
     snapshot_dir: Optional[str] = _opt(None, "folder for disk snapshots (default: <log_dir>/nanguard/snapshots)")
     max_rollbacks: int = _opt(3, "rollbacks without recovery before giving up", lo=0)
     confirm_after: int = _opt(

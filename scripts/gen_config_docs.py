@@ -57,6 +57,14 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
     ("lightning_nanguard.detect.stall", "MAX_COOLDOWN",
      "the longest wait, in steps, between two stall probes (the wait doubles after each probe that finds nothing)",
      "a bound: a long healthy run probes O(log steps) times, and a run that stalls late is still probed"),
+    ("lightning_nanguard.detect.stall", "ANCHOR_WINDOWS",
+     "stall windows (`check.stall_window`) for which the fit's first snapshot, and the last one before the LR rose, "
+     "are kept beside the ring as a stall's rollback targets (`recovery.stall_anchors`)",
+     "the rescue benchmark's stall events came 146 steps after the start and 90 after a warm restart (windows of "
+     "50): 20 windows covers both with room; later, rolling back that far loses more than it saves"),
+    ("lightning_nanguard.recover.recovery", "LR_RISE",
+     "growth of the LR between two snapshots that makes the older one the `before_lr_rise` anchor (a warm restart)",
+     "a cosine restart or a step schedule's rise is far above 2x; a plateau schedule's noise is not"),
     ("lightning_nanguard.diagnose.culprit", "WEIGHT_CULPRIT_GROWTH",
      "growth of a module's weight norm since the snapshot before a divergence's onset that names it the culprit "
      "(the most grown module; `by: weights` in `details.runaway`)",

@@ -87,6 +87,8 @@ KEY_TESTS: dict[str, list[str]] = {
     "recovery.snapshot_every": [f"{PC}::test_snapshot_every_and_keep_snapshots_in_a_healthy_run"],
     "recovery.keep_snapshots": [f"{PC}::test_snapshot_every_and_keep_snapshots_in_a_healthy_run"],
     "recovery.snapshot_dir": [f"{PC}::test_snapshot_every_and_keep_snapshots_in_a_healthy_run"],
+    "recovery.stall_anchors": [
+        "tests/test_stall.py::test_the_fit_start_snapshot_is_kept_for_twenty_windows_then_freed"],
     "recovery.max_rollbacks": [f"{PC}::test_ladder_skips_then_rolls_back_then_gives_up"],
     "recovery.confirm_after": [f"{PC}::test_confirm_after_takes_the_confirming_snapshot_sooner"],
     "recovery.skip_batches": [f"{PC}::test_skip_batches_after_rollback"],

@@ -815,7 +815,8 @@ def test_snapshot_every_and_keep_snapshots_in_a_healthy_run(tmp_path, fit_steps,
     are kept (disk: as files in snapshot_dir, nothing in the default folder)."""
     every, keep, steps = 3, 3, 20
     folder = tmp_path / "my-snapshots"
-    recovery = {"snapshot": mode, "snapshot_every": every, "keep_snapshots": keep, "snapshot_dir": str(folder)}
+    recovery = {"snapshot": mode, "snapshot_every": every, "keep_snapshots": keep, "snapshot_dir": str(folder),
+                "stall_anchors": False}  # (the default also keeps the fit's first one: test_stall.py)
     guard = NaNGuard(recovery=recovery, logging=QUIET)
     snaps = models.SnapshotSpy(guard)
     fit_steps(models.Regression(), [guard, snaps], steps=steps)
@@ -904,7 +905,7 @@ def test_disk_snapshots_roll_back_like_memory_ones(tmp_path, fit):
     for mode in ("memory", "disk"):
         pl.seed_everything(0, verbose=False)
         model = models.NaNLossOnBatches(bad={5, 6, 7, 8})
-        guard = NaNGuard(recovery={"snapshot": mode, "snapshot_every": 2, "max_skips": 3})
+        guard = NaNGuard(recovery={"snapshot": mode, "snapshot_every": 2, "max_skips": 3, "stall_anchors": False})
         fit(model, models.regression_data(n=96), [guard], subdir=mode, batch_size=8, max_steps=12)
         assert guard.counters["rollbacks"] == 1 and "rollback" in guard.events[-1].actions
         runs[mode] = (model, guard)

@@ -161,7 +161,7 @@ def run_fit(root: Path, sync: str, scenario: str, faults: list = ()) -> dict:
             fault(root)
     guard = models.sync_guard(sync, quiet={"verbose": False, "events_file": True, "reports": True},
                               recovery={"snapshot": "disk", "snapshot_dir": str(root / "snaps"), "snapshot_every": 3,
-                                        **recovery})
+                                        "stall_anchors": False, **recovery})  # the ring alone: its files are compared
     logger = LineLogger(root / "lines.txt", root)
     callbacks = [At(step, fault, root) for step, fault in faults if step != -2] + [guard]
     pl.seed_everything(0, verbose=False)
@@ -403,7 +403,8 @@ def _held_fit(root: Path, flip: bool = False) -> tuple[NaNGuard, HeldCopies]:
     from lightning_nanguard.testing import Fault, FaultInjector
 
     guard = NaNGuard(logging={"verbose": False}, recovery={
-        "snapshot": "disk", "snapshot_every": 2, "keep_snapshots": 3, "snapshot_dir": str(root / "snaps")})
+        "snapshot": "disk", "snapshot_every": 2, "keep_snapshots": 3, "snapshot_dir": str(root / "snaps"),
+        "stall_anchors": False})
     held = HeldCopies(guard, 11, flip)
     before = [At(-1, snapshots_full, root), FaultInjector([Fault("parameter", steps=[11])], seed=0), held]
     pl.seed_everything(0, verbose=False)

@@ -98,7 +98,9 @@ class ExtraState(models.Regression):
 
 
 def _disk_guard(tmp_path: Any, **recovery: Any) -> NaNGuard:
-    return NaNGuard(recovery={"snapshot": "disk", "snapshot_dir": str(tmp_path / "snaps"), **recovery}, logging=QUIET)
+    # the ring alone (no stall anchors): these tests count its snapshots and files
+    return NaNGuard(recovery={"snapshot": "disk", "snapshot_dir": str(tmp_path / "snaps"), "stall_anchors": False,
+                              **recovery}, logging=QUIET)
 
 
 # ------------------------------------------------------------------------------------------ the disk writer
@@ -372,3 +374,57 @@ def test_only_a_replicated_strategy_shards_its_snapshots():
     assert replicates_state(DDPStrategy()) and replicates_state(DDPStrategy(start_method="spawn"))
     assert not replicates_state(FSDPStrategy()) and not replicates_state(DeepSpeedStrategy())
     assert not replicates_state(SingleDeviceStrategy(torch.device("cpu")))
+
+
+# ------------------------------------------------------------------ anchors: snapshots kept beside the newest few
+
+
+def _state(v: float) -> dict[str, Any]:
+    return {"module": {"w": torch.full((3,), v)}, "optimizers": [], "schedulers": [], "scaler": None}
+
+
+def test_a_pinned_snapshot_outlives_the_ring_until_it_is_unpinned_or_dropped():
+    store = MemoryStore(keep=2)
+    first = store.take(0, _state(0.0), {})
+    store.pin("start", first)
+    for step in (20, 40, 60):
+        store.take(step, _state(float(step)), {})
+    assert [s.step for s in store.ring] == [0, 40, 60]  # the newest 2, and the anchor beside them
+    assert float(store.load(first)["module"]["w"][0]) == 0.0  # its buffers were not reused by a newer one
+    store.pin("before_lr_rise", store.ring[1])
+    store.take(80, _state(80.0), {})
+    assert [s.step for s in store.ring] == [0, 40, 60, 80]
+    store.pin("start", None)  # unpinned: the oldest ordinary snapshot goes at once
+    assert [s.step for s in store.ring] == [40, 60, 80] and set(store.anchors) == {"before_lr_rise"}
+    store.pin("newest", store.ring[-1])
+    store.drop_newest()  # a dropped anchor leaves its role too
+    assert [s.step for s in store.ring] == [40, 60] and set(store.anchors) == {"before_lr_rise"}
+    assert store.newest_before(100) is store.ring[-1]
+
+
+def test_a_stall_rolls_back_before_the_lr_rose_or_to_the_fit_start():
+    from lightning_nanguard.config import NaNGuardConfig
+    from lightning_nanguard.core.counters import Counters
+    from lightning_nanguard.recover.recovery import Recovery
+
+    cfg = NaNGuardConfig()
+    recovery = Recovery(cfg.recovery, cfg.clip, Counters(), {})
+    recovery.store = MemoryStore(keep=2)
+    for step, lr in ((0, 0.1), (20, 0.1), (40, 0.1), (60, 0.1)):
+        recovery.store.take(step, _state(float(step)), {"lr": lr})
+        if step == 0:
+            recovery.store.pin("start", recovery.store.ring[0])
+    assert [s.step for s in recovery.store.ring] == [0, 40, 60]
+    # always too high: the oldest at or before the onset (the fit's first snapshot), none after the onset
+    assert recovery.stall_target(onset=30, lr=0.01) == 0
+    assert MemoryStore(keep=2).newest is None
+    store = recovery.store
+    store.pin("start", None)
+    assert recovery.stall_target(onset=30, lr=0.01) is None  # nothing kept from before the stall
+    for step, lr in ((80, 3e-4), (100, 0.06), (120, 0.06)):
+        store.take(step, _state(float(step)), {"lr": lr})
+        if step == 100:
+            store.pin("before_lr_rise", store.ring[-2])
+    # a warm restart: the newest snapshot taken at an LR the probe found learns, before the rise
+    assert [s.step for s in store.ring] == [80, 100, 120]
+    assert recovery.stall_target(onset=90, lr=0.006) == 80

@@ -165,7 +165,7 @@ def test_with_every_snapshot_refused_the_ladder_goes_on_and_says_why(tmp_path):
     skipped), and the ladder goes on: later incidents are skipped, no exception leaves fit, and the run ends on
     finite weights."""
     guard, spy, trainer, read_warnings = guarded_fit(
-        tmp_path, "eager", fault=Fault("loss", steps=list(range(16, 22))), max_skips=2,
+        tmp_path, "eager", fault=Fault("loss", steps=list(range(16, 22))), max_skips=2, stall_anchors=False,
         tamper=lambda g: Tamper(g, deleted, 3, tmp_path / "m"))
     first = next(e for e in guard.events if "restored_step" in e.details)
     assert first.step == 18 and first.details["restored_step"] is None

@@ -50,6 +50,9 @@ def test_stall_fires_on_a_stalled_lm_and_rescues_it(tmp_path: Any) -> None:
     found = first.details["stall"]
     assert found["gain_ratio"] >= 1.43 and found["lr_factor"] < 1.0
     assert "reduce_lr" in first.actions and guard.lr_scale < 1.0
+    # too high from the first step: the fit's first snapshot was kept beside the newest two (an anchor), and the
+    # stall rolls back to it
+    assert found["rollback_target"] == 0 and "rollback" in first.actions, (found["rollback_target"], first.actions)
     assert guarded < plain, (guarded, plain)
 
 
@@ -81,3 +84,29 @@ def test_stall_watch_arms_on_a_flat_loss_and_not_on_a_falling_one() -> None:
     assert gain_ratio(3.0, 2.9, 2.8) == 2.0 and gain_ratio(3.0, 3.1, 2.9) == math.inf
     assert gain_ratio(3.0, 2.9, 3.1) is None
     assert best_factor(3.0, {1.0: 2.9, 0.1: 2.8, 0.03: 2.85}) == 0.1
+
+
+
+def test_the_fit_start_snapshot_is_kept_for_twenty_windows_then_freed(tmp_path: Any) -> None:
+    """The anchor costs one snapshot's memory for ANCHOR_WINDOWS stall windows (here 20 x 10 steps), not the fit."""
+    from lightning_nanguard.detect.stall import ANCHOR_WINDOWS
+
+    guard = NaNGuard(check=FAST, logging={"verbose": False})
+    seen: list[tuple[int, list[int]]] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            store = guard._parts.recovery.store
+            seen.append((trainer.global_step, sorted(s.step for s in store.anchors.values())))
+
+    pl.seed_everything(0, verbose=False)
+    data = markov_tokens(n=256, vocab=32, successors=3)
+    trainer(tmp_path, [guard, Watch()], max_epochs=8).fit(_lm(3e-3), DataLoader(data, batch_size=8))
+    horizon = ANCHOR_WINDOWS * FAST["stall_window"]
+    assert all(anchors == [0] for step, anchors in seen if 0 < step <= horizon), seen[:5]
+    assert seen[-1][0] > horizon + 20 and seen[-1][1] == [], seen[-1]
+    assert len(guard._parts.recovery.store) == 2  # the ring alone again
+    off = NaNGuard(check=FAST, recovery={"stall_anchors": False}, logging={"verbose": False})
+    pl.seed_everything(0, verbose=False)
+    trainer(tmp_path / "off", [off], max_steps=30).fit(_lm(3e-3), DataLoader(data, batch_size=8))
+    assert off._parts.recovery.store.anchors == {} and len(off._parts.recovery.store) == 2

@@ -9,7 +9,9 @@ rescue-stall-signals.md: healthy warm-up + cosine runs reach -0.30 while stalled
 only while armed), and then the guard runs the lower-LR probe (:mod:`..diagnose.lr_probe`) on them. Its verdict
 (:func:`gain_ratio`, :func:`best_factor`) is the separating signal: from a copy of the weights and optimizer, ``K``
 steps on those batches at the run's LR and at ``LR/10``; a stall is a gain at ``LR/10`` at least
-``stall_gain_ratio`` times the gain at the run's LR (healthy runs' largest: 0.70; stalled runs' medians: >= 2.15).
+``stall_gain_ratio`` times the gain at the run's LR (healthy runs' largest: 0.70; stalled runs' medians: >= 2.15;
+the default 1.2 is about their geometric mean, low enough for the second stage of a stall, 1.26 after a warm restart
+to 20x).
 
 After a probe the history restarts (a new window is needed), and after a probe that found nothing the next one
 waits twice as long as the last (``cooldown``, from ``2 W``): a long healthy run probes O(log steps) times.
@@ -25,13 +27,18 @@ from typing import Any, Optional, Sequence
 
 from ..core.tree import map_tensors
 
-__all__ = ["StallWatch", "progress", "gain_ratio", "best_factor", "PROBE_FACTORS", "MAX_COOLDOWN"]
+__all__ = ["StallWatch", "progress", "gain_ratio", "best_factor", "PROBE_FACTORS", "MAX_COOLDOWN", "ANCHOR_WINDOWS"]
 
 # the LR factors a confirmed stall's probe also measures (beside 1 and 1/10, the verdict's): the cut is the one
 # of them that learns most on the probe's batches
 PROBE_FACTORS = (0.1, 0.03)
 # the longest wait between two probes, in steps (the doubling cooldown stops here)
 MAX_COOLDOWN = 100_000
+# a stall's rollback targets beside the newest snapshots (the fit's first one, the last one before the LR rose) are
+# kept for this many stall windows (check.stall_window): a run whose LR is too high from the start or from a warm
+# restart stalls within a few windows (the rescue benchmark's stall events: 146 steps after the start, 90 after the
+# restart, with windows of 50); later, rolling back that far loses more than it saves
+ANCHOR_WINDOWS = 20
 
 
 def progress(losses: Sequence[float], window: int) -> Optional[float]:
@@ -70,7 +77,7 @@ class StallWatch:
     """
 
     def __init__(self, mode: str = "act", window: int = 50, threshold: float = 0.5, probe_steps: int = 20,
-                 ratio: float = 1.43) -> None:
+                 ratio: float = 1.2) -> None:
         self.enabled = mode != "off"
         self.window, self.threshold, self.probe_steps, self.ratio = int(window), float(threshold), int(probe_steps), \
             float(ratio)

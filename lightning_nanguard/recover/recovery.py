@@ -67,6 +67,14 @@ class Applied:
         return self.rollback is not None
 
 
+# the LR rose between two snapshots when it grew by more than this factor (a warm restart, a warm-up)
+LR_RISE = 2.0
+
+
+def _rose(before: Optional[float], after: Optional[float]) -> bool:
+    return before is not None and after is not None and after > LR_RISE * before
+
+
 class Recovery:
     """Everything the guard can undo or change about training, and the ladder that decides when.
 
@@ -107,6 +115,11 @@ class Recovery:
         self.pristine = True
         self.kept_step = False
         self._refusals_told = 0  # how many of the store's refused snapshots an event has named
+        # keep the fit's first snapshot and the last one before the LR rose, for this many steps (:meth:
+        # take_snapshot): the targets of a stall's rollback (set by the step flow where the stall probe can run;
+        # None: none kept)
+        self.anchoring: Optional[int] = None
+        self._started = False  # the fit's first snapshot was taken (and pinned, anchoring)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -120,6 +133,7 @@ class Recovery:
         self.metrics = MetricUndo(pl_module)
         self.store = None
         self._refusals_told = 0
+        self._started = False
         if cfg.snapshot != "off":
             directory = Path(cfg.snapshot_dir) if cfg.snapshot_dir else out_dir / "snapshots"
             world = int(getattr(trainer, "world_size", 1) or 1)
@@ -338,13 +352,36 @@ class Recovery:
         the guard's (the LR scale and the running statistics)."""
         if self.store is None:
             return
-        meta: dict[str, Any] = {"lr_scale": self.lr_scale}
+        lrs = current_lrs(trainer.optimizers)
+        meta: dict[str, Any] = {"lr_scale": self.lr_scale, "lr": max(lrs) if lrs else None}
         meta.update({name: obj.state_dict() for name, obj in self.statistics.items()})
-        self.store.capture(trainer, pl_module, trainer.global_step, meta)
+        before = self.store.newest
+        snap = self.store.capture(trainer, pl_module, trainer.global_step, meta)
+        if self.anchoring is not None:
+            if not self._started:
+                self.store.pin("start", snap)
+            elif before is not None and _rose(before.meta.get("lr"), meta["lr"]):
+                self.store.pin("before_lr_rise", before)
+            for role, old in list(self.store.anchors.items()):
+                if snap.step - old.step > self.anchoring:  # a stall this late is not the start's or that rise's
+                    self.store.pin(role, None)
+        self._started = True
         self.healthy_since_snapshot = 0
         self.pristine = True
         self.counters.add("snapshots")
         self._ladder.snapshot_taken()
+
+    def stall_target(self, onset: int, lr: float) -> Optional[int]:
+        """The step of the snapshot a stall rolls back to: the newest taken while the LR was at most ``lr`` (the
+        LR the probe found learns; before the LR rose to the one that stalls), else the oldest taken at or before
+        ``onset`` (the run stalled at its LR from the start: the fit's first snapshot, kept while
+        :attr:`anchoring`); None: none."""
+        kept = [s for s in self.store.ring if not s.failed] if self.store is not None else []
+        low = [s for s in kept if s.meta.get("lr") is not None and s.meta["lr"] <= lr]
+        if low:
+            return max(s.step for s in low)
+        early = [s.step for s in kept if s.step <= onset]
+        return min(early) if early else None
 
     def prepare_reference(self, norms: Norms) -> None:
         """Before an incident's diagnosis, on every rank at the same point: drop the snapshots that could not be

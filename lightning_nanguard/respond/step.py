@@ -29,12 +29,13 @@ from ..detect.amp import clear_device_skip, ensure_unscaled, grad_scaler, skip_o
 from ..detect.ranks import Ranks
 from ..detect.read_mode import choose_read_mode
 from ..detect.spikes import SPIKE_PATIENCE
-from ..detect.stall import PROBE_FACTORS, best_factor, gain_ratio
+from ..detect.stall import ANCHOR_WINDOWS, PROBE_FACTORS, best_factor, gain_ratio
 from ..detect.vector import SCHEMA
 from ..detect.verdict import Outcome, classify, device_skipped, skip_flag
 from ..diagnose.lr_probe import lr_probe
 from ..diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
 from ..recover.checkpoint import optimizer_state_nonfinite
+from ..recover.lr import current_lrs
 from ..report.recorder import logger_step
 from . import incident as incidents
 from .account import drifted_replicas
@@ -74,6 +75,11 @@ class StepFlow:
                                     exact=check.replica_compare == "exact")
         self.lagged, why = choose_read_mode(check.sync, trainer, pl_module)
         p.flow.start(pl_module)
+        # the snapshots a stall rolls back to are kept (for ANCHOR_WINDOWS stall windows) only where the probe runs
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        probes = check.stall == "act" and p.config.recovery.stall_anchors and len(trainer.optimizers) == 1 \
+            and world == 1
+        p.recovery.anchoring = ANCHOR_WINDOWS * check.stall_window if probes else None
         if self.lagged and "cannot skip" in why and p.config.recovery.snapshot == "off":
             why += " (recovery.snapshot is off: nothing to roll back to)"
         if check.sync != "auto":  # the user chose a mode: say what they got, and why
@@ -387,16 +393,16 @@ class StepFlow:
         moved = first["moved"]
         culprit = max(moved, key=lambda n: moved[n]) if moved else None
         onset = int(trigger.get("onset_step", 0))
-        store = p.recovery.store
-        before_stall = store.ring[0] if store is not None and len(store) and store.ring[0].step <= onset else None
+        lrs = current_lrs(trainer.optimizers)
+        target = p.recovery.stall_target(onset, max(lrs) * (factor or 1.0)) if lrs else None
         found = {"trigger": trigger, "probe_steps": len(kept), "loss_before": before,
                  "loss_after": {f"x{f:g}": v for f, v in sorted(after.items(), reverse=True)},
                  "gain_ratio": ratio, "threshold": watch.ratio, "lr_factor": factor,
                  "relative_update": moved.get(culprit) if culprit else None,
-                 "rollback_target": before_stall.step if before_stall is not None else None}
+                 "rollback_target": target}
         self.responder.respond(incidents.stall(
             self.responder.at(), found, culprit=culprit, lr_factor=factor,
-            rollback_before=before_stall.step if before_stall is not None else None,
+            rollback_before=target,
             act=p.config.check.stall == "act"))
 
     def _scalars(self, step: Optional[int] = None) -> None:

@@ -229,6 +229,9 @@ class SnapshotStore:
         self._copier: Optional[DeviceCopy[torch.cuda.Stream, torch.cuda.Event]] = None
         self.refused: list[Refusal] = []
         self.writer: Optional[SnapshotWriter] = SnapshotWriter()
+        # snapshots kept beside the newest ``keep`` (:meth:`pin`): by role, each in the ring and never evicted by
+        # newer ones until unpinned
+        self.anchors: dict[str, Snapshot] = {}
 
     def __getstate__(self) -> dict[str, object]:
         """A copy (``copy.deepcopy``, ``pickle``) holds finished snapshots: the device copies in flight are waited for
@@ -287,10 +290,7 @@ class SnapshotStore:
         skeleton, live = flatten(state)
         live = [local(t) for t in live]  # sharded: this rank's own shards (1/N of the state, no second sharding)
         first = written_by_forward(skeleton, buffers)
-        while len(self.ring) >= self.keep:  # evict first, so that at most `keep` copies ever exist
-            old = self.ring.popleft()
-            self._forget(old)
-            self._spare.append(old)
+        self._trim(self.keep - 1)  # evict first, so that at most `keep` copies (and the anchors) ever exist
         snap = self._spare.pop() if self._spare else Snapshot(step=step)
         snap.step, snap.meta, snap.failed, snap.norms, snap.seal = step, dict(meta), None, None, None
         self._keep(snap, skeleton, live, first)
@@ -357,9 +357,7 @@ class SnapshotStore:
         exc.recorded = refusal
         self.refused.append(refusal)
         if any(s is snap for s in self.ring):
-            self.ring.remove(snap)
-            self._forget(snap, keep_file=True)
-            self._spare.append(snap)
+            self._evict(snap, keep_file=True)
         where = f" ({path})" if path else " (host memory)"
         warnings.warn(f"[nanguard] the snapshot of step {snap.step} is refused{where}: {exc}. It is never restored "
                       "(nothing of it reached the model) and is no rollback target again; a rollback falls back to "
@@ -370,9 +368,37 @@ class SnapshotStore:
     def drop_newest(self) -> None:
         """Forget the newest snapshot (it did not lead to recovery); keeps at least one."""
         if len(self.ring) > 1:
-            snap = self.ring.pop()
-            self._forget(snap)
-            self._spare.append(snap)
+            self._evict(self.ring[-1])
+
+    def pin(self, role: str, snap: Optional[Snapshot]) -> None:
+        """Keep ``snap`` (one of the ring) beside the newest ``keep`` as the anchor ``role`` (in place of that role's
+        earlier anchor, which goes back to being an ordinary member of the ring); None: unpin the role."""
+        if snap is not None and not any(s is snap for s in self.ring):
+            return
+        if snap is None:
+            self.anchors.pop(role, None)
+        else:
+            self.anchors[role] = snap
+        self._trim(self.keep)
+
+    def anchor(self, role: str) -> Optional[Snapshot]:
+        """The snapshot pinned as ``role``, or None."""
+        return self.anchors.get(role)
+
+    def _trim(self, room: int) -> None:
+        """Evict the oldest snapshots not pinned until at most ``room`` of them are left."""
+        while sum(1 for s in self.ring if not self._pinned(s)) > room:
+            self._evict(next(s for s in self.ring if not self._pinned(s)))
+
+    def _pinned(self, snap: Snapshot) -> bool:
+        return any(a is snap for a in self.anchors.values())
+
+    def _evict(self, snap: Snapshot, keep_file: bool = False) -> None:
+        """``snap`` leaves the ring and every role it was pinned as; its buffers are spare."""
+        self.ring.remove(snap)
+        self.anchors = {r: a for r, a in self.anchors.items() if a is not snap}
+        self._forget(snap, keep_file=keep_file)
+        self._spare.append(snap)
 
     def load(self, snap: Snapshot) -> Any:
         """The snapshot's state as fresh tensors (never aliasing the snapshot), verified against its seal; raises
@@ -472,9 +498,7 @@ class SnapshotStore:
 
     def _drop_failed(self) -> None:
         for snap in [s for s in self.ring if s.failed]:
-            self.ring.remove(snap)
-            self._forget(snap)
-            self._spare.append(snap)
+            self._evict(snap)
 
     def _report(self, snap: Snapshot, path: Optional[Path], error: str, in_memory: bool = False) -> None:
         """``snap`` could not be written: a rollback target only ``in_memory``; the first one of a fit is warned."""
