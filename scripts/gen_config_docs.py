@@ -57,6 +57,10 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
     ("lightning_nanguard.detect.stall", "MAX_COOLDOWN",
      "the longest wait, in steps, between two stall probes (the wait doubles after each probe that finds nothing)",
      "a bound: a long healthy run probes O(log steps) times, and a run that stalls late is still probed"),
+    ("lightning_nanguard.diagnose.samples", "MAX_SAMPLES",
+     "the most samples of a bad batch whose loss alone is rerun (a forward each, at the incident only) to name its "
+     "worst samples in a spike's `details.samples`",
+     "a bound on the incident's cost: a batch of 256 costs as many forwards of one sample"),
     ("lightning_nanguard.detect.stall", "ANCHOR_WINDOWS",
      "stall windows (`check.stall_window`) for which the fit's first snapshot, and the last one before the LR rose, "
      "are kept beside the ring as a stall's rollback targets (`recovery.stall_anchors`)",
@@ -228,6 +232,7 @@ CONSTANTS: list[tuple[str, str, str, str]] = [
 ]
 # Module-level numeric constants of the package that are not thresholds of the guard's behaviour, and why.
 NOT_THRESHOLDS: dict[str, str] = {
+    "lightning_nanguard.diagnose.samples.WORST": "how many of a bad batch's worst samples an event names",
     "lightning_nanguard.detect.flow.FLOW_VERSION": "the format version of a stored gradient-flow window",
     "lightning_nanguard.report.pictures._DPI": "the incident pictures' resolution (dots per inch)",
     "lightning_nanguard.callback._STATE_VERSION": "the format version of the guard's checkpoint state",

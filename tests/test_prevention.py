@@ -695,3 +695,31 @@ def test_norm_type_is_the_norm_that_is_clipped(fit_steps, norm_type):
             assert abs(two_post - max_norm) > 0.05 * max_norm, two_post
     assert guard.counters["clipped_steps"] == clipped > 0
     assert guard.state_dict()["clipper"]["last_norm"] == pytest.approx(before.rows[-1][0], rel=1e-6)
+
+
+def test_a_bad_batch_spike_names_its_worst_samples(tmp_path: Any, fit: Any) -> None:
+    """Two mislabelled samples (targets x1000) in batch 30 of a clean regression: the spike is the data's fault, and
+    each sample's loss alone (diagnose/samples.py) names those two first, in the details and the suggestion."""
+    data = regression_data()
+    x, y = (t.clone() for t in data.tensors)
+    bad = [30 * 16 + 3, 30 * 16 + 11]
+    y[bad] *= 1000.0
+    guard = NaNGuard(check={"spike_warmup": 20}, logging={"verbose": False})
+    fit(Regression(lr=0.05), torch.utils.data.TensorDataset(x, y), [guard], batch_size=16, max_epochs=1)
+    spikes = [e for e in guard.events if e.kind == "spike"]
+    assert [e.step for e in spikes] == [30] and spikes[0].cause == "input", [(e.step, e.cause) for e in spikes]
+    found = spikes[0].details["samples"]
+    assert found["samples"] == 16
+    worst = found["worst"]
+    assert sorted(w["index"] for w in worst[:2]) == [3, 11] and worst[1]["x_median"] > 1e3, worst
+    assert worst[2]["x_median"] < 100  # the clean ones are near the median
+    assert "samples 3 (" in spikes[0].suggestion or "samples 11 (" in spikes[0].suggestion, spikes[0].suggestion
+    assert torch.equal(y[bad[0]], data.tensors[1][bad[0]] * 1000.0)  # the rerun left the batch as it was
+
+
+def test_a_batch_that_cannot_be_split_is_named_without_samples() -> None:
+    from lightning_nanguard.diagnose.samples import split
+
+    assert split((torch.zeros(4, 3), torch.zeros(4))) is not None
+    assert len(split({"x": torch.zeros(4, 3), "scale": torch.tensor(2.0)})) == 4  # a scalar rides along
+    assert split((torch.zeros(4, 3), torch.zeros(5))) is None  # no one first dimension

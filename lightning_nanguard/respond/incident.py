@@ -335,7 +335,7 @@ def stall(at: At, found: dict, *, culprit: Optional[str], lr_factor: Optional[fl
 
 def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_norm_zscore: Optional[float],
           cause: str, growth: dict[str, Any], action: str, clip_to: Optional[float], repeated: bool,
-          window: int) -> Incident:
+          window: int, samples: Optional[dict[str, Any]] = None) -> Incident:
     """A finite loss far above its running statistics. It does not climb the ladder (no rollback, no give-up);
     judged late, it was skipped or clipped on the device already, by the same test.
 
@@ -350,6 +350,8 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
         clip_to: the norm a ``clip`` clips the step to.
         repeated: :data:`SPIKES_BEFORE_LR_CUT` spikes within ``window`` steps: the LR is cut whatever the action.
         window: ``recovery.incident_window``.
+        samples: a bad batch's per-sample losses (:func:`.diagnose.samples.sample_losses`), for ``details.samples``
+            and the suggestion; None: not known.
 
     Returns:
         An :class:`Incident` that acts at once (:class:`NoteNow`), with its own LR cut (:class:`Given`) if any.
@@ -360,7 +362,9 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
                          grad_norm=flags.grad_norm, grad_norm_zscore=grad_norm_zscore)
     event.cause = cause
     event.details.update(growth)
-    event.suggestion = KINDS["spike"].advice if cause != "input" else _bad_batch(at, record, z, action)
+    if samples is not None:
+        event.details["samples"] = samples
+    event.suggestion = KINDS["spike"].advice if cause != "input" else _bad_batch(at, record, z, action, samples)
     if clip_to is not None and action == "clip":
         event.details["clip_to"] = clip_to
     planning = None
@@ -373,14 +377,22 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
                     clip_to=clip_to if action == "clip" else None)
 
 
-def _bad_batch(at: At, record: StepRecord, z: float, action: str) -> str:
-    """What a spike on weights that gave a healthy loss a step before tells the user: this batch is bad data."""
+def _bad_batch(at: At, record: StepRecord, z: float, action: str, samples: Optional[dict[str, Any]] = None) -> str:
+    """What a spike on weights that gave a healthy loss a step before tells the user: this batch is bad data (and,
+    where its per-sample losses are known, which of its samples)."""
     done = "its update was skipped" if action == "skip_step" else "its update was applied (check.spike_action: " \
         "skip_step keeps it out of the weights and the optimizer's moments)"
+    which = "that batch's samples"
+    if samples and samples.get("worst"):
+        several = any(w["micro_batch"] for w in samples["worst"])
+        named = ", ".join((f"{w['micro_batch']}:{w['index']}" if several else str(w["index"]))
+                          + (f" ({w['x_median']:.3g}x)" if w.get("x_median") else "") for w in samples["worst"][:3])
+        which = (f"samples {named} of that batch first ({'micro-batch:index; ' if several else ''}loss alone against "
+                 f"the median sample's {samples['median']:.3g})")
     return (f"Bad input data: the loss of batch {at.batch_idx} of epoch {at.epoch} (step {record.step}) is {z:.3g} "
-            f"spreads above what the same weights gave on the batches before it, and {done}. Check that batch's "
-            "samples and their shard (corrupt or mislabelled data, a file read as the wrong type); a smaller LR "
-            "does not fix bad data.")
+            f"spreads above what the same weights gave on the batches before it, and {done}. Check {which} and "
+            "their shard (corrupt or mislabelled data, a file read as the wrong type); a smaller LR does not fix "
+            "bad data.")
 
 
 def persistent_clipping(at: At, record: StepRecord, *, streak: int, threshold: Optional[float], cause: str,

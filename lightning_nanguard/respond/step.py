@@ -33,6 +33,7 @@ from ..detect.stall import ANCHOR_WINDOWS, PROBE_FACTORS, best_factor, gain_rati
 from ..detect.vector import SCHEMA
 from ..detect.verdict import Outcome, classify, device_skipped, skip_flag
 from ..diagnose.lr_probe import lr_probe
+from ..diagnose.samples import sample_losses
 from ..diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
 from ..recover.checkpoint import optimizer_state_nonfinite
 from ..recover.lr import current_lrs
@@ -261,7 +262,11 @@ class StepFlow:
             cause, growth = spike_cause(flags.grad_norm, list(p.clipper.history), check.divergence_growth,
                                         check.divergence_steps, after_healthy=detector.after_healthy)
             window = p.config.recovery.incident_window
-            yield incidents.spike(self.responder.at(record), record, z=spike_z,
+            fit = self.responder.fit
+            # the batch's fault: which of its samples (a forward each, now only)
+            samples = sample_losses(fit.module, record.window.batches, getattr(fit.trainer, "precision_plugin", None)) \
+                if cause == "input" else None
+            yield incidents.spike(self.responder.at(record), record, z=spike_z, samples=samples,
                                   test=p.losses.detector.last, grad_norm_zscore=p.clipper.zscore(flags.grad_norm),
                                   cause=cause, growth=growth, action=check.spike_action,
                                   clip_to=p.clipper.zclip.mean,
