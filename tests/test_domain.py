@@ -353,3 +353,29 @@ def test_the_batch_tensors_written_in_place_are_told_by_their_versions() -> None
                 {"micro_batch": 0, "field": "batch['y']", "nan": 1, "inf": 0, "samples": [0]}]
     data, wrote = split_written(findings, written)
     assert data == findings[1:] and wrote[0]["nonfinite"] == 2 and wrote[0]["samples"] == [1]
+
+
+def test_batch_versions_walk_every_container_in_iter_tensors_order() -> None:
+    """The batch start's fast walk (detect/writes.py) gives iter_tensors' order for every container the tree knows:
+    a tensor written in place is found at its own position."""
+    import collections
+    import dataclasses
+
+    from lightning_nanguard.core.tree import iter_tensors
+    from lightning_nanguard.detect.writes import _version, batch_versions
+
+    pair = collections.namedtuple("pair", "a b")
+
+    @dataclasses.dataclass
+    class Sample:
+        x: torch.Tensor
+        rest: list
+
+    t = [torch.zeros(2) for _ in range(6)]
+    for i in (1, 4):
+        t[i].add_(1.0)  # version 1: the others 0
+    cases = [(t[0], t[1]), {"x": t[0], "y": [t[1], (t[2],)], "n": 3}, pair(t[3], {"q": t[4]}),
+             Sample(t[5], [t[4], "s"]), t[1], "text", collections.OrderedDict(a=t[1], b=t[0])]
+    for case in cases:
+        assert batch_versions(case) == tuple(_version(v) for _, v in iter_tensors(case)), case
+    assert batch_versions(pair(t[3], {"q": t[4]})) == (0, 1) and batch_versions(Sample(t[5], [t[4], "s"])) == (0, 1)

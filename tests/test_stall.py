@@ -110,3 +110,18 @@ def test_the_fit_start_snapshot_is_kept_for_twenty_windows_then_freed(tmp_path: 
     pl.seed_everything(0, verbose=False)
     trainer(tmp_path / "off", [off], max_steps=30).fit(_lm(3e-3), DataLoader(data, batch_size=8))
     assert off._parts.recovery.store.anchors == {} and len(off._parts.recovery.store) == 2
+
+
+@pytest.mark.slow
+def test_stall_under_lagged_reads_probes_the_judged_weights_and_rescues(tmp_path: Any) -> None:
+    """check.sync: lagged (every step's flags read one step late): the probe first judges the step not read yet, then
+    runs on the weights that step left; the stall, its rollback to the fit's first snapshot and the rescue are as
+    under eager reads."""
+    _, plain = _fit(tmp_path / "plain", 0.1, None, epochs=6)
+    guard = NaNGuard(check={**FAST, "sync": "lagged"}, logging={"verbose": False})
+    _, guarded = _fit(tmp_path / "guarded", 0.1, guard, epochs=6)
+    assert guard._flow.lagged  # the mode it asked for
+    stalls = [e for e in guard.events if e.kind == "stall"]
+    assert stalls and stalls[0].details["stall"]["rollback_target"] == 0, [(e.kind, e.step) for e in guard.events]
+    assert "rollback" in stalls[0].actions and guard.lr_scale < 1.0
+    assert guarded < plain, (guarded, plain)

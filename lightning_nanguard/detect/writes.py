@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from torch import Tensor
 
-from ..core.tree import iter_tensors
+from ..core.tree import children, iter_tensors
 
 __all__ = ["batch_versions", "written_in_place", "split_written", "UNTRACKED"]
 
@@ -34,7 +34,25 @@ def _version(t: Tensor) -> int:
 def batch_versions(batch: object) -> tuple[int, ...]:
     """The version counter of every tensor of ``batch``, in :func:`~..core.tree.iter_tensors` order (host integers:
     nothing is read from the device)."""
-    return tuple(_version(t) for _, t in iter_tensors(batch))
+    out: list[int] = []
+    _versions_into(batch, out)
+    return tuple(out)
+
+
+def _versions_into(obj: object, out: list[int]) -> None:
+    """:func:`batch_versions`' walk: iter_tensors' order without building its paths (a step's batch start pays for
+    it: 2 tensors in 2 us, against 17 us through iter_tensors)."""
+    if isinstance(obj, Tensor):
+        out.append(_version(obj))
+    elif isinstance(obj, (list, tuple)):  # a namedtuple iterates in its fields' order, as iter_tensors walks it
+        for item in obj:
+            _versions_into(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _versions_into(item, out)
+    else:
+        for _, item in children(obj) or ():  # another mapping, a dataclass
+            _versions_into(item, out)
 
 
 def written_in_place(batches: Sequence[tuple[object, int]],
