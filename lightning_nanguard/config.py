@@ -144,6 +144,9 @@ class CheckConfig(_Section):
     stall_gain_ratio: float = _opt(
         1.2, "a stall: the loss gain of the probe at 1/10 of the LR is at least this many times the gain at the "
               "run's LR", lo=1.0, lo_open=True)
+    stall_remaining: float = _opt(
+        0.6, "a stall: the probe's loss is still at least this fraction of the mean loss of the fit's first "
+             "stall_window steps (a run that has learned most of it is annealing, not stalled)", lo=0.0, hi=1.0)
     amp_overflow_patience: int = _opt(
         20, "consecutive GradScaler overflows (skipped steps) that count as an incident", lo=1)
     amp_min_scale: float = _opt(1e-4, "GradScaler scale below which training counts as diverged",

@@ -210,7 +210,8 @@ STATISTICS: dict[str, dict[str, Check]] = {
         "loss_max": maximum, "norm_max": maximum, "above": list_of(row(step, finite, norm)), "latched": flag,
         "onset": row(step, optional(finite), norm), "seen_max": maximum, "above_floor": maximum,
         "streak_latched": flag, "seen": count, "positive": flag})},
-    "stall": {"": section({"losses": list_of(finite), "cooldown": count, "wait": count, "probes": count})},
+    "stall": {"": section({"losses": list_of(finite), "cooldown": count, "wait": count, "probes": count,
+                           "start_sum": finite, "start_count": count})},
 }
 # a history and the step of its newest value are reset together
 _TOGETHER = {("clipper", "history"): ("history_end",), ("clipper", "history_end"): ("history",)}

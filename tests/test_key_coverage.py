@@ -40,6 +40,7 @@ KEY_TESTS: dict[str, list[str]] = {
     "check.stall_progress": ["tests/test_stall.py::test_stall_probe_on_a_healthy_run_changes_nothing"],
     "check.stall_probe_steps": ["tests/test_stall.py::test_stall_probe_on_a_healthy_run_changes_nothing"],
     "check.stall_gain_ratio": ["tests/test_stall.py::test_stall_fires_on_a_stalled_lm_and_rescues_it"],
+    "check.stall_remaining": ["tests/test_stall.py::test_a_stall_needs_the_loss_still_near_where_the_fit_began"],
     "check.divergence": [f"{DV}::test_check_divergence_off_warn_act",
                          "tests/test_causes.py::test_tiny_gpt2_with_sgd_at_lr_100_is_learning_rate_not_precision"],
     "check.divergence_growth": [f"{DV}::test_check_divergence_growth_is_the_per_step_factor"],

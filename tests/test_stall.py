@@ -125,3 +125,18 @@ def test_stall_under_lagged_reads_probes_the_judged_weights_and_rescues(tmp_path
     assert stalls and stalls[0].details["stall"]["rollback_target"] == 0, [(e.kind, e.step) for e in guard.events]
     assert "rollback" in stalls[0].actions and guard.lr_scale < 1.0
     assert guarded < plain, (guarded, plain)
+
+
+def test_a_stall_needs_the_loss_still_near_where_the_fit_began() -> None:
+    """check.stall_remaining: the probe's loss must still be at least that fraction of the fit's first window (the
+    soak's SGD CNN under a warm restart, at 0.23 of it, gained more at LR/10 from annealing: no stall); the start is
+    kept in the saved state."""
+    watch = StallWatch(window=5, threshold=0.5, probe_steps=2, remaining=0.6)
+    assert watch.start is None and not watch.far_from_start(10.0)  # no first window yet
+    for i, v in enumerate([3.2, 3.0, 3.1, 2.9, 2.8, 1.0, 0.9]):
+        watch.observe(i, v)
+    assert watch.start == pytest.approx(3.0)  # the first 5 only
+    assert watch.far_from_start(1.8) and not watch.far_from_start(1.79)
+    twin = StallWatch(window=5, remaining=0.6)
+    twin.load_state_dict(watch.state_dict())
+    assert twin.start == pytest.approx(3.0)

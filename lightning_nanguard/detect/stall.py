@@ -77,11 +77,14 @@ class StallWatch:
     """
 
     def __init__(self, mode: str = "act", window: int = 50, threshold: float = 0.5, probe_steps: int = 20,
-                 ratio: float = 1.2) -> None:
+                 ratio: float = 1.2, remaining: float = 0.6) -> None:
         self.enabled = mode != "off"
         self.window, self.threshold, self.probe_steps, self.ratio = int(window), float(threshold), int(probe_steps), \
             float(ratio)
         self.losses: deque[float] = deque(maxlen=2 * self.window)
+        # the fit's first window of losses (sum and count): a stall's loss is still near where the fit began
+        self.remaining = float(remaining)
+        self.start_sum, self.start_count = 0.0, 0
         self.cooldown = 2 * self.window  # steps before the next probe may be armed (after the history fills)
         self.wait = 0  # steps left of the cooldown
         self.armed_at: Optional[int] = None  # the step that armed the watch
@@ -98,6 +101,9 @@ class StallWatch:
         if not self.enabled or self.armed or loss is None or not math.isfinite(loss):
             return False
         self.losses.append(loss)
+        if self.start_count < self.window:
+            self.start_sum += loss
+            self.start_count += 1
         if self.wait > 0:
             self.wait -= 1
             return False
@@ -117,6 +123,18 @@ class StallWatch:
             return False
         self.kept.append([(map_tensors(b, lambda t: t.detach().clone()), int(i)) for b, i in batches])
         return len(self.kept) >= self.probe_steps
+
+    @property
+    def start(self) -> Optional[float]:
+        """The mean loss of the fit's first ``window`` healthy steps (None until they are in)."""
+        return self.start_sum / self.start_count if self.start_count >= self.window else None
+
+    def far_from_start(self, loss: float) -> bool:
+        """Is ``loss`` (the probe's, before its steps) still at least ``remaining`` of :attr:`start`? A run that has
+        learned most of what separates it from its first steps is not stalled, even where a lower LR lowers its
+        loss on batches it has seen (annealing: an SGD run under a warm restart, a converged regression)."""
+        start = self.start
+        return start is not None and start > 0 and loss >= self.remaining * start
 
     def take(self, stalled: bool) -> list[list[tuple[object, int]]]:
         """Hand over the kept batches and restart: a new history; after a probe that found nothing (``stalled``
@@ -138,11 +156,13 @@ class StallWatch:
     def state_dict(self) -> dict[str, object]:
         """Bounded: the last ``2 W`` losses and the cooldown (the kept batches are not saved: a resumed run
         arms afresh)."""
-        return {"losses": list(self.losses), "cooldown": self.cooldown, "wait": self.wait, "probes": self.probes}
+        return {"losses": list(self.losses), "cooldown": self.cooldown, "wait": self.wait, "probes": self.probes,
+                "start_sum": self.start_sum, "start_count": self.start_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses = deque((float(v) for v in state.get("losses", [])), maxlen=2 * self.window)
         self.cooldown = int(state.get("cooldown", 2 * self.window))
         self.wait = int(state.get("wait", 0))
         self.probes = int(state.get("probes", 0))
+        self.start_sum, self.start_count = float(state.get("start_sum", 0.0)), int(state.get("start_count", 0))
         self.disarm()

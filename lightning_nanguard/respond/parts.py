@@ -64,7 +64,8 @@ class Parts:
                    Diagnoser(cfg.anomaly, counters), Recorder(cfg.logging, counters, name),
                    flow=FlowWindows(cfg.logging.flow_window, cfg.clip.norm_type),
                    stall=StallWatch(cfg.check.stall, cfg.check.stall_window, cfg.check.stall_progress,
-                                    cfg.check.stall_probe_steps, cfg.check.stall_gain_ratio))
+                                    cfg.check.stall_probe_steps, cfg.check.stall_gain_ratio,
+                                    cfg.check.stall_remaining))
 
     def history(self) -> History:
         """The guard's memory of the steps before an incident, for its diagnosis and report. Called on every rank at

@@ -384,7 +384,7 @@ class StepFlow:
             first = lr_probe(trainer, module, trainer.optimizers[0], kept, (1.0, 0.1))
             before, after = first["before"], dict(first["after"])
             ratio = gain_ratio(before, after[1.0], after[0.1])
-            if ratio is None or ratio < watch.ratio:
+            if ratio is None or ratio < watch.ratio or not watch.far_from_start(before):
                 return
             more = lr_probe(trainer, module, trainer.optimizers[0], kept,
                             [f for f in PROBE_FACTORS if f not in after], before=before)
@@ -403,6 +403,7 @@ class StepFlow:
         found = {"trigger": trigger, "probe_steps": len(kept), "loss_before": before,
                  "loss_after": {f"x{f:g}": v for f, v in sorted(after.items(), reverse=True)},
                  "gain_ratio": ratio, "threshold": watch.ratio, "lr_factor": factor,
+                 "loss_at_start": watch.start, "remaining": watch.remaining,
                  "relative_update": moved.get(culprit) if culprit else None,
                  "rollback_target": target}
         self.responder.respond(incidents.stall(
