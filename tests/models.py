@@ -179,6 +179,15 @@ def event_record(e: Any) -> dict:
     return d
 
 
+def without_samples(record: dict) -> dict:
+    """An event record without what depends on the weights a bad batch's samples were rerun on (a step judged one
+    step late reruns them after its update where it was applied: ``details.samples`` and the suggestion that
+    quotes them), keeping only that it named samples."""
+    if "samples" not in record["details"]:
+        return record
+    return {**{k: v for k, v in record.items() if k != "suggestion"}, "details": {**record["details"], "samples": True}}
+
+
 def trainer(tmp_path: Any, callbacks: Optional[list] = None, **kwargs: Any) -> pl.Trainer:
     """A quiet CPU Trainer writing under ``tmp_path``."""
     defaults = dict(max_epochs=1, accelerator="cpu", devices=1, enable_progress_bar=False,

@@ -311,6 +311,8 @@ DOCUMENTED = [
     ("check.stall_progress", "2000", ConfigError), ("check.stall_progress", "-0.5", -0.5),
     ("check.stall_probe_steps", "0", ConfigError), ("check.stall_probe_steps", "20", 20),
     ("check.stall_gain_ratio", "1.0", ConfigError), ("check.stall_gain_ratio", "1.43", 1.43),
+    ("check.stall_remaining", "1.5", ConfigError), ("check.stall_remaining", "-0.1", ConfigError),
+    ("check.stall_remaining", "0", 0.0), ("check.stall_remaining", "0.6", 0.6),
     ("check.divergence", "'off'", "off"), ("check.divergence", "warn", "warn"), ("check.divergence", "act", "act"),
     ("check.divergence", "rollback", ConfigError),
     ("recovery.divergence_lr_factor", "0", ConfigError), ("recovery.divergence_lr_factor", "1.0", ConfigError),

@@ -77,7 +77,8 @@ guard, record = models.sync_guard, models.event_record
 
 
 def records(g: NaNGuard) -> list[dict]:
-    return [record(e) for e in g.events]
+    """Its events as JSON, comparable across the two modes (:func:`models.without_samples`)."""
+    return [models.without_samples(record(e)) for e in g.events]
 
 
 def optimizer_states(trainer: pl.Trainer) -> list[dict]:
@@ -484,6 +485,10 @@ def test_each_spike_action_in_both_modes(both, fit, action, mode):
         (e,) = r.guard.events
         assert (e.step, e.kind, e.actions) == (SPIKE_AT, "spike", [action]), sync
         assert r.guard.counters["spikes"] == 1 and r.guard.counters["incidents"] == 0
+        # the bad batch's samples: rerun on the weights after the update where it landed (judged late, not skipped)
+        after = sync == "lagged" and action != "skip_step"
+        assert e.details["samples"]["after_update"] is after, sync
+        assert ("on the weights after its update" in e.suggestion) is after, sync
     if action == "warn":
         pl.seed_everything(0, verbose=False)
         plain = SpikyLin(SPIKE_AT, mode)

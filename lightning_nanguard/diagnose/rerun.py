@@ -210,7 +210,7 @@ def eager() -> Iterator[None]:
         yield
 
 
-def _step_counter(trainer: "pl.Trainer") -> Optional[_Counter]:
+def _step_counter(trainer: Optional["pl.Trainer"]) -> Optional[_Counter]:
     """The progress counter behind ``trainer.global_step`` under automatic optimization (the only kind a replay
     runs for), or None where the Trainer has none."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
@@ -224,7 +224,7 @@ class _Counter(Protocol):
 
 
 @contextmanager
-def at_step(trainer: "pl.Trainer", step: Optional[int]) -> Iterator[None]:
+def at_step(trainer: Optional["pl.Trainer"], step: Optional[int]) -> Iterator[None]:
     """Inside the block ``trainer.global_step`` (and the module's) is ``step``: a step judged one step late (or at
     the end of fit) is replayed at its own number, so a ``training_step`` that reads it (a schedule, a
     curriculum, a fault injected at that step) runs as it did."""

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..core.tree import iter_tensors, map_tensors
-from .rerun import eager, forward_context, preserved_state, quiet_hooks, run_step
+from .rerun import at_step, eager, forward_context, preserved_state, quiet_hooks, run_step
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -45,14 +45,15 @@ def _slice(i: int) -> Callable[[Tensor], Tensor]:
     return lambda t: t[i:i + 1] if t.dim() > 0 else t
 
 
-def sample_losses(module: "pl.LightningModule", batches: Sequence[tuple[object, int]], plugin: Any
-                  ) -> Optional[dict[str, Any]]:
+def sample_losses(module: "pl.LightningModule", batches: Sequence[tuple[object, int]], plugin: Any,
+                  trainer: Optional["pl.Trainer"] = None, step: Optional[int] = None) -> Optional[dict[str, Any]]:
     """Each sample's loss alone (module docstring): ``{"samples", "median", "worst": [{"micro_batch", "index",
     "loss", "x_median"}]}``, the worst :data:`WORST` first; None where the batch cannot be split or a sample's
-    rerun gives no finite scalar loss."""
+    rerun gives no finite scalar loss. ``trainer``, ``step``: the step the batch ran at (``trainer.global_step``
+    reads it during the reruns, as for the replay: a step judged one step late runs at its own number)."""
     losses: list[tuple[int, int, float]] = []
     try:
-        with eager(), quiet_hooks(), preserved_state(module), torch.no_grad():
+        with eager(), at_step(trainer, step), quiet_hooks(), preserved_state(module), torch.no_grad():
             module.eval()
             for m, (batch, idx) in enumerate(batches):
                 parts = split(batch)

@@ -387,8 +387,9 @@ def _bad_batch(at: At, record: StepRecord, z: float, action: str, samples: Optio
         several = any(w["micro_batch"] for w in samples["worst"])
         named = ", ".join((f"{w['micro_batch']}:{w['index']}" if several else str(w["index"]))
                           + (f" ({w['x_median']:.3g}x)" if w.get("x_median") else "") for w in samples["worst"][:3])
+        on = ", on the weights after its update" if samples.get("after_update") else ""
         which = (f"samples {named} of that batch first ({'micro-batch:index; ' if several else ''}loss alone against "
-                 f"the median sample's {samples['median']:.3g})")
+                 f"the median sample's {samples['median']:.3g}{on})")
     return (f"Bad input data: the loss of batch {at.batch_idx} of epoch {at.epoch} (step {record.step}) is {z:.3g} "
             f"spreads above what the same weights gave on the batches before it, and {done}. Check {which} and "
             "their shard (corrupt or mislabelled data, a file read as the wrong type); a smaller LR does not fix "

@@ -264,8 +264,13 @@ class StepFlow:
             window = p.config.recovery.incident_window
             fit = self.responder.fit
             # the batch's fault: which of its samples (a forward each, now only)
-            samples = sample_losses(fit.module, record.window.batches, getattr(fit.trainer, "precision_plugin", None)) \
-                if cause == "input" else None
+            samples = sample_losses(fit.module, record.window.batches, getattr(fit.trainer, "precision_plugin", None),
+                                    trainer=fit.trainer, step=record.step) if cause == "input" else None
+            if samples is not None:
+                # judged late, an update the device did not skip is in the weights the samples were rerun on
+                skipped = record.skip is not None and bool(record.skip.item())
+                samples["after_update"] = record.update is UpdateStage.APPLIED or (
+                    record.update is UpdateStage.ON_DEVICE and not skipped)
             yield incidents.spike(self.responder.at(record), record, z=spike_z, samples=samples,
                                   test=p.losses.detector.last, grad_norm_zscore=p.clipper.zscore(flags.grad_norm),
                                   cause=cause, growth=growth, action=check.spike_action,
