@@ -19,6 +19,9 @@ out):
   file read as text; the text with its targets shuffled against its inputs); reference: the clean run.
 - ``warm restart x20``: AdamW pre-LN LM on a cosine schedule (3e-3 -> 3e-4) whose warm restart at mid-fit
   jumps to 20x the base LR; reference: the same schedule restarting at 1x.
+- ``data mix gets harder``: benchmarks/mixture.py's GRU LM (RMSprop), one token source per batch, the share of
+  batches from a harder source rising from 0 at 60% of the fit to 50% at its end; nothing is wrong, its reference
+  is its own no-guard run; also ``NaNGuard(check={"spike_action": "warn"})``.
 - ``healthy: ...``: the sane LM, the LM with warm-up + cosine, and an MLP classifier. With ``NaNGuard()`` the
   final weights must be bitwise identical to no guard (column ``bitwise``).
 
@@ -56,6 +59,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from common import MLP, RESULTS, TinyLM, classification_data, loader, machine, make_trainer
+from mixture import HARD_FROM, GRULM, mixture
 from stability import Recorder, steps_lost
 from tests.models import DeepMLP
 
@@ -66,6 +70,7 @@ SEQ = 32
 BATCH = 16
 STEPS = 600
 CORRUPT_BATCHES = 5
+MIX_STEPS = 3000  # the harder-mix case: its easy source's loss must settle first (benchmarks/mixture.py)
 
 # ----------------------------------------------------------------------------------------------------- text
 
@@ -223,6 +228,15 @@ def ce_loss(val: TensorDataset) -> Callable[[Any], float]:
     return final
 
 
+def mixture_loss(val: TensorDataset) -> Callable[[Any], float]:
+    def final(model: Any) -> float:
+        x, y = val.tensors
+        model.eval()
+        with torch.no_grad():
+            return float(nn.functional.cross_entropy(model(x).reshape(-1, model.head.out_features), y.reshape(-1)))
+    return final
+
+
 def mse_loss(val: TensorDataset) -> Callable[[Any], float]:
     def final(model: Any) -> float:
         x, y = val.tensors
@@ -265,6 +279,7 @@ SETUPS: dict[str, tuple[dict[str, Any], Callable[[], Optional[NaNGuard]]]] = {
     "clip=1.0": ({"gradient_clip_val": 1.0}, lambda: None),
     "NaNGuard()": ({}, _guard()),
     "NaNGuard(spike_action=skip_step)": ({}, _guard(check={"spike_action": "skip_step"})),
+    "NaNGuard(spike_action=warn)": ({}, _guard(check={"spike_action": "warn"})),
 }
 
 
@@ -298,6 +313,12 @@ def cases(quick: bool) -> list[Case]:
                     Run("restart x20", lambda: TextLM(3e-3, schedule=Schedule(half, restart=20.0)), text, BATCH),
                     Run("restart x1", lambda: TextLM(3e-3, schedule=Schedule(half, restart=1.0)), text, BATCH), val,
                     note=f"cosine 1 -> 0.1 over {half} steps, then restart at 20x"))
+    mix_steps = MIX_STEPS // 4 if quick else MIX_STEPS
+    mix_train, mix_val = mixture(mix_steps, BATCH)
+    mix = Run("GRU, harder mix", lambda: GRULM(), mix_train, BATCH)
+    out.append(Case("data mix gets harder: GRU (RMSprop lr=3e-3)", mix, mix, mixture_loss(mix_val),
+                    ["no guard", "clip=1.0", "NaNGuard()", "NaNGuard(spike_action=warn)"],
+                    note=f"one source per batch; hard batches from step {int(HARD_FROM * mix_steps)} of {mix_steps}"))
     out.append(Case("healthy: AdamW lr=3e-3, pre-LN LM", sane, sane, val, ["no guard", "NaNGuard()"], True))
     warm = Run("AdamW lr=3e-3, warm-up + cosine", lambda: TextLM(3e-3, schedule=Schedule(steps - steps // 10,
                                                                                           warmup=steps // 10)),

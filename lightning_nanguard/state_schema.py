@@ -203,7 +203,8 @@ DECISIONS: dict[str, Check] = {
 STATISTICS: dict[str, dict[str, Check]] = {
     "clipper": {"zclip": section(RUNNING_STATS), "history": list_of(finite), "history_end": optional(step),
                 "last_norm": norm},
-    "losses": {"spikes": section({**RUNNING_STATS, "recent": list_of(step), "peak": real(lo=0.0), "held": count}),
+    "losses": {"spikes": section({**RUNNING_STATS, "recent": list_of(step), "peak": real(lo=0.0), "held": count,
+                                   "tests": count, "starts": list_of(count)}),
                "history": list_of(finite)},
     "divergence": {"": section({
         "first_loss": optional(finite), "window": list_of(row(step, optional(finite), norm)),

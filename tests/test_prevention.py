@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_nanguard import NaNGuard
-from lightning_nanguard.detect.spikes import SPIKE_PATIENCE, RunningStats, SpikeDetector
+from lightning_nanguard.detect.spikes import SHIFT_SPIKES, SHIFT_WINDOW, SPIKE_PATIENCE, RunningStats, SpikeDetector
 from lightning_nanguard.diagnose.rules import spike_cause
 from lightning_nanguard.respond.incident import SPIKES_BEFORE_LR_CUT
 from lightning_nanguard.recover.clipping import CLIPS_BEFORE_LR_CUT, ZClip, adaptive_grad_clip_, unitwise_norms
@@ -471,10 +471,83 @@ def test_skip_step_spike_leaves_the_spike_statistics_as_they_were() -> None:
             d.observe(1.0 + 0.1 * (i % 2))
     before = held.state_dict()
     assert held.observe(100.0) is not None and capped.observe(100.0) is not None
-    assert {k: v for k, v in held.state_dict().items() if k != "held"} == \
-        {k: v for k, v in before.items() if k != "held"}
+    counting = ("held", "tests", "starts")
+    assert {k: v for k, v in held.state_dict().items() if k not in counting} == \
+        {k: v for k, v in before.items() if k not in counting}
     assert held.held == 1 and capped.spread() > 2 * held.spread()  # a capped spike widens the test threefold
     assert held.observe(1.05) is None and held.held == 0
+
+
+def healthy_then(d: SpikeDetector, losses: dict[int, float], n: int) -> list[int]:
+    """Feed ``n`` losses alternating 1.0/1.1 (40 of them first), ``losses[i]`` at test ``i`` instead; the tests
+    that were spikes."""
+    for i in range(40):
+        d.observe(1.0 + 0.1 * (i % 2))
+    return [i for i in range(n) if d.observe(losses.get(i, 1.0 + 0.1 * (i % 2))) is not None]
+
+
+def test_held_spikes_that_keep_coming_apart_are_the_loss_moving() -> None:
+    """A skipped spike leaves the statistics as they were, unless SHIFT_SPIKES of them, each after healthy
+    batches, come within SHIFT_WINDOW tests: the loss itself moved (a harder data mix), and the last of them is
+    learned whole, so that losses like it are no longer spikes. A bad stretch in a row is one such spike; spikes
+    further apart stay spikes."""
+    apart = {i: 50.0 for i in range(0, 200, 10)}
+    d = SpikeDetector(6.0, 10, hold=True)
+    assert healthy_then(d, apart, 200) == [0, 10, 20]  # the third is learned: 50 is no spike any more
+    d = SpikeDetector(6.0, 10, hold=True)
+    for i in range(40):
+        d.observe(1.0 + 0.1 * (i % 2))
+    shifted = []
+    for _ in range(SHIFT_SPIKES):
+        before = d.state_dict()
+        assert d.observe(50.0) is not None
+        shifted.append(d.shifted)
+        if not d.shifted:  # left as they were
+            assert {k: v for k, v in d.state_dict().items() if k in ("mean", "var", "peak")} == \
+                {k: v for k, v in before.items() if k in ("mean", "var", "peak")}
+        d.observe(1.0)
+    assert shifted == [False] * (SHIFT_SPIKES - 1) + [True]
+    assert d.peak == pytest.approx(49.0, rel=0.05) and d.observe(50.0) is None
+    stretch = {i: 50.0 for i in range(30)}  # a stretch in a row: one spike start, every batch of it a spike
+    d = SpikeDetector(6.0, 10, hold=True)
+    assert healthy_then(d, stretch, 40) == list(range(30)) and d.held == 0 and len(d.state_dict()["starts"]) == 1
+    far = {i: 50.0 for i in range(0, 10 * SHIFT_WINDOW, SHIFT_WINDOW // 2 + 1)}
+    d = SpikeDetector(6.0, 10, hold=True)
+    assert healthy_then(d, far, 10 * SHIFT_WINDOW) == sorted(far)  # never 3 within the window: all stay spikes
+    restored = SpikeDetector(6.0, 10, hold=True)
+    restored.load_state_dict(d.state_dict())
+    assert restored.state_dict() == d.state_dict() and restored.state_dict()["starts"]
+
+
+class HarderMix(Regression):
+    """From optimizer step ``at`` on, every ``every``-th batch comes from a source whose loss is 50 higher (its
+    gradient the clean one's, as for a source with more irreducible loss): the data mix got harder, nothing is
+    bad."""
+
+    def __init__(self, at: int = 60, every: int = 5) -> None:
+        super().__init__()
+        self.at, self.every = at, every
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        return loss + 50.0 if self.global_step >= self.at and self.global_step % self.every == 0 else loss
+
+
+def test_skip_step_learns_a_data_mix_that_got_harder(fit: Any) -> None:
+    """Skipped spikes leave the statistics as they were; where they keep coming after healthy batches, the loss
+    has moved: the first SHIFT_SPIKES noisy batches are skipped spikes (cause input), the last of them learned
+    (details.loss_moved, said in its suggestion), and every later noisy batch trains: no rollback, no LR cut
+    (held for good, each of the 28 noisy batches was a skipped spike and never trained)."""
+    guard = NaNGuard(check={"spike_action": "skip_step", "spike_warmup": 20})
+    tr = fit(HarderMix(), regression_data(n=512), [guard], batch_size=16, steps=200)
+    firsts = [60 + 5 * i for i in range(SHIFT_SPIKES)]
+    assert [(e.kind, e.step, e.cause, e.actions) for e in guard.events] == [
+        ("spike", s, "input", ["skip_step"]) for s in firsts]
+    assert [e.details.get("loss_moved", False) for e in guard.events] == [False] * (SHIFT_SPIKES - 1) + [True]
+    assert "the loss itself has moved" in guard.events[-1].suggestion
+    assert guard.counters["skipped_steps"] == SHIFT_SPIKES and guard.counters["rollbacks"] == 0
+    assert guard.counters["lr_cuts"] == 0 and tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
 
 
 @pytest.mark.slow

@@ -36,24 +36,38 @@ def _fit(tmp_path: Any, lr: float, guard: Any, epochs: int = 4) -> tuple[Net, fl
         return model, float(_ce(model.body(x), y))
 
 
+def _text_fit(tmp_path: Any, guard: Any, steps: int = 300) -> float:
+    """The rescue benchmark's stalled case, shortened: its pre-LN TextLM on real text with AdamW at lr=0.1 (no
+    warm-up), ``steps`` batches of 16; the held-out loss."""
+    from .test_rescue_benchmark import rescue
+
+    pl.seed_everything(0, verbose=False)
+    model = rescue.TextLM(0.1)
+    trainer(tmp_path, [guard] if guard is not None else [], max_epochs=1).fit(
+        model, DataLoader(rescue.text_train(steps), batch_size=16))
+    return rescue.lm_loss(rescue.text_val(256))(model)
+
+
 @pytest.mark.slow
 def test_stall_fires_on_a_stalled_lm_and_rescues_it(tmp_path: Any) -> None:
-    """AdamW at lr=0.1 on the tiny LM: stuck near 2.28 (lr=3e-3: 1.02); the probe finds a lower LR learns 4x more,
-    the LR is cut, and the fit ends lower."""
-    _, plain = _fit(tmp_path / "plain", 0.1, None, epochs=6)
-    guard = NaNGuard(check={**FAST, "stall": "act", "stall_gain_ratio": 1.43}, logging={"verbose": False})
-    _, guarded = _fit(tmp_path / "guarded", 0.1, guard, epochs=6)
+    """AdamW at lr=0.1 on the small LM over real text (the rescue benchmark's case, 300 steps): stuck near the
+    unigram level (held-out 2.94), the probe at the defaults finds LR/10 learns 9x more from the same batches, the
+    LR is cut, the run rolls back to the fit's first snapshot and ends lower (2.29)."""
+    plain = _text_fit(tmp_path / "plain", None)
+    guard = NaNGuard(logging={"verbose": False})
+    guarded = _text_fit(tmp_path / "guarded", guard)
     stalls = [e for e in guard.events if e.kind == "stall"]
     assert stalls, [(e.kind, e.step) for e in guard.events]
     first = stalls[0]
     assert first.cause == "learning_rate" and first.culprit
     found = first.details["stall"]
-    assert found["gain_ratio"] >= 1.43 and found["lr_factor"] < 1.0
+    assert found["gain_ratio"] >= 3 * found["threshold"] and found["lr_factor"] < 1.0
+    assert found["loss_before"] >= found["remaining"] * found["loss_at_start"]  # not annealing: far from done
     assert "reduce_lr" in first.actions and guard.lr_scale < 1.0
     # too high from the first step: the fit's first snapshot was kept beside the newest two (an anchor), and the
     # stall rolls back to it
     assert found["rollback_target"] == 0 and "rollback" in first.actions, (found["rollback_target"], first.actions)
-    assert guarded < plain, (guarded, plain)
+    assert guarded < plain - 0.3, (guarded, plain)
 
 
 def test_stall_probe_on_a_healthy_run_changes_nothing(tmp_path: Any) -> None:
@@ -117,14 +131,14 @@ def test_stall_under_lagged_reads_probes_the_judged_weights_and_rescues(tmp_path
     """check.sync: lagged (every step's flags read one step late): the probe first judges the step not read yet, then
     runs on the weights that step left; the stall, its rollback to the fit's first snapshot and the rescue are as
     under eager reads."""
-    _, plain = _fit(tmp_path / "plain", 0.1, None, epochs=6)
-    guard = NaNGuard(check={**FAST, "sync": "lagged"}, logging={"verbose": False})
-    _, guarded = _fit(tmp_path / "guarded", 0.1, guard, epochs=6)
+    plain = _text_fit(tmp_path / "plain", None)
+    guard = NaNGuard(check={"sync": "lagged"}, logging={"verbose": False})
+    guarded = _text_fit(tmp_path / "guarded", guard)
     assert guard._flow.lagged  # the mode it asked for
     stalls = [e for e in guard.events if e.kind == "stall"]
     assert stalls and stalls[0].details["stall"]["rollback_target"] == 0, [(e.kind, e.step) for e in guard.events]
     assert "rollback" in stalls[0].actions and guard.lr_scale < 1.0
-    assert guarded < plain, (guarded, plain)
+    assert guarded < plain - 0.3, (guarded, plain)
 
 
 def test_a_stall_needs_the_loss_still_near_where_the_fit_began() -> None:

@@ -20,7 +20,8 @@ from typing import Any, Iterable, Optional, Sequence
 from torch import Tensor
 
 __all__ = ["RunningStats", "SpikeDetector", "LossWatch", "norm_growth", "history_zscore", "PEAK_SHARE", "PEAK_DECAY",
-           "SPIKE_ALPHA", "SPIKE_REL_FLOOR", "SPIKE_PATIENCE", "ZSCORE_MIN_HISTORY", "TREND_STEPS", "TREND_RATIO"]
+           "SPIKE_ALPHA", "SPIKE_REL_FLOOR", "SPIKE_PATIENCE", "SHIFT_SPIKES", "SHIFT_WINDOW", "ZSCORE_MIN_HISTORY",
+           "TREND_STEPS", "TREND_RATIO"]
 
 # a z-score against a history (:func:`history_zscore`) needs this many finite values: fewer give no spread to
 # measure against
@@ -142,6 +143,13 @@ SPIKE_REL_FLOOR = 0.01
 # first spike and the batches since are dropped (PaLM). Longer than a short corrupt stretch (the rescue
 # benchmark's 5 batches), far shorter than PaLM's windows of 200-500 batches
 SPIKE_PATIENCE = 20
+# skipped spikes, each the first after a healthy batch, within SHIFT_WINDOW tests, that mean the loss has moved
+# (a harder shard mixed in, a curriculum stage), not a bad stretch: the statistics a skipped spike leaves as they
+# were then learn the spike's loss. A corrupt stretch of consecutive batches is one such spike; a GRU whose
+# data gets harder met its first 3 hard batches, 50 and 13 steps apart, at 1e8 spreads (benchmarks/mixture.py:
+# held, the hard source was never learned and the run ended 9x worse than without a guard)
+SHIFT_SPIKES = 3
+SHIFT_WINDOW = 100
 
 
 class SpikeDetector:
@@ -162,6 +170,12 @@ class SpikeDetector:
       per-batch losses (batches of a few samples, a hard batch every epoch) widens the test instead of firing
       it, and a tail that came once keeps the test wide for a thousand steps or so.
 
+    ``hold`` (``check.spike_action: skip_step``): a spike's step is skipped and its loss leaves the statistics as
+    they were, so a bad stretch of batches never teaches the test its loss. Where the spikes come apart, each the
+    first after a healthy batch, :data:`SHIFT_SPIKES` of them within :data:`SHIFT_WINDOW` tests, the loss itself
+    has moved: the last of them is learned whole (:attr:`shifted`; the peak takes its full rise above the mean,
+    so that losses like it are no longer spikes while the peak decays), its step still skipped.
+
     Statistics warmed up on losses that were all exactly 0 have no scale at all (every later loss would be a
     spike of 1e12 standard deviations): the warm-up starts again from the next loss.
     """
@@ -180,6 +194,9 @@ class SpikeDetector:
         self.peak = 0.0  # how far the highest recent loss rose above the mean, decaying by PEAK_DECAY per step
         self._last: tuple[float, ...] = ()  # the latest test's mean, std, peak and spread, before it updated them
         self._recent: list[int] = []  # steps of recent spikes
+        self.tests = 0  # tests made (while ready)
+        self._starts: deque[int] = deque(maxlen=SHIFT_SPIKES)  # tests at which a held spike followed a healthy one
+        self.shifted = False  # the latest spike was learned whole: the loss has moved (class docstring)
 
     def repeated(self, step: int, count: int, window: int) -> bool:
         """Note a spike at ``step``; True when it is the ``count``-th within ``window`` steps (then forgets
@@ -230,12 +247,22 @@ class SpikeDetector:
         z = (loss - mean) / spread
         band = self.z_threshold * spread
         self._last = (mean, stats.std, self.peak, spread)
+        self.tests += 1
+        self.shifted = False
         if z > self.z_threshold:
             # on weights that gave a healthy loss a step before: the previous step was no spike, or one held back
             self.after_healthy = not self._spiked
             self._spiked = not self.hold
-            if self.hold:  # its update never lands: its loss neither widens the spread nor shifts the mean
+            if self.hold:  # its update never lands: its loss neither widens the spread nor shifts the mean ...
                 self.held += 1
+                if self.held == 1:
+                    self._starts.append(self.tests)
+                if len(self._starts) < SHIFT_SPIKES or self.tests - self._starts[0] >= SHIFT_WINDOW:
+                    return z
+                # ... unless the spikes keep coming apart: the loss has moved, learn it
+                self.shifted, self._starts = True, deque(maxlen=SHIFT_SPIKES)
+                self.peak = max(loss - mean, self.peak)
+                stats.update(min(loss, mean + band))
                 return z
         else:
             self.held, self._spiked = 0, False
@@ -245,13 +272,16 @@ class SpikeDetector:
         return z if z > self.z_threshold else None
 
     def state_dict(self) -> dict[str, object]:
-        return dict(self.stats.state_dict(), peak=self.peak, recent=list(self._recent), held=self.held)
+        return dict(self.stats.state_dict(), peak=self.peak, recent=list(self._recent), held=self.held,
+                    tests=self.tests, starts=list(self._starts))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stats.load_state_dict(state)
         self.peak = float(state.get("peak", 0.0))
         self._recent = [int(s) for s in state.get("recent", [])]
         self.held = int(state.get("held", 0))
+        self.tests = int(state.get("tests", 0))
+        self._starts = deque((int(s) for s in state.get("starts", [])), maxlen=SHIFT_SPIKES)
 
 
 class LossWatch:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Collection, Optional, Sequence, Union
 from ..core.causes import where_it_ran
 from ..core.events import KINDS, NaNEvent
 from ..core.record import StepRecord, UpdateStage, Window
+from ..detect.spikes import SHIFT_SPIKES, SHIFT_WINDOW
 from ..diagnose.context import Evidence
 from ..recover.ladder import Plan
 from ..recover.recovery import Rollback
@@ -335,7 +336,7 @@ def stall(at: At, found: dict, *, culprit: Optional[str], lr_factor: Optional[fl
 
 def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_norm_zscore: Optional[float],
           cause: str, growth: dict[str, Any], action: str, clip_to: Optional[float], repeated: bool,
-          window: int, samples: Optional[dict[str, Any]] = None) -> Incident:
+          window: int, samples: Optional[dict[str, Any]] = None, moved: bool = False) -> Incident:
     """A finite loss far above its running statistics. It does not climb the ladder (no rollback, no give-up);
     judged late, it was skipped or clipped on the device already, by the same test.
 
@@ -352,6 +353,8 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
         window: ``recovery.incident_window``.
         samples: a bad batch's per-sample losses (:func:`.diagnose.samples.sample_losses`), for ``details.samples``
             and the suggestion; None: not known.
+        moved: the spike test learned this skipped spike's loss (:attr:`.detect.spikes.SpikeDetector.shifted`:
+            spikes that keep coming apart are the loss moving, not a bad stretch), ``details.loss_moved``.
 
     Returns:
         An :class:`Incident` that acts at once (:class:`NoteNow`), with its own LR cut (:class:`Given`) if any.
@@ -365,6 +368,11 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
     if samples is not None:
         event.details["samples"] = samples
     event.suggestion = KINDS["spike"].advice if cause != "input" else _bad_batch(at, record, z, action, samples)
+    if moved:
+        event.details["loss_moved"] = True
+        event.suggestion += (f" It made {SHIFT_SPIKES} skipped spikes within {SHIFT_WINDOW} steps, each after "
+                             "healthy batches: the loss itself has moved (a harder data mix, a new shard), and the "
+                             "spike test has learned it.")
     if clip_to is not None and action == "clip":
         event.details["clip_to"] = clip_to
     planning = None

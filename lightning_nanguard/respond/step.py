@@ -273,7 +273,7 @@ class StepFlow:
                     record.update is UpdateStage.ON_DEVICE and not skipped)
             yield incidents.spike(self.responder.at(record), record, z=spike_z, samples=samples,
                                   test=p.losses.detector.last, grad_norm_zscore=p.clipper.zscore(flags.grad_norm),
-                                  cause=cause, growth=growth, action=check.spike_action,
+                                  cause=cause, growth=growth, action=check.spike_action, moved=detector.shifted,
                                   clip_to=p.clipper.zclip.mean,
                                   # a bad batch's spike never counts towards the LR cut of repeated spikes
                                   repeated=cause != "input" and detector.repeated(record.step, SPIKES_BEFORE_LR_CUT,
