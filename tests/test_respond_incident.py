@@ -229,3 +229,32 @@ def test_every_action_has_the_one_function_that_carries_it_out():
     for action, carrier in CARRIERS.items():
         assert callable(carrier) and carrier.__module__.startswith("lightning_nanguard."), action
         assert carrier.__doc__, f"{action}: its carrier {carrier.__qualname__} says what it does"
+
+
+@pytest.mark.parametrize("fault", ["gradient", "parameter"])
+def test_an_incident_scans_its_weights_and_inputs_once(fit, fault):
+    """The responder looks at the weights and inputs behind an incident once (its kind and the diagnosis read the
+    same findings): one scan per incident, through a real fit."""
+    import pytorch_lightning as pl
+
+    from lightning_nanguard import NaNGuard
+    from lightning_nanguard.testing import Fault, FaultInjector
+    from .models import Regression, regression_data
+
+    guard = NaNGuard(logging={"verbose": False})
+    scans: list[int] = []
+
+    class Counting(pl.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            look = guard._parts.evidence.nonfinite_behind
+
+            def counted(*args, **kwargs):
+                scans.append(trainer.global_step)
+                return look(*args, **kwargs)
+            guard._parts.evidence.nonfinite_behind = counted
+
+    fit(Regression(), regression_data(n=256), [guard, Counting(), FaultInjector([Fault(fault, steps=[4],
+                                                                                      target="linear.weight")])],
+        batch_size=16, steps=8)
+    assert guard.counters["incidents"] >= 1
+    assert len(scans) == guard.counters["incidents"], (scans, [(e.step, e.kind) for e in guard.events])

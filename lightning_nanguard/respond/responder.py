@@ -174,10 +174,10 @@ class Responder:
         return self.parts.diagnoser.context(fit.trainer, fit.module, incident.event, incident.evidence, history)
 
     def _diagnose(self, incident: Incident, ctx: IncidentContext) -> Account:
-        """Look at the weights and inputs behind ``incident``, diagnose it and agree one account across ranks (the
-        rank that produced the fault: :func:`.account.share_incident`)."""
+        """Diagnose ``incident`` from what :meth:`_look` put into ``ctx`` (once per incident: the weights and inputs
+        are scanned once) and agree one account across ranks (the rank that produced the fault:
+        :func:`.account.share_incident`)."""
         p, event, fit = self.parts, incident.event, self.fit
-        self._look(incident, ctx)
         extra, recomputed = "", None
         with p.evidence.activations.paused():
             if incident.anomaly is not None:
