@@ -247,7 +247,7 @@ MUTANTS: list[Mutant] = [
            "a new snapshot does not confirm the last rollback: isolated incidents far apart add up to give up"),
     # new: the ring's size, and the snapshot gate on a diverging gradient norm
     Mutant("snapshots", "snap-keep-off-by-one", SNAPSHOTS,
-           "while len(self.ring) >= self.keep:", "while len(self.ring) > self.keep:",
+           "        self._trim(self.keep - 1)  # evict first", "        self._trim(self.keep)  # evict first",
            "recovery.keep_snapshots + 1 snapshots are kept (memory/disk bound exceeded)"),
     Mutant("snapshots", "snap-while-diverging", STEP,
            "if p.recovery.snapshot_due() and not p.clipper.diverging() and",
@@ -356,7 +356,7 @@ MUTANTS: list[Mutant] = [
 
     # ------------------------------------------------------------------------------- stalls (issue 41 item 2)
     Mutant("divergence", "stall-ratio-ignored", STEP,
-           "            if ratio is None or ratio < watch.ratio:", "            if ratio is None or ratio < 1e9:",
+           "            if ratio is None or ratio < watch.ratio or", "            if ratio is None or ratio < 1e9 or",
            "docs/recovery.md: a lower-LR probe that learns check.stall_gain_ratio x more is a stall; here never"),
     Mutant("divergence", "stall-probe-shares-optimizer-state", PKG + "diagnose/lr_probe.py",
            "    twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))",
@@ -374,6 +374,20 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md, loss spikes (issue 41): a skipped spike leaves the spike test's statistics as they were, "
            "so every batch of a corrupt stretch is caught; here its capped loss widens the spread threefold and the "
            "later corrupt batches get through"),
+    Mutant("spikes", "spike-moved-loss-held-for-good", SPIKES,
+           "                if len(self._starts) < SHIFT_SPIKES or",
+           "                if True or",
+           "docs/recovery.md, loss spikes: skipped spikes that keep coming apart are the loss moving, and the last "
+           "is learned; here every batch of a harder source stays a skipped spike and is never trained on"),
+    Mutant("spikes", "spike-moved-loss-after-a-stretch", SPIKES,
+           "                if self.held == 1:\n                    self._starts.append(self.tests)",
+           "                if True:\n                    self._starts.append(self.tests)",
+           "docs/recovery.md, loss spikes: a corrupt stretch in a row is one spike start; here its third batch "
+           "counts as the loss moving and the rest of the stretch trains"),
+    Mutant("diagnosis", "samples-rerun-at-the-reading-step", PKG + "diagnose/samples.py",
+           "at_step(trainer, step), ", "",
+           "docs/recovery.md: a bad batch's samples are rerun at the spike's own step; here a step judged late reruns "
+           "the next step's batch where training_step reads global_step"),
     Mutant("spikes", "spike-bad-batch-counts-towards-lr-cut", STEP,
            'repeated=cause != "input" and detector.repeated(',
            "repeated=detector.repeated(",
@@ -1442,8 +1456,8 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: a file must carry its own step; here an older snapshot's file (same shapes, same "
            "digest as its own seal would say for it) is only caught by the digest"),
     Mutant("snapshots", "trust-refused-stays-in-ring", SNAPSHOTS,
-           "        if any(s is snap for s in self.ring):\n            self.ring.remove(snap)",
-           "        if False:\n            self.ring.remove(snap)",
+           "        if any(s is snap for s in self.ring):\n            self._evict(snap, keep_file=True)",
+           "        if False:\n            self._evict(snap, keep_file=True)",
            "docs/recovery.md: a refused snapshot is never a target again; here it stays in the ring"),
     Mutant("snapshots", "trust-held-copy-first", SNAPSHOTS,
            "return [s for s in kept if not s.in_memory] + [s for s in kept if s.in_memory]", "return kept",
@@ -1482,7 +1496,8 @@ MUTANTS: list[Mutant] = [
            "default, silently"),
     # ------------------------------------------------------------------ the incident pictures (issue 37)
     Mutant("diagnosis", "flow-divergence-culprit-dropped", RULES,
-           "        if ev.culprit is None and cause in RUNAWAY_CAUSES:", "        if False:",
+           "        if ev.culprit is None and cause is not None and CAUSES[cause].runaway_culprit:",
+           "        if False:",
            "issue 37: a divergence names the module that ran away as its culprit; here it names none again"),
     Mutant("diagnosis", "flow-culprit-by-gradients-only", CULPRIT,
            "    found = _by_weights(ctx, onset)\n", "    found = None\n",

@@ -46,6 +46,7 @@ class Cause:
     gives_up: bool = False  # nothing can help: give up at once, without a rollback
     weights_suspect: bool = True  # a fit ending inside its streak may end on broken weights (restore_at_end)
     hardware_fault: bool = False  # counts against the rank's hardware (recovery.transient_limit)
+    runaway_culprit: bool = False  # its culprit is the module that ran away (weights, gradient flow)
     suggest: Optional[Suggest] = None  # the evidence-specific suggestion
 
 
@@ -256,11 +257,11 @@ CAUSES: dict[str, Cause] = {c.name: c for c in (
                  "fractional exponent at 0): add an epsilon (e.g. sqrt(x + 1e-12)) or mask the rows.",
           suggest=_backward_op),
     Cause("exploding_gradient", "gradients growing through depth or from step to step", lr_cut="at_once",
-          lr_reason="exploding gradients",
+          lr_reason="exploding gradients", runaway_culprit=True,
           advice="Gradients are exploding: lower the learning rate, add warm-up, or clip the gradient norm "
                  "(clip.max_norm).", suggest=_exploding),
     Cause("learning_rate", "one step moves the weights by their own size or more", lr_cut="sized",
-          lr_reason="the learning rate is too high",
+          lr_reason="the learning rate is too high", runaway_culprit=True,
           advice="The learning rate is too high: lower it (at least an order of magnitude below the one that blew "
                  "up), or add warm-up.", suggest=_learning_rate),
     Cause("optimizer", "the optimizer made finite weights non-finite from finite gradients", lr_cut="escalation",

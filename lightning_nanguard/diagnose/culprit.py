@@ -21,9 +21,8 @@ from ..detect.flow import Growth, fastest, fastest_growing, module_of
 from . import dynamics
 from .context import IncidentContext
 
-__all__ = ["runaway_culprit", "RUNAWAY_CAUSES", "WEIGHT_CULPRIT_GROWTH"]
+__all__ = ["runaway_culprit", "WEIGHT_CULPRIT_GROWTH"]
 
-RUNAWAY_CAUSES = ("exploding_gradient", "learning_rate")  # causes whose culprit is the module that ran away
 # a module whose weights grew this many times since the snapshot before the onset of the growth is the culprit of a
 # divergence (healthy training moves a module's weight norm by a few percent over hundreds of steps)
 WEIGHT_CULPRIT_GROWTH = 4.0

@@ -63,7 +63,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..core.causes import suggest
+from ..core.causes import CAUSES, suggest
 from ..core.diagnosis import Diagnosis, ReplayNote
 from ..core.events import NaNEvent
 from ..core.layouts import coo_parts, is_strided
@@ -74,7 +74,7 @@ from ..detect.flow import replay_outputs
 from ..detect.spikes import history_zscore, norm_growth
 from . import domain, dynamics, lockstep, replay, rerun
 from .context import IncidentContext
-from .culprit import RUNAWAY_CAUSES, runaway_culprit
+from .culprit import runaway_culprit
 from .rerun import ReplayResult
 
 __all__ = ["IncidentContext", "diagnose", "diagnose_anomaly_error", "TRANSIENT", "GRAD_NORM_Z", "EXTREME_FEATURE_RATIO"]
@@ -128,7 +128,7 @@ def _diagnose(ctx: IncidentContext) -> str:
         cause = "optimizer" if evidence.grads_were_finite else "unknown"
     else:
         cause, frames_text = _cause_of_step(ctx)
-        if ev.culprit is None and cause in RUNAWAY_CAUSES:  # the module that ran away (weights, gradient flow)
+        if ev.culprit is None and cause is not None and CAUSES[cause].runaway_culprit:  # the module that ran away
             runaway = runaway_culprit(ctx, _onset(ctx)[0])
             if runaway is not None:
                 ev.culprit = runaway["module"]
