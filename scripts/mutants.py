@@ -152,15 +152,15 @@ MUTANTS: list[Mutant] = [
 
     # --------------------------------------------------------------------------------------------- ladder
     Mutant("ladder", "lad-max-skips-off-by-one", LADDER,
-           "or self.consecutive > self.cfg.max_skips", "or self.consecutive >= self.cfg.max_skips",
+           "or self.incidents_in_a_row > self.cfg.max_skips", "or self.incidents_in_a_row >= self.cfg.max_skips",
            "rolls back after max_skips consecutive incidents instead of more than max_skips"),
     Mutant("ladder", "lad-max-rollbacks-off-by-one", LADDER,
-           "if self.failed_rollbacks >= self.cfg.max_rollbacks or",
-           "if self.failed_rollbacks > self.cfg.max_rollbacks or",
+           "if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks or",
+           "if self.unconfirmed_rollbacks > self.cfg.max_rollbacks or",
            "one failed rollback more than recovery.max_rollbacks before giving up"),
     Mutant("ladder", "lad-further-back-for-parameters", LADDER,
-           "plan.go_further_back = self.failed_rollbacks > 0 and not weights",
-           "plan.go_further_back = self.failed_rollbacks > 0",
+           "plan.go_further_back = self.unconfirmed_rollbacks > 0 and not weights",
+           "plan.go_further_back = self.unconfirmed_rollbacks > 0",
            "a one-off bad parameter after a failed rollback discards a good snapshot (goes further back)"),
     Mutant("ladder", "lad-skip-batches-ignored", LADDER,
            "plan.skip_batches = self.cfg.skip_batches\n        plan.reasons.append(\"parameters are non-finite\"",
@@ -174,7 +174,7 @@ MUTANTS: list[Mutant] = [
            " and self.cfg.reduce_lr_on_rollback", "",
            "recovery.reduce_lr_on_rollback: false still cuts the LR after a forced rollback"),
     Mutant("ladder", "lad-cut-on-every-exploding", LADDER,
-           'by_cause = policy.lr_cut in ("at_once", "sized") and (self.consecutive == 1 or what.runaway)',
+           'by_cause = policy.lr_cut in ("at_once", "sized") and (self.incidents_in_a_row == 1 or what.runaway)',
            'by_cause = policy.lr_cut in ("at_once", "sized")',
            "the LR is cut on every incident diagnosed exploding_gradient (or learning_rate), not the first of a run"),
     Mutant("ladder", "lad-confirm-after-ignored", RECOVERY,
@@ -634,7 +634,7 @@ MUTANTS: list[Mutant] = [
            'self.lr_scale = float(state.get("lr_scale", 1.0))', "self.lr_scale = 1.0",
            "a resumed run forgets its LR scale (the next cut and the floor are computed from 1.0)"),
     Mutant("checkpoint", "ckpt-resume-ladder-lost", LADDER,
-           'self.failed_rollbacks = int(state.get("failed_rollbacks", 0))', "self.failed_rollbacks = 0",
+           'self.unconfirmed_rollbacks = int(state.get("failed_rollbacks", 0))', "self.unconfirmed_rollbacks = 0",
            "a resumed run forgets its unconfirmed rollbacks (gives up later than configured)"),
     # issue 25: the layouts of the development builds before 0.1.0 (versions 1 and 2) are refused, no longer
     # upgraded (these two replace ckpt-v1-not-upgraded and ckpt-v1-event-index-lost, whose upgrade code is gone)
@@ -885,8 +885,8 @@ MUTANTS: list[Mutant] = [
            "docs/performance.md: 'non-fused optimizers without a GradScaler: the bad step is applied and rolled "
            "back to the newest snapshot when read'; here it is applied and kept"),
     Mutant("sync", "doc-lagged-applied-step-gives-up-late", LADDER,
-           "        if self.failed_rollbacks >= self.cfg.max_rollbacks:\n            plan.give_up = True",
-           "        if self.failed_rollbacks > self.cfg.max_rollbacks:\n            plan.give_up = True",
+           "        if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks:\n            plan.give_up = True",
+           "        if self.unconfirmed_rollbacks > self.cfg.max_rollbacks:\n            plan.give_up = True",
            "docs/recovery.md (give up when a rollback is needed and recovery.max_rollbacks rollbacks in a row are "
            "unconfirmed): a run of applied bad steps (lagged, non-fused) rolls back once more than allowed"),
     Mutant("sync", "doc-sync-auto-lagged-on-cpu", READ_MODE,
@@ -1152,7 +1152,8 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: after a sized cut 'the first rollback of the same episode ... does not cut "
            "again'; only the first: here no later failed rollback of the episode cuts either"),
     Mutant("lr", "doc-lr-sized-cut-not-reset-by-snapshot", LADDER,
-           "        self.failed_rollbacks = 0\n        self.sized_cut = False", "        self.failed_rollbacks = 0",
+           "        self.unconfirmed_rollbacks = 0\n        self.sized_cut = False",
+           "        self.unconfirmed_rollbacks = 0",
            "docs/recovery.md: a sized cut spares 'the first rollback of the same episode (until a snapshot "
            "confirms it)'; here the exemption outlives the confirming snapshot, so the first forced rollback of "
            "a later, unrelated episode does not cut the LR"),
@@ -1285,8 +1286,8 @@ MUTANTS: list[Mutant] = [
            "if False:",
            "docs/recovery.md / distributed.md: 'Snapshots include the scaler and a rollback restores it'"),
     Mutant("snapshots", "doc-snap-confirm-cadence-inverted", RECOVERY,
-           "        if self._ladder.failed_rollbacks:",
-           "        if not self._ladder.failed_rollbacks:",
+           "        if self._ladder.unconfirmed_rollbacks:",
+           "        if not self._ladder.unconfirmed_rollbacks:",
            "docs/recovery.md: snapshots every recovery.snapshot_every healthy steps, 'recovery.confirm_after "
            "while a rollback awaits confirmation'; here the two cadences are swapped"),
     Mutant("snapshots", "doc-snap-skip-batches-one-short", RECOVERY,
@@ -1376,8 +1377,8 @@ MUTANTS: list[Mutant] = [
            "if p.recovery.skipping_batches or skip_now:",
            "docs/recovery.md: after giving up with on_give_up: stop 'the guard skips any remaining step'"),
     Mutant("ladder", "doc-giveup-snapshot-off-params", LADDER,
-           "if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:",
-           "if self.failed_rollbacks >= self.cfg.max_rollbacks:",
+           "if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:",
+           "if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks:",
            "docs/recovery.md: give up 'when parameters are non-finite and there is no snapshot "
            "(recovery.snapshot: off)'; here training goes on with non-finite weights"),
     # ------------------------------------------------------------------ events, sinks, report CLI

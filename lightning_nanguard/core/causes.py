@@ -24,7 +24,7 @@ from typing import Callable, Optional
 from .diagnosis import Diagnosis, Where
 from .domain_fixes import MATMUL_OPS, describe, fix
 
-__all__ = ["Cause", "CAUSES", "NAMES", "cause", "suggest", "where_it_ran"]
+__all__ = ["Cause", "CAUSES", "NAMES", "cause_entry", "suggest", "where_it_ran"]
 
 # a suggestion drawn from an event's evidence (its diagnosis, culprit and op) and the cause's advice; None falls
 # back to the advice
@@ -289,7 +289,7 @@ NAMES = tuple(CAUSES)
 _NONE = CAUSES["unknown"]  # the policy of an incident without a diagnosis
 
 
-def cause(name: Optional[str]) -> Cause:
+def cause_entry(name: Optional[str]) -> Cause:
     """The entry of ``name``; an incident without a diagnosis (None) follows ``unknown``'s policy."""
     return _NONE if name is None else CAUSES[name]
 
@@ -305,6 +305,6 @@ def suggest(event: Where, name: Optional[str], found: Diagnosis) -> str:
     Returns:
         The suggestion drawn from the evidence, else the cause's advice.
     """
-    entry = cause(name)
+    entry = cause_entry(name)
     said = entry.suggest(event, found, entry.advice) if entry.suggest is not None else None
     return said if said is not None else entry.advice

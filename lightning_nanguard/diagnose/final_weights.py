@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..core.causes import cause as cause_entry
+from ..core.causes import cause_entry
 from ..core.events import KINDS, NaNEvent
 from ..core.record import Window
 from .replay import reproduces

@@ -64,8 +64,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TypedDict
 
 from ..config import ClipConfig, RecoveryConfig
-from ..core.causes import Cause
-from ..core.causes import cause as cause_entry
+from ..core.causes import Cause, cause_entry
 from ..core.events import KINDS, Kind
 
 __all__ = ["Plan", "Episode", "LadderState", "RecoveryLadder", "LARGEST_CUT"]
@@ -114,9 +113,9 @@ class Episode:
 class LadderState(TypedDict, total=False):
     """:meth:`RecoveryLadder.state_dict` (a guard state saved by an older version may lack any key)."""
 
-    consecutive: int
+    consecutive: int  # (the layout's names: RecoveryLadder.incidents_in_a_row ...)
     uncounted: int
-    failed_rollbacks: int
+    failed_rollbacks: int  # (... and RecoveryLadder.unconfirmed_rollbacks)
     recent: list[int]
     sized_cut: bool
     episode_cause: Optional[str]  # the open episode (None: none is open)
@@ -133,9 +132,9 @@ class RecoveryLadder:
     """The rungs above, over the incidents of a fit (see the module docstring).
 
     Attributes:
-        consecutive: incidents since the last healthy step or rollback (a fault that does not come back counts only
-            when the step after it fails too: then it was no isolated fault).
-        failed_rollbacks: rollbacks not yet confirmed by a new snapshot.
+        incidents_in_a_row: incidents since the last healthy step or rollback (a fault that does not come back counts
+            only when the step after it fails too: then it was no isolated fault).
+        unconfirmed_rollbacks: rollbacks not yet confirmed by a new snapshot.
         sized_cut: the LR was cut to the diagnosis' safe LR since the last confirming snapshot.
         episode: the open episode (None: none is open), whose cause its undiagnosed incidents report.
     """
@@ -143,9 +142,9 @@ class RecoveryLadder:
     def __init__(self, recovery: RecoveryConfig, clip: ClipConfig) -> None:
         self.cfg = recovery
         self.clip_cfg = clip
-        self.consecutive = 0
+        self.incidents_in_a_row = 0
         self.uncounted = 0  # an isolated incident whose cause does not count_toward_rollback, since the healthy step
-        self.failed_rollbacks = 0
+        self.unconfirmed_rollbacks = 0
         self._recent: deque[int] = deque()  # steps of recent incidents that count in the incident window
         self.sized_cut = False
         self.episode: Optional[Episode] = None
@@ -155,18 +154,18 @@ class RecoveryLadder:
     def healthy(self) -> None:
         """A step was judged healthy: a streak of incidents is over (an episode goes on: its weights may still be the
         ones that grew)."""
-        self.consecutive = 0
+        self.incidents_in_a_row = 0
         self.uncounted = 0
 
     def snapshot_taken(self) -> None:
         """A snapshot after healthy training confirms the last rollback worked: the episode is over."""
-        self.failed_rollbacks = 0
+        self.unconfirmed_rollbacks = 0
         self.sized_cut = False
         self.episode = None
 
     def restored(self) -> None:
         """The newest snapshot was restored outside the ladder (the end of fit): the streak is over."""
-        self.consecutive = 0
+        self.incidents_in_a_row = 0
         self.uncounted = 0
 
     def incident(self, step: int, kind: str, *, can_roll_back: bool, cause: Optional[str] = None,
@@ -211,7 +210,7 @@ class RecoveryLadder:
         if self.clip_cfg.adaptive == "on_incident" and not clip_armed and policy.arms_clip:
             plan.arm_clip = True
             plan.reasons.append("adaptive clipping enabled after the first incident")
-        wants_rollback = what.weights or what.runaway or self.consecutive > self.cfg.max_skips
+        wants_rollback = what.weights or what.runaway or self.incidents_in_a_row > self.cfg.max_skips
         if wants_rollback and not self._roll_back(plan, what, can_roll_back):
             return  # given up
         self._in_window(step, policy)
@@ -242,8 +241,8 @@ class RecoveryLadder:
     def _count(self, policy: Cause) -> None:
         """Count the incident in the streak (a fault that does not come back, after a healthy step, only if the next
         step fails too)."""
-        if policy.counts_toward_rollback or self.consecutive or self.uncounted:
-            self.consecutive += 1 + self.uncounted  # (a fault that came back on the next step counts after all)
+        if policy.counts_toward_rollback or self.incidents_in_a_row or self.uncounted:
+            self.incidents_in_a_row += 1 + self.uncounted  # (a fault that came back on the next step counts after all)
             self.uncounted = 0
         else:
             self.uncounted = 1
@@ -252,18 +251,18 @@ class RecoveryLadder:
         """The rollback rung: roll back (one snapshot further back after a failed rollback), or give up when too
         many rollbacks failed or bad weights have no snapshot to go back to. False when it gave up."""
         weights = what.weights
-        if self.failed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:
+        if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks or not can_roll_back and weights:
             plan.give_up = True
             plan.reasons.append(
-                f"{self.failed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
+                f"{self.unconfirmed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
                 f"{self.cfg.max_rollbacks})" if can_roll_back else "no known-good snapshot to roll back to")
             return False
         plan.rollback = can_roll_back
         # a rollback that did not help points at the snapshot: go one further back. Not for a one-off bad
         # weight (a bit flip, an optimizer hiccup): the snapshot was fine, and an older one costs progress
-        plan.go_further_back = self.failed_rollbacks > 0 and not weights
-        self.failed_rollbacks += 1
-        self.consecutive = self.uncounted = 0
+        plan.go_further_back = self.unconfirmed_rollbacks > 0 and not weights
+        self.unconfirmed_rollbacks += 1
+        self.incidents_in_a_row = self.uncounted = 0
         plan.skip_batches = self.cfg.skip_batches
         plan.reasons.append("parameters are non-finite" if weights else
                             "the loss is running away" if what.runaway else
@@ -281,13 +280,13 @@ class RecoveryLadder:
                 safe_factor: Optional[float]) -> None:
         """The LR rung: cut (by how much) or say why not, as the cause's ``lr_cut`` policy and the kind decide."""
         if policy.lr_cut == "never":
-            if not policy.counts_toward_rollback and not self.consecutive:
+            if not policy.counts_toward_rollback and not self.incidents_in_a_row:
                 plan.reasons.append(f"the cause ({cause}) calls for skipping the step and nothing else")
-            elif cause is not None and (wants_rollback or self.consecutive == 1):
+            elif cause is not None and (wants_rollback or self.incidents_in_a_row == 1):
                 plan.reasons.append(f"no LR cut: the cause ({cause}) is not the learning rate")
             return
         by_rollback = wants_rollback and not what.weights and self.cfg.reduce_lr_on_rollback
-        by_cause = policy.lr_cut in ("at_once", "sized") and (self.consecutive == 1 or what.runaway)
+        by_cause = policy.lr_cut in ("at_once", "sized") and (self.incidents_in_a_row == 1 or what.runaway)
         by_runaway = what.runaway
         by_count = self.cfg.reduce_lr_after > 0 and len(self._recent) >= self.cfg.reduce_lr_after
         if by_rollback and self.sized_cut and not (by_cause or by_runaway or by_count):
@@ -318,14 +317,14 @@ class RecoveryLadder:
         """
         if plan.rollback or plan.give_up or not can_roll_back:
             return
-        if self.failed_rollbacks >= self.cfg.max_rollbacks:
+        if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks:
             plan.give_up = True
-            plan.reasons.append(f"{self.failed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
+            plan.reasons.append(f"{self.unconfirmed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
                                 f"{self.cfg.max_rollbacks})")
             return
         plan.rollback = True
-        self.failed_rollbacks += 1
-        self.consecutive = self.uncounted = 0
+        self.unconfirmed_rollbacks += 1
+        self.incidents_in_a_row = self.uncounted = 0
         plan.skip_batches = self.cfg.skip_batches
         plan.reasons.append(reason)
 
@@ -338,7 +337,9 @@ class RecoveryLadder:
             Plain data: the streak, the unconfirmed rollbacks, the incident window, the sized cut and the open episode.
         """
         episode = self.episode
-        return {"consecutive": self.consecutive, "failed_rollbacks": self.failed_rollbacks,
+        # (the saved keys keep the layout's earlier names: "consecutive" is incidents_in_a_row, "failed_rollbacks"
+        # unconfirmed_rollbacks)
+        return {"consecutive": self.incidents_in_a_row, "failed_rollbacks": self.unconfirmed_rollbacks,
                 "recent": list(self._recent), "sized_cut": self.sized_cut, "uncounted": self.uncounted,
                 "episode_cause": episode.cause if episode else None,
                 "episode_since": episode.since if episode else None,
@@ -350,9 +351,9 @@ class RecoveryLadder:
         Args:
             state: a ladder state; a key it lacks (a state saved by an older version) starts fresh.
         """
-        self.consecutive = int(state.get("consecutive", 0))
+        self.incidents_in_a_row = int(state.get("consecutive", 0))
         self.uncounted = int(state.get("uncounted", 0))
-        self.failed_rollbacks = int(state.get("failed_rollbacks", 0))
+        self.unconfirmed_rollbacks = int(state.get("failed_rollbacks", 0))
         self._recent = deque(int(s) for s in state.get("recent", []))
         self.sized_cut = bool(state.get("sized_cut", False))
         cause, since, last = state.get("episode_cause"), state.get("episode_since"), state.get("episode_last")

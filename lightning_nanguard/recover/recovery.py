@@ -198,17 +198,17 @@ class Recovery:
         """Recovery is under way: the last steps were skipped incidents, or a rollback is not yet confirmed by a
         snapshot after healthy training (and the guard has not given up). Only then can the weights at the end
         of fit be suspect (:meth:`~lightning_nanguard.respond.fit_end.FitEnd.unfinished` decides)."""
-        return not self.stopped and (self._ladder.consecutive > 0 or self._ladder.failed_rollbacks > 0)
+        return not self.stopped and (self._ladder.incidents_in_a_row > 0 or self._ladder.unconfirmed_rollbacks > 0)
 
     @property
     def incidents_in_a_row(self) -> int:
         """Incidents since the last healthy step or rollback."""
-        return self._ladder.consecutive
+        return self._ladder.incidents_in_a_row
 
     @property
     def unconfirmed_rollbacks(self) -> int:
         """Rollbacks not yet confirmed by a snapshot after healthy training."""
-        return self._ladder.failed_rollbacks
+        return self._ladder.unconfirmed_rollbacks
 
     # ------------------------------------------------------------------------------------------- the plan
 
@@ -343,7 +343,7 @@ class Recovery:
         """Every ``snapshot_every`` healthy steps (``confirm_after`` while a rollback awaits confirmation);
         ``ahead``: counting that many steps not judged yet as healthy."""
         every = self.cfg.snapshot_every
-        if self._ladder.failed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
+        if self._ladder.unconfirmed_rollbacks:  # confirm a rollback with a fresh known-good state soon after it
             every = min(every, self.cfg.confirm_after)
         return self.store is not None and self.healthy_since_snapshot + ahead >= every
 

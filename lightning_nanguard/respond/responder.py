@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..core.causes import cause as cause_entry
-from ..core.causes import suggest
+from ..core.causes import cause_entry, suggest
 from ..core.events import NaNEvent
 from ..core.record import StepRecord, Window
 from ..detect.placement import whereabouts
