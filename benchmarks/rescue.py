@@ -22,7 +22,8 @@ out):
 - ``data mix gets harder``: benchmarks/mixture.py's GRU LM (RMSprop), one token source per batch, the share of
   batches from a harder source rising from 0 at 60% of the fit to 50% at its end; nothing is wrong, its reference
   is its own no-guard run; also ``NaNGuard(check={"spike_action": "warn"})``.
-- ``healthy: ...``: the sane LM, the LM with warm-up + cosine, and an MLP classifier. With ``NaNGuard()`` the
+- ``healthy: ...``: the sane LM, the LM with warm-up + cosine, the LM whose cosine restarts at 1x (an LR that
+  jumps 10x), and an MLP classifier. With ``NaNGuard()`` the
   final weights must be bitwise identical to no guard (column ``bitwise``).
 
 Per run: the final validation loss (``nan``: non-finite weights), its ratio to the reference, the steps lost
@@ -313,6 +314,9 @@ def cases(quick: bool) -> list[Case]:
                     Run("restart x20", lambda: TextLM(3e-3, schedule=Schedule(half, restart=20.0)), text, BATCH),
                     Run("restart x1", lambda: TextLM(3e-3, schedule=Schedule(half, restart=1.0)), text, BATCH), val,
                     note=f"cosine 1 -> 0.1 over {half} steps, then restart at 20x"))
+    restart1 = Run("restart x1", lambda: TextLM(3e-3, schedule=Schedule(half, restart=1.0)), text, BATCH)
+    out.append(Case("healthy: AdamW lr=3e-3, cosine with a warm restart to 1x, pre-LN LM", restart1, restart1, val,
+                    ["no guard", "NaNGuard()"], True, note=f"the LR jumps 10x at step {half}"))
     mix_steps = MIX_STEPS // 4 if quick else MIX_STEPS
     mix_train, mix_val = mixture(mix_steps, BATCH)
     mix = Run("GRU, harder mix", lambda: GRULM(), mix_train, BATCH)

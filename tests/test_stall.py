@@ -54,10 +54,11 @@ def test_stall_fires_on_a_stalled_lm_and_rescues_it(tmp_path: Any) -> None:
     unigram level (held-out 2.94), the probe at the defaults finds LR/10 learns 9x more from the same batches, the
     LR is cut, the run rolls back to the fit's first snapshot and ends lower (2.29)."""
     plain = _text_fit(tmp_path / "plain", None)
-    guard = NaNGuard(logging={"verbose": False})
+    guard = NaNGuard(check={"stall": "act", "stall_gain_ratio": 1.2}, logging={"verbose": False})  # the defaults
     guarded = _text_fit(tmp_path / "guarded", guard)
     stalls = [e for e in guard.events if e.kind == "stall"]
     assert stalls, [(e.kind, e.step) for e in guard.events]
+    assert stalls[0].details["stall"]["threshold"] == 1.2
     first = stalls[0]
     assert first.cause == "learning_rate" and first.culprit
     found = first.details["stall"]
