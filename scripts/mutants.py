@@ -1497,8 +1497,7 @@ MUTANTS: list[Mutant] = [
            "default, silently"),
     # ------------------------------------------------------------------ the incident pictures (issue 37)
     Mutant("diagnosis", "flow-divergence-culprit-dropped", RULES,
-           "        if ev.culprit is None and cause is not None and CAUSES[cause].runaway_culprit:",
-           "        if False:",
+           "        if ev.culprit is None and cause_entry(cause).runaway_culprit:", "        if False:",
            "issue 37: a divergence names the module that ran away as its culprit; here it names none again"),
     Mutant("diagnosis", "flow-culprit-by-gradients-only", CULPRIT,
            "    found = _by_weights(ctx, onset)\n", "    found = None\n",

@@ -63,7 +63,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..core.causes import CAUSES, suggest
+from ..core.causes import cause_entry, suggest
 from ..core.diagnosis import Diagnosis, ReplayNote
 from ..core.events import NaNEvent
 from ..core.layouts import coo_parts, is_strided
@@ -128,7 +128,7 @@ def _diagnose(ctx: IncidentContext) -> str:
         cause = "optimizer" if evidence.grads_were_finite else "unknown"
     else:
         cause, frames_text = _cause_of_step(ctx)
-        if ev.culprit is None and cause is not None and CAUSES[cause].runaway_culprit:  # the module that ran away
+        if ev.culprit is None and cause_entry(cause).runaway_culprit:  # the module that ran away (weights, flow)
             runaway = runaway_culprit(ctx, _onset(ctx)[0])
             if runaway is not None:
                 ev.culprit = runaway["module"]
