@@ -304,6 +304,12 @@ def cases(quick: bool) -> list[Case]:
     out.append(Case("exploding gradients, 20-layer MLP (SGD lr=0.035)",
                     Run("DeepMLP lr=0.035", lambda: DeepMLP(lr=0.035), mlp, 32, epochs, True, 7),
                     Run("DeepMLP lr=0.0035", lambda: DeepMLP(lr=0.0035), mlp, 32, epochs, True, 7), mse_loss(mlp_val)))
+    # the same run, longer: what the 96-step case measures is the steps its rollback loses (to step 0, 19 of them)
+    long = 3 if quick else 10
+    out.append(Case(f"exploding gradients, 20-layer MLP (SGD lr=0.035), {long} epochs",
+                    Run("DeepMLP lr=0.035", lambda: DeepMLP(lr=0.035), mlp, 32, long, True, 7),
+                    Run("DeepMLP lr=0.0035", lambda: DeepMLP(lr=0.0035), mlp, 32, long, True, 7), mse_loss(mlp_val),
+                    note=f"{long * 32} steps: the exploding case run on past its 96"))
     at = steps // 2
     for kind in CORRUPTIONS:
         out.append(Case(f"corrupt batches: {kind} (AdamW lr=3e-3, pre-LN LM)",

@@ -32,7 +32,7 @@ RESPONDER = PKG + "respond/responder.py"  # was incidents.py
 INCIDENT = PKG + "respond/incident.py"  # the incident builders and kind_of (issue 25; were Responder methods)
 FIT_END = PKG + "respond/fit_end.py"  # the end of fit (issue 25; was in callback.py and responder.py)
 PARTS = PKG + "respond/parts.py"  # the parts bundle (issue 25; the parts were built in callback.py)
-ENDINGS = PKG + "respond/endings.py"  # give-up and hardware texts, stop_or_raise (issue 25; were in responder.py)
+ENDINGS = PKG + "respond/endings.py"  # give-up and hardware texts (issue 25; were in responder.py)
 CONFIG = PKG + "config.py"
 EVENTS = PKG + "core/events.py"  # was report/events.py: NaNEvent and the kind table
 CAUSE_TABLE = PKG + "core/causes.py"  # the cause table (was diagnose/suggestions.py)
@@ -48,7 +48,8 @@ ACCOUNT = PKG + "respond/account.py"  # share_incident, was in detect/sync.py
 AMP = PKG + "detect/amp.py"
 LADDER = PKG + "recover/ladder.py"
 RECOVERY = PKG + "recover/recovery.py"
-LR = PKG + "recover/lr.py"  # recover/actions.py was split into lr and undo
+LR = PKG + "recover/lr.py"  # an earlier recover/actions.py was split into lr and undo
+ACTIONS = PKG + "recover/actions.py"  # each action a class that carries itself out (stop and raise among them)
 UNDO = PKG + "recover/undo.py"
 SNAPSHOTS = PKG + "store/snapshots.py"
 WRITER = PKG + "store/writer.py"
@@ -180,19 +181,19 @@ MUTANTS: list[Mutant] = [
     Mutant("ladder", "lad-confirm-after-ignored", RECOVERY,
            "every = min(every, self.cfg.confirm_after)", "every = self.cfg.snapshot_every",
            "recovery.confirm_after is ignored: a rollback is confirmed only at the next snapshot_every"),
-    Mutant("ladder", "lad-give-up-no-stop", ENDINGS,
+    Mutant("ladder", "lad-give-up-no-stop", ACTIONS,
            "trainer.should_stop = True\n"
-           '    say(trainer, "[nanguard] " + message)',
+           '        say(trainer, "[nanguard] " + message)',
            'say(trainer, "[nanguard] " + message)',
            "on_give_up: stop does not stop the Trainer"),
-    Mutant("ladder", "lad-give-up-raise-ignored", ENDINGS,
-           'if on_give_up == "raise":',
-           "if False:",
+    Mutant("ladder", "lad-give-up-raise-ignored", ACTIONS,
+           "raise NaNGuardError(message)",
+           "Stop().end(trainer, message)",
            "on_give_up: raise stops quietly instead of raising NaNGuardError (giving up, non-finite weights at fit "
-           "start and after a stop share endings.stop_or_raise now)"),
-    Mutant("ladder", "lad-give-up-restores-nothing", RECOVERY,
-           "restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()",
-           "restored = self.rollback(trainer, pl_module, scaler_overflows) if False else Restored()",
+           "start and after a stop share the Raise action's end)"),
+    Mutant("ladder", "lad-give-up-restores-nothing", ACTIONS,
+           "restored = recovery.rollback(hands.trainer, hands.module, hands.scaler_overflows) if recovery.store \\",
+           "restored = recovery.rollback(hands.trainer, hands.module, hands.scaler_overflows) if False \\",
            "giving up leaves the last (bad) weights instead of restoring the last known-good state"),
     Mutant("ladder", "lad-param-without-snapshot-continues", LADDER,
            "or not can_roll_back and weights:",
@@ -222,9 +223,9 @@ MUTANTS: list[Mutant] = [
            "tensors = [t.clone() for t in snap.tensors] if copy else list(snap.tensors)",
            "tensors = list(snap.tensors)",
            "restoring aliases the snapshot's tensors: training after a rollback overwrites the snapshot"),
-    Mutant("snapshots", "snap-further-back-not-dropped", RECOVERY,
-           "if plan.go_further_back:\n                self.store.drop_newest()",
-           "if False:\n                self.store.drop_newest()",
+    Mutant("snapshots", "snap-further-back-not-dropped", ACTIONS,
+           "if self.further:\n            store.drop_newest()",
+           "if False:\n            store.drop_newest()",
            "a rollback that did not help rolls back to the same snapshot again"),
     Mutant("snapshots", "snap-no-initial-snapshot", CALLBACK,
            "self._flow.snapshot()\n\n    def on_train_end", "pass\n\n    def on_train_end",
@@ -276,7 +277,7 @@ MUTANTS: list[Mutant] = [
            "factor = 0.5 if factor is None else factor",
            "recovery.lr_factor is ignored (always 0.5)"),
     Mutant("lr", "lr-cut-at-floor-counted", RECOVERY,
-           "if new_scale < self.lr_scale:", "if new_scale <= self.lr_scale:",
+           "cut = new_scale < self.lr_scale", "cut = new_scale <= self.lr_scale",
            "at the min_lr_scale floor a no-op 'cut' is still recorded as reduce_lr and counted"),
     Mutant("lr", "lr-absolute-factor", RECOVERY,
            "new_scale / self.lr_scale)", "new_scale)",
@@ -350,8 +351,8 @@ MUTANTS: list[Mutant] = [
            "clip.adaptive: always waits for a first incident (whether adaptive clipping is armed is the "
            "clipper's since issue 18, was the ladder's adaptive_clip)"),
     Mutant("clipping", "clip-streak-no-rollback", INCIDENT,
-           "plan = Plan(rollback=can_roll_back, reduce_lr=True",
-           "plan = Plan(rollback=False, reduce_lr=True",
+           "back: tuple[Action, ...] = (RollBack(),) if can_roll_back else ()",
+           "back: tuple[Action, ...] = ()",
            "persistent adaptive clipping cuts the LR but does not roll back the drifted weights"),
 
     # ------------------------------------------------------------------------------- stalls (issue 41 item 2)
@@ -420,23 +421,23 @@ MUTANTS: list[Mutant] = [
            "LossWatch(cfg.check.spike_action, cfg.check.spike_z, 50)",
            "check.spike_warmup is ignored (always 50)"),
     Mutant("spikes", "spike-skip-step-not-skipped", RESPONDER,
-           "skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,",
-           "skipped = incident.skip.mirrored and incident.skip.undo_buffers and record.update.value == "
-           "\"on_host\" and p.recovery.count_skip() is None or p.recovery.keep_from_landing(record, "
-           "mirrored=incident.skip.mirrored,",
+           "done = incident.skip.carry_out(hands, done)",
+           "done = (done.then(incident.skip) if incident.skip.mirrored and incident.skip.undo_buffers and "
+           "record.update.value == \"on_host\" and p.recovery.count_skip() is None else "
+           "incident.skip.carry_out(hands, done))",
            "check.spike_action: skip_step records (and counts) a skip but the optimizer still steps (eager: the "
            "host skip is Recovery.keep_from_landing since issue 25, called from Responder._skip_and_clip; a spike "
-           "to skip is the only incident whose Skip is mirrored and undoes buffers)"),
+           "to skip is the only incident whose SkipStep is mirrored and undoes buffers)"),
     Mutant("spikes", "spike-skip-step-bn-kept", INCIDENT,
-           'skip=Skip(mirrored=True, undo_buffers=True) if action == "skip_step" else None',
-           'skip=Skip(mirrored=True, undo_buffers=False) if action == "skip_step" else None',
+           'skip=SkipStep(mirrored=True, undo_buffers=True) if action == SkipStep.name else None',
+           'skip=SkipStep(mirrored=True, undo_buffers=False) if action == SkipStep.name else None',
            "a spike skipped with skip_step keeps the BatchNorm statistics of the spiking batch"),
     Mutant("spikes", "spike-action-off-ignored", SPIKES,
            "if loss is None or not self.enabled:", "if loss is None:",
            "check.spike_action: off still records spike events"),
     Mutant("spikes", "spike-repeated-no-cut", INCIDENT,
-           'if action == "reduce_lr" or repeated:',
-           'if action == "reduce_lr":',
+           'if action == CutLr.name or repeated:',
+           'if action == CutLr.name:',
            "repeated spikes within incident_window no longer cut the LR"),
 
     # ----------------------------------------------------------------------------------------- diagnosis
@@ -574,7 +575,7 @@ MUTANTS: list[Mutant] = [
            "under lightning.pytorch the guard's lines go to pytorch_lightning's logger: the user's "
            "logging.getLogger('lightning.pytorch') level does not govern them"),
     Mutant("events", "ev-vocabulary-not-enforced", RECORDER,
-           "event.validate()", "pass",
+           "event.validate(ACTIONS)", "pass",
            "an event whose cause is outside the documented vocabulary is recorded and written"),
     Mutant("events", "ev-spike-counted-as-incident", RECORDER,
            'self.counters.add("incidents" if KINDS[event.kind].incident else "spikes")',
@@ -672,8 +673,8 @@ MUTANTS: list[Mutant] = [
            'act=check.divergence != "warn")',
            "act=True)",
            "check.divergence: warn skips, rolls back and cuts the LR like act"),
-    Mutant("divergence", "div-rollback-before-onset-ignored", RECOVERY,
-           "while plan.rollback_before is not None and", "while False and plan.rollback_before is not None and",
+    Mutant("divergence", "div-rollback-before-onset-ignored", ACTIONS,
+           "while self.before is not None and", "while False and self.before is not None and",
            "a divergence rolls back to the newest snapshot even if it was taken after the growth began"),
     Mutant("divergence", "div-snapshot-while-growing", STEP,
            " and not p.divergence.growing()", "",
@@ -880,13 +881,13 @@ MUTANTS: list[Mutant] = [
            "acts on its own step in lagged mode): here a lagged skip_step spike is applied on the device while "
            "the event says skip_step"),
     Mutant("sync", "doc-lagged-applied-step-not-rolled-back", RESPONDER,
-           "p.recovery.step_was_applied(plan)",
+           "plan = p.recovery.step_was_applied(plan)",
            "pass",
            "docs/performance.md: 'non-fused optimizers without a GradScaler: the bad step is applied and rolled "
            "back to the newest snapshot when read'; here it is applied and kept"),
     Mutant("sync", "doc-lagged-applied-step-gives-up-late", LADDER,
-           "        if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks:\n            plan.give_up = True",
-           "        if self.unconfirmed_rollbacks > self.cfg.max_rollbacks:\n            plan.give_up = True",
+           "        if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks:\n            draft.give_up = True",
+           "        if self.unconfirmed_rollbacks > self.cfg.max_rollbacks:\n            draft.give_up = True",
            "docs/recovery.md (give up when a rollback is needed and recovery.max_rollbacks rollbacks in a row are "
            "unconfirmed): a run of applied bad steps (lagged, non-fused) rolls back once more than allowed"),
     Mutant("sync", "doc-sync-auto-lagged-on-cpu", READ_MODE,
@@ -1290,8 +1291,8 @@ MUTANTS: list[Mutant] = [
            "        if not self._ladder.unconfirmed_rollbacks:",
            "docs/recovery.md: snapshots every recovery.snapshot_every healthy steps, 'recovery.confirm_after "
            "while a rollback awaits confirmation'; here the two cadences are swapped"),
-    Mutant("snapshots", "doc-snap-skip-batches-one-short", RECOVERY,
-           "self.skip_batches_left = plan.skip_batches", "self.skip_batches_left = plan.skip_batches - 1",
+    Mutant("snapshots", "doc-snap-skip-batches-one-short", ACTIONS,
+           "hands.recovery.skip_batches_left = self.n", "hands.recovery.skip_batches_left = self.n - 1",
            "docs/recovery.md: 'With recovery.skip_batches: N, the steps of the N batches after a rollback are "
            "skipped too'; here N - 1"),
     Mutant("snapshots", "doc-snap-skip-batches-buffers-kept", RECOVERY,
@@ -1365,11 +1366,10 @@ MUTANTS: list[Mutant] = [
            "docs/recovery.md: after a skipped step every torchmetrics.Metric is 'as if the step's batches never "
            "happened'; here a list state (CatMetric, AUROC inputs) keeps the skipped batch"),
     # ------------------------------------------------------------------ give up
-    Mutant("ladder", "doc-giveup-no-restore", RECOVERY,
-           "            restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()\n"
-           "            rollback, why = self._restored(details, restored)",
-           "            restored = self.rollback(trainer, pl_module, scaler_overflows) if False else Restored()\n"
-           "            rollback, why = self._restored(details, restored)",
+    Mutant("ladder", "doc-giveup-no-restore", ACTIONS,
+           "hands.scaler_overflows) if recovery.store \\\n            else Restored()",
+           "hands.scaler_overflows) if recovery.store and recovery.store.newest is None \\\n"
+           "            else Restored()",
            "CONTRACT.md / docs/recovery.md: giving up first restores the module's parameters and buffers to the "
            "last known-good state (the newest snapshot)"),
     Mutant("ladder", "doc-giveup-steps-continue", STEP,

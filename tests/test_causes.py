@@ -304,7 +304,7 @@ def test_causes_a_smaller_lr_cannot_fix_never_cut_it(cause: str) -> None:
             plans.append(isolated.incident(s, "loss", can_roll_back=True, cause=cause))
             isolated.healthy()
         assert not any(p.rollback or p.arm_clip or p.skip_batches or p.give_up or p.reduce_lr for p in plans)
-        assert all(p.reasons == ["the cause (transient) calls for skipping the step and nothing else"] for p in plans)
+        assert all(p.reasons == ("the cause (transient) calls for skipping the step and nothing else",) for p in plans)
 
 
 @pytest.mark.parametrize("cause, safe_factor", [("exploding_gradient", 0.02), ("learning_rate", 0.5)])

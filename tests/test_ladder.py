@@ -145,7 +145,7 @@ def test_the_inherited_cause_never_cuts_the_lr_at_once() -> None:
     lad.healthy()
     measured = loss(lad, 9, "learning_rate", safe_factor=0.05)
     assert measured.reduce_lr and measured.lr_factor == 0.05 and measured.episode_since is None
-    assert measured.reasons == ["the learning rate is too high"]
+    assert measured.reasons == ("the learning rate is too high",)
 
 
 @pytest.mark.parametrize("safe_factor, echo", [(None, True), (1.7, True), (1.0, False)])

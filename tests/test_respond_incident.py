@@ -1,6 +1,7 @@
 """The incident pipeline's pure parts, mirroring lightning_nanguard/respond/incident.py (issue 36): the kind an
 incident takes, the merge of what was done, and every builder (a step's on a real StepRecord, the others on plain
-values; no Trainer: the end-to-end fits of the other test files stay as they are), and the carrier of every action."""
+values; no Trainer: the end-to-end fits of the other test files stay as they are). The actions themselves:
+tests/test_actions.py."""
 
 from __future__ import annotations
 
@@ -11,15 +12,13 @@ from typing import Optional
 import pytest
 import torch
 
-from lightning_nanguard.core.events import ACTIONS
 from lightning_nanguard.core.record import StepRecord, UpdateStage, Window
 from lightning_nanguard.detect.vector import SCHEMA
 from lightning_nanguard.respond import incident as incidents
-from lightning_nanguard.recover.recovery import Rollback
+from lightning_nanguard.recover.actions import Raise, RollBack, Rollback, SkipStep, Warn
 from lightning_nanguard.respond.incident import (NOTHING_DONE, ActAtStepEnd, ActNow, At, Given, Ladder, Look,
-                                                 MustRollBack, NoteNow, Response, RestoreAtEnd, Skip, StopAtStart, Told,
+                                                 MustRollBack, NoteNow, Response, RestoreAtEnd, StopAtStart, Told,
                                                  kind_of)
-from lightning_nanguard.respond.responder import CARRIERS
 
 WHERE = {"rank": 1, "host": "h", "device": "cpu", "local_rank": 1}
 AT = At(step=7, epoch=0, batch_idx=7, log_step=7, where=WHERE)
@@ -73,12 +72,12 @@ def test_after_stop_restores_or_says_why_not_and_stops():
     assert isinstance(restored.act, RestoreAtEnd) and restored.event.kind == "parameter"
     told = restored.act.conclude(5, "")
     assert not told.stop  # restored: the fit ends normally
-    assert (told.action, told.details) == ("rollback", {"restored_step": 5})
+    assert (told.action, told.details) == (RollBack(), {"restored_step": 5})
     assert "the snapshot of step 5" in told.suggestion and restored.event.actions == []  # (the pipeline writes it)
     nothing = incidents.after_stop(AT, BAD, set(), "raise")
     assert isinstance(nothing.act, RestoreAtEnd)
     told = nothing.act.conclude(None, "every snapshot left was refused when read back")
-    assert told.stop and told.action == "raise" and told.details["restored_step"] is None
+    assert told.stop and told.action == Raise() and told.details["restored_step"] is None
     assert told.details["not_restored"].startswith("every snapshot")
     assert "nothing could be restored (every snapshot left was refused" in told.suggestion
 
@@ -91,9 +90,9 @@ def test_unfinished_says_why_nothing_was_restored():
     assert (event.cause, event.culprit, event.details["source_step"]) == ("learning_rate", "net.2", 7)
     assert isinstance(found.act, RestoreAtEnd)
     told = found.act.conclude(None, "recovery.snapshot is 'off'")
-    assert (told.stop, told.action, told.details) == (False, "warn", {"not_restored": "recovery.snapshot is 'off'"})
+    assert (told.stop, told.action, told.details) == (False, Warn(), {"not_restored": "recovery.snapshot is 'off'"})
     assert "to restore (recovery.snapshot is 'off')" in told.suggestion
-    assert found.act.conclude(4, "") == Told("rollback", found.act.conclude(4, "").suggestion, {"restored_step": 4})
+    assert found.act.conclude(4, "") == Told(RollBack(), found.act.conclude(4, "").suggestion, {"restored_step": 4})
 
 
 def test_drifted_replicas_roll_every_rank_back_with_the_odd_ranks_account():
@@ -134,7 +133,7 @@ def test_a_nonfinite_loss_is_diagnosed_shared_skipped_and_its_plan_waits_for_the
                                      scaler=(2, 1024.0))
     assert found.event.kind == "loss" and found.event.details == {"grad_norm": 3.0, "lr": [0.1, 0.01]}
     assert (found.act, found.planning, found.look) == (ActAtStepEnd(), Ladder(), Look.WEIGHTS)
-    assert found.skip == Skip(mirrored=True, undo_buffers=False, applied_rolls_back=True)
+    assert found.skip == SkipStep(mirrored=True, undo_buffers=False, applied_rolls_back=True)
     assert found.diagnose and found.share and found.look_at_inputs and found.keeps_window and not found.replica
     ev = found.evidence
     assert ev.window is record.window and not ev.only_gradients and ev.same_weights
@@ -171,7 +170,7 @@ def test_a_divergence_rolls_back_to_before_its_onset_or_only_warns():
     found = {"onset_step": 3, "growth": 2.0}
     acted = incidents.divergence(AT, step_record(), found, act=True)
     assert (acted.act, acted.planning) == (ActAtStepEnd(), Ladder(rollback_before=3))
-    assert acted.skip == Skip(mirrored=False, undo_buffers=True) and acted.event.actions == []
+    assert acted.skip == SkipStep(mirrored=False, undo_buffers=True) and acted.event.actions == []
     assert acted.event.details["divergence"] == found and acted.event.details["loss"] == 1.5
     warned = incidents.divergence(AT, step_record(), found, act=False)
     assert (warned.act, warned.planning, warned.skip) == (NoteNow(), None, None)
@@ -179,7 +178,7 @@ def test_a_divergence_rolls_back_to_before_its_onset_or_only_warns():
 
 
 @pytest.mark.parametrize("action, repeated, skip, clip_to, reasons", [
-    ("skip_step", False, Skip(mirrored=True, undo_buffers=True), None, None),
+    ("skip_step", False, SkipStep(mirrored=True, undo_buffers=True), None, None),
     ("clip", False, None, 2.5, None),
     ("reduce_lr", False, None, None, ["loss spike"]),
     ("warn", True, None, None, [f"{incidents.SPIKES_BEFORE_LR_CUT} loss spikes within 50 steps"]),
@@ -195,14 +194,14 @@ def test_a_loss_spike_acts_on_its_own_step_and_repeated_ones_cut_the_lr(action, 
         assert found.planning is None
     else:
         assert isinstance(found.planning, Given) and found.planning.plan.reduce_lr
-        assert found.planning.plan.reasons == reasons and not found.planning.plan.rollback
+        assert found.planning.plan.reasons == tuple(reasons) and not found.planning.plan.rollback
 
 
 @pytest.mark.parametrize("can_roll_back", [True, False])
 def test_persistent_clipping_rolls_back_where_it_can_and_cuts_the_lr(can_roll_back):
     found = incidents.persistent_clipping(AT, step_record(), streak=8, threshold=1.0, cause="learning_rate",
                                           can_roll_back=can_roll_back)
-    assert found.act == ActAtStepEnd() and found.skip == Skip(mirrored=False, undo_buffers=False)
+    assert found.act == ActAtStepEnd() and found.skip == SkipStep(mirrored=False, undo_buffers=False)
     assert isinstance(found.planning, Given)
     assert (found.planning.plan.rollback, found.planning.plan.reduce_lr) == (can_roll_back, True)
     assert found.event.kind == "spike" and found.event.actions == ["clip"]
@@ -222,13 +221,6 @@ def test_an_incident_is_a_frozen_value():
         found.look = Look.NOTHING  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         NOTHING_DONE.skipped = True  # type: ignore[misc]
-
-
-def test_every_action_has_the_one_function_that_carries_it_out():
-    assert set(CARRIERS) == set(ACTIONS)
-    for action, carrier in CARRIERS.items():
-        assert callable(carrier) and carrier.__module__.startswith("lightning_nanguard."), action
-        assert carrier.__doc__, f"{action}: its carrier {carrier.__qualname__} says what it does"
 
 
 @pytest.mark.parametrize("fault", ["gradient", "parameter"])

@@ -32,7 +32,6 @@ WITHOUT_A_TEST = {
     "lightning_nanguard.diagnose.rerun",
     "lightning_nanguard.faults",
     "lightning_nanguard.respond.account",
-    "lightning_nanguard.respond.endings",
     "lightning_nanguard.respond.fit_end",
     "lightning_nanguard.respond.parts",
     "lightning_nanguard.respond.step",

@@ -1,21 +1,29 @@
-"""Incident records: :class:`NaNEvent`, and the tables of its ``kind`` and ``actions`` vocabularies (causes:
-:mod:`lightning_nanguard.core.causes`).
+"""Incident records: :class:`NaNEvent`, and the table of its ``kind`` vocabulary (causes:
+:mod:`lightning_nanguard.core.causes`; actions, each a class with its name and meaning:
+:mod:`lightning_nanguard.recover.actions`).
 
 Each :class:`Kind` says how the recovery ladder treats an event of that kind (:mod:`.recover.ladder` reads
-the fields and never spells a kind's name); each action has a one-line meaning.
+the fields and never spells a kind's name).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Collection, Optional, Protocol
 
 from .causes import NAMES as CAUSES
 from .jsonvalue import JSONDict, JSONValue
 from .tree import children, keyed
 
-__all__ = ["NaNEvent", "Kind", "KINDS", "ACTIONS", "CAUSES", "to_jsonable"]
+__all__ = ["NaNEvent", "Kind", "KINDS", "Named", "CAUSES", "to_jsonable"]
+
+
+class Named(Protocol):
+    """An action (:class:`lightning_nanguard.recover.actions.Action`): what an event records of it is its name."""
+
+    @property
+    def name(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -56,16 +64,6 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                 "on the same rank, test that GPU or exclude the host.", headline="replicas disagree"),
 )}
 
-ACTIONS: dict[str, str] = {
-    "skip_step": "the optimizer step was skipped (weights, moments and step counts untouched)",
-    "clip": "gradient clipping was armed or applied",
-    "reduce_lr": "every learning rate was cut, in a way LR schedulers keep",
-    "rollback": "the training state was restored from a known-good snapshot",
-    "skip_batches": "the steps of the next batches are skipped (recovery.skip_batches)",
-    "stop": "the guard gave up and stopped the Trainer",
-    "raise": "the guard gave up and raised NaNGuardError (or torch's anomaly error propagates)",
-    "warn": "recorded only",
-}
 
 
 @dataclass
@@ -76,7 +74,7 @@ class NaNEvent:
         step, epoch, batch_idx: the optimizer step (``trainer.global_step``), epoch and batch it happened at.
         kind: what was abnormal (:data:`KINDS`).
         rank, host, device, local_rank: the process it was seen on.
-        actions: what the guard did, in order (:data:`ACTIONS`).
+        actions: what the guard did, in order (the names of :mod:`lightning_nanguard.recover.actions`).
         cause: why (:data:`CAUSES`), None when no cause is known.
         culprit: the module or parameter where it started, if found.
         op: the first operation that produced it (anomaly replay), if found.
@@ -111,32 +109,27 @@ class NaNEvent:
         if self.kind not in KINDS:
             raise ValueError(f"unknown event kind {self.kind!r}; allowed: {tuple(KINDS)}")
 
-    def add_action(self, action: str) -> None:
-        """Record what the guard did.
+    def add_action(self, action: Named) -> None:
+        """Record what the guard did: ``action``'s name (an action value of :mod:`lightning_nanguard.recover.actions`,
+        whose names are the vocabulary)."""
+        self.actions.append(action.name)
 
-        Args:
-            action: one of :data:`ACTIONS`.
-
-        Raises:
-            ValueError: an action outside :data:`ACTIONS`.
-        """
-        if action not in ACTIONS:
-            raise ValueError(f"unknown action {action!r}; allowed: {tuple(ACTIONS)}")
-        self.actions.append(action)
-
-    def validate(self) -> None:
+    def validate(self, actions: Collection[str]) -> None:
         """Check the event against the documented vocabularies.
 
+        Args:
+            actions: the action names (:data:`lightning_nanguard.recover.actions.ACTIONS`).
+
         Raises:
-            ValueError: a kind, action or cause outside :data:`KINDS`, :data:`ACTIONS` or :data:`CAUSES`.
+            ValueError: a kind, action or cause outside :data:`KINDS`, ``actions`` or :data:`CAUSES`.
         """
         if self.kind not in KINDS:
             raise ValueError(f"unknown event kind {self.kind!r}; allowed: {tuple(KINDS)}")
         if self.cause is not None and self.cause not in CAUSES:
             raise ValueError(f"unknown cause {self.cause!r}; allowed: {CAUSES}")
-        bad = [a for a in self.actions if a not in ACTIONS]
+        bad = [a for a in self.actions if a not in actions]
         if bad:
-            raise ValueError(f"unknown action {bad[0]!r}; allowed: {tuple(ACTIONS)}")
+            raise ValueError(f"unknown action {bad[0]!r}; allowed: {tuple(actions)}")
 
     def to_dict(self) -> JSONDict:
         """The event as its ``events.jsonl`` line holds it.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..core.causes import cause_entry
 from ..core.events import KINDS, NaNEvent
 from ..core.record import Window
+from ..recover.actions import RollBack
 from .replay import reproduces
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def suspect(trainer: "pl.Trainer", pl_module: "pl.LightningModule", recovery: "R
         if found is not None:
             return found
     if recovery.unconfirmed_rollbacks > 0 and diverging:
-        rolled_back = next((e for e in reversed(events) if "rollback" in e.actions), None)
+        rolled_back = next((e for e in reversed(events) if RollBack.name in e.actions), None)
         if rolled_back is not None:
             return ("divergence", rolled_back, f"the loss grew again after the rollback of step "
                                                f"{rolled_back.step}, before a snapshot confirmed it", {})

@@ -61,11 +61,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, TypedDict
+from typing import Optional, TypedDict, TypeVar
 
 from ..config import ClipConfig, RecoveryConfig
 from ..core.causes import Cause, cause_entry
 from ..core.events import KINDS, Kind
+from .actions import Action, Clip, CutLr, GiveUp, RollBack, SkipBatches, give_up
 
 __all__ = ["Plan", "Episode", "LadderState", "RecoveryLadder", "LARGEST_CUT"]
 
@@ -73,9 +74,79 @@ __all__ = ["Plan", "Episode", "LadderState", "RecoveryLadder", "LARGEST_CUT"]
 LARGEST_CUT = 1e-4
 
 
-@dataclass
+A = TypeVar("A", bound=Action)
+
+
+@dataclass(frozen=True)
 class Plan:
-    """What the guard must do about one incident, in this order (the step itself is always skipped)."""
+    """What the guard must do about one incident: its actions, in order (:mod:`.actions`; the step itself is always
+    skipped), why, and the cause the event reports. A value: the ladder's rungs fill a private draft, and a change
+    to a plan (:meth:`RecoveryLadder.must_roll_back`) returns a new one.
+
+    Attributes:
+        actions: in order: arming the adaptive clip (:class:`~.actions.Clip`, carried out at once), then a give-up,
+            or a rollback, the batches to skip after it and an LR cut.
+        reasons: why, for the event's ``details.reasons``.
+        cause: the cause the event reports: the incident's own diagnosis, or its episode's where that one explains
+            nothing.
+        episode_since: the step of the episode's first incident, when ``cause`` is the episode's.
+        suggestion: then the event's suggestion too: the episode cause's advice (the incident's own evidence measured
+            the new, already-cut rate: a suggestion drawn from it would contradict the cause); None: the diagnosis'
+            own suggestion.
+    """
+
+    actions: tuple[Action, ...] = ()
+    reasons: tuple[str, ...] = ()
+    cause: Optional[str] = None
+    episode_since: Optional[int] = None
+    suggestion: Optional[str] = None
+
+    def find(self, kind: type[A]) -> Optional[A]:
+        """The plan's action of ``kind`` (None: it has none)."""
+        return next((a for a in self.actions if isinstance(a, kind)), None)
+
+    # (views of the actions, for the callers that ask one question)
+    @property
+    def give_up(self) -> bool:
+        return self.find(GiveUp) is not None
+
+    @property
+    def rollback(self) -> bool:
+        return self.find(RollBack) is not None
+
+    @property
+    def reduce_lr(self) -> bool:
+        return self.find(CutLr) is not None
+
+    @property
+    def arm_clip(self) -> bool:
+        return self.find(Clip) is not None
+
+    @property
+    def lr_factor(self) -> Optional[float]:
+        """The LR cut's factor (None: ``recovery.lr_factor``, or no cut)."""
+        cut = self.find(CutLr)
+        return cut.factor if cut is not None else None
+
+    @property
+    def go_further_back(self) -> bool:
+        back = self.find(RollBack)
+        return back is not None and back.further
+
+    @property
+    def rollback_before(self) -> Optional[int]:
+        back = self.find(RollBack)
+        return back.before if back is not None else None
+
+    @property
+    def skip_batches(self) -> int:
+        skip = self.find(SkipBatches)
+        return skip.n if skip is not None else 0
+
+
+@dataclass
+class _Draft:
+    """A plan while the rungs fill it in (:meth:`RecoveryLadder.incident`); :meth:`plan` makes it the value."""
 
     arm_clip: bool = False  # arm adaptive clipping (the guard's clipper knows whether it already is)
     rollback: bool = False
@@ -86,12 +157,30 @@ class Plan:
     skip_batches: int = 0
     give_up: bool = False
     reasons: list[str] = field(default_factory=list)
-    # the cause the event reports: the incident's own diagnosis, or its episode's where that one explains nothing
     cause: Optional[str] = None
-    episode_since: Optional[int] = None  # the step of the episode's first incident, when ``cause`` is the episode's
-    # then the event's suggestion too: the episode cause's advice (the incident's own evidence measured the new,
-    # already-cut rate: a suggestion drawn from it would contradict the cause); None: the diagnosis' own
+    episode_since: Optional[int] = None
     suggestion: Optional[str] = None
+
+    @classmethod
+    def of(cls, plan: Plan) -> "_Draft":
+        return cls(plan.arm_clip, plan.rollback, plan.go_further_back, plan.rollback_before, plan.reduce_lr,
+                   plan.lr_factor, plan.skip_batches, plan.give_up, list(plan.reasons), plan.cause, plan.episode_since,
+                   plan.suggestion)
+
+    def plan(self, on_give_up: str) -> Plan:
+        """The plan's actions, in order (a give-up replaces the rest: :class:`Plan`); ``on_give_up``:
+        ``recovery.on_give_up``, the give-up's end."""
+        actions: list[Action] = [Clip()] if self.arm_clip else []
+        if self.give_up:
+            actions.append(give_up(on_give_up))
+        else:
+            if self.rollback:
+                actions.append(RollBack(self.rollback_before, self.go_further_back))
+                if self.skip_batches:
+                    actions.append(SkipBatches(self.skip_batches))
+            if self.reduce_lr:
+                actions.append(CutLr(self.lr_factor))
+        return Plan(tuple(actions), tuple(self.reasons), self.cause, self.episode_since, self.suggestion)
 
 
 @dataclass
@@ -169,7 +258,8 @@ class RecoveryLadder:
         self.uncounted = 0
 
     def incident(self, step: int, kind: str, *, can_roll_back: bool, cause: Optional[str] = None,
-                 safe_factor: Optional[float] = None, clip_armed: bool = False) -> Plan:
+                 safe_factor: Optional[float] = None, clip_armed: bool = False,
+                 rollback_before: Optional[int] = None) -> Plan:
         """Plan the response to an incident (or a runaway event).
 
         Args:
@@ -181,6 +271,7 @@ class RecoveryLadder:
             safe_factor: the LR factor at which the diagnosis' relative update would be safe; a ``sized`` cut goes
                 that far if ``recovery.divergence_lr_factor`` does not.
             clip_armed: adaptive clipping is on already.
+            rollback_before: a rollback goes to a snapshot taken at or before that step (a divergence's onset).
 
         Returns:
             What to do, in order (the step itself is always skipped), the reasons, and the cause to report.
@@ -188,7 +279,7 @@ class RecoveryLadder:
         episode = self._episode_of(step, cause)
         echo = self._echoes(episode, cause, safe_factor)
         policy = cause_entry(None) if echo else cause_entry(cause)
-        plan = Plan(cause=cause)
+        plan = _Draft(cause=cause, rollback_before=rollback_before)
         if episode is not None and (echo or cause is not None and not _diagnosed(cause)):
             plan.cause, plan.episode_since = episode.cause, episode.since
             plan.suggestion = (f"Part of the episode that began at step {episode.since} ({episode.cause}). "
@@ -197,9 +288,9 @@ class RecoveryLadder:
         if plan.episode_since is not None:
             plan.reasons.append(f"cause {plan.cause}: its episode's (since step {plan.episode_since}); this incident's "
                                 "own evidence explains nothing, and the ladder plans by that")
-        return plan
+        return plan.plan(self.cfg.on_give_up)
 
-    def _plan(self, plan: Plan, step: int, what: Kind, policy: Cause, cause: Optional[str], can_roll_back: bool,
+    def _plan(self, plan: _Draft, step: int, what: Kind, policy: Cause, cause: Optional[str], can_roll_back: bool,
               safe_factor: Optional[float], clip_armed: bool) -> None:
         """The rungs, by ``policy`` (:meth:`incident`'s arguments; ``cause``: its diagnosis, for the reasons)."""
         self._count(policy)
@@ -247,7 +338,7 @@ class RecoveryLadder:
         else:
             self.uncounted = 1
 
-    def _roll_back(self, plan: Plan, what: Kind, can_roll_back: bool) -> bool:
+    def _roll_back(self, plan: _Draft, what: Kind, can_roll_back: bool) -> bool:
         """The rollback rung: roll back (one snapshot further back after a failed rollback), or give up when too
         many rollbacks failed or bad weights have no snapshot to go back to. False when it gave up."""
         weights = what.weights
@@ -276,7 +367,7 @@ class RecoveryLadder:
             while self._recent and self._recent[0] <= step - self.cfg.incident_window:
                 self._recent.popleft()
 
-    def _cut_lr(self, plan: Plan, policy: Cause, what: Kind, cause: Optional[str], wants_rollback: bool,
+    def _cut_lr(self, plan: _Draft, policy: Cause, what: Kind, cause: Optional[str], wants_rollback: bool,
                 safe_factor: Optional[float]) -> None:
         """The LR rung: cut (by how much) or say why not, as the cause's ``lr_cut`` policy and the kind decide."""
         if policy.lr_cut == "never":
@@ -304,29 +395,34 @@ class RecoveryLadder:
                                 "a divergence, whatever its cause, runs at too high an LR" if by_runaway else
                                 "skipping did not help" if by_rollback else "repeated incidents")
 
-    def must_roll_back(self, plan: Plan, can_roll_back: bool, reason: str) -> None:
+    def must_roll_back(self, plan: Plan, can_roll_back: bool, reason: str) -> Plan:
         """The weights must go back to the newest snapshot: the incident's step was applied (read one step late, by
         an optimizer that cannot skip on the device), or the DDP replicas drifted apart. Counted like any other
-        rollback, so a run that keeps failing still gives up. Nothing changes when ``plan`` rolls back or gives up
-        already, or there is no snapshot.
+        rollback, so a run that keeps failing still gives up.
 
         Args:
-            plan: the incident's plan, changed in place (a rollback, or a give-up when too many failed).
+            plan: the incident's plan.
             can_roll_back: a snapshot exists to roll back to.
             reason: why, for the plan's reasons.
+
+        Returns:
+            ``plan`` with a rollback, or a give-up when too many failed; ``plan`` itself when it rolls back or gives
+            up already, or there is no snapshot.
         """
         if plan.rollback or plan.give_up or not can_roll_back:
-            return
+            return plan
+        draft = _Draft.of(plan)
         if self.unconfirmed_rollbacks >= self.cfg.max_rollbacks:
-            plan.give_up = True
-            plan.reasons.append(f"{self.unconfirmed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
-                                f"{self.cfg.max_rollbacks})")
-            return
-        plan.rollback = True
+            draft.give_up = True
+            draft.reasons.append(f"{self.unconfirmed_rollbacks} rollback(s) did not help (recovery.max_rollbacks="
+                                 f"{self.cfg.max_rollbacks})")
+            return draft.plan(self.cfg.on_give_up)
+        draft.rollback = True
         self.unconfirmed_rollbacks += 1
         self.incidents_in_a_row = self.uncounted = 0
-        plan.skip_batches = self.cfg.skip_batches
-        plan.reasons.append(reason)
+        draft.skip_batches = self.cfg.skip_batches
+        draft.reasons.append(reason)
+        return draft.plan(self.cfg.on_give_up)
 
     # ------------------------------------------------------------------------------------ persistence
 

@@ -10,7 +10,6 @@ writes into the event.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Protocol
 
@@ -25,6 +24,7 @@ from ..detect.placement import replicates
 from ..store.sharded import ShardedStore
 from ..store.snapshots import Norms, Restored, SnapshotStore, as_live, make_store
 from ..store.verify import REASONS, Refused
+from .actions import Applied, Hands, Rollback
 from .hardware import HardwareWatch
 from .ladder import Plan, RecoveryLadder
 from .lr import common_ratio, current_lrs, reference_lrs, scale_lr
@@ -34,37 +34,13 @@ from .undo import BufferUndo, skip_step
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["Recovery", "Applied", "Rollback"]
+__all__ = ["Recovery", "Applied", "Rollback"]  # (Applied and Rollback: from .actions, where they are made)
 
 
 class _Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass(frozen=True)
-class Rollback:
-    """The weights went back to a snapshot (a give-up's restore too)."""
-
-    kept_step: bool = False  # the rollback kept the current step's gradients (:meth:`Recovery.rollback`)
-
-
-@dataclass(frozen=True)
-class Applied:
-    """What was done about an incident (:meth:`Recovery.apply`; the incident pipeline's
-    skip stage too): the actions, in order, their evidence for the event's details, and the rollback if one
-    restored a snapshot."""
-
-    actions: tuple[str, ...] = ()
-    details: dict[str, Any] = field(default_factory=dict)
-    rollback: Optional[Rollback] = None
-    restored: Optional[Restored] = None  # what a rollback (or a give-up's restore) restored; None: none tried
-    not_restored: Optional[str] = None  # why nothing could be restored
-
-    @property
-    def rolled_back(self) -> bool:
-        return self.rollback is not None
 
 
 # the LR rose between two snapshots when it grew by more than this factor (a warm restart, a warm-up)
@@ -228,22 +204,20 @@ class Recovery:
             What to do about it. Where ``plan.suggestion`` is not None, ``plan.cause`` is the incident's episode's
             (its own diagnosis explains nothing): the caller writes both into the event, which reports them.
         """
-        plan = self._ladder.incident(step, kind, can_roll_back=self.can_roll_back, cause=cause,
-                                     safe_factor=safe_factor, clip_armed=clip_armed)
-        if rollback_before is not None:
-            plan.rollback_before = rollback_before
-        return plan
+        return self._ladder.incident(step, kind, can_roll_back=self.can_roll_back, cause=cause,
+                                     safe_factor=safe_factor, clip_armed=clip_armed, rollback_before=rollback_before)
 
-    def step_was_applied(self, plan: Plan) -> None:
+    def step_was_applied(self, plan: Plan) -> Plan:
         """The plan's step was applied (judged late, by an optimizer that cannot skip on the device): only a
-        rollback undoes it (:meth:`.RecoveryLadder.must_roll_back`)."""
-        self._ladder.must_roll_back(plan, self.can_roll_back,
-                                    "the bad step was applied (its optimizer cannot skip on the device)")
+        rollback undoes it (:meth:`.RecoveryLadder.must_roll_back`); the plan with it."""
+        return self._ladder.must_roll_back(plan, self.can_roll_back,
+                                           "the bad step was applied (its optimizer cannot skip on the device)")
 
-    def must_roll_back(self, plan: Plan, reason: str) -> None:
+    def must_roll_back(self, plan: Plan, reason: str) -> Plan:
         """The weights must go back to the newest snapshot (e.g. the DDP replicas drifted apart): a rollback counted
-        like any other, so that one that keeps failing gives up (:meth:`.RecoveryLadder.must_roll_back`)."""
-        self._ladder.must_roll_back(plan, self.can_roll_back, reason)
+        like any other, so that one that keeps failing gives up (:meth:`.RecoveryLadder.must_roll_back`); the plan
+        with it."""
+        return self._ladder.must_roll_back(plan, self.can_roll_back, reason)
 
     def streak_over(self) -> None:
         """A step was judged healthy: a streak of incidents is over."""
@@ -480,28 +454,32 @@ class Recovery:
 
     # ---------------------------------------------------------------------------------------- carry it out
 
-    def cut_lr(self, trainer: "pl.Trainer", step: int, factor: Optional[float],
-               details: dict[str, Any]) -> tuple[str, ...]:
+    def cut_lr(self, trainer: "pl.Trainer", step: int, factor: Optional[float]) -> tuple[bool, dict[str, Any]]:
         """Multiply every learning rate by ``factor`` (default ``lr_factor``), down to ``min_lr_scale`` of the
-        original; ``step``: the event's. Writes the LRs before and after and the scale into ``details``; returns the
-        action done (``reduce_lr``), if any."""
+        original; ``step``: the event's.
+
+        Returns:
+            Whether anything was cut, and the evidence for the event's details: the LRs before and after (a cut
+            only) and the scale.
+        """
         factor = self.cfg.lr_factor if factor is None else factor
         new_scale = max(self.lr_scale * factor, self.cfg.min_lr_scale)
-        before = current_lrs(trainer.optimizers)
-        cut: tuple[str, ...] = ()
-        if new_scale < self.lr_scale:
+        details: dict[str, Any] = {}
+        cut = new_scale < self.lr_scale
+        if cut:
+            before = current_lrs(trainer.optimizers)
             scale_lr(trainer.optimizers, [c.scheduler for c in trainer.lr_scheduler_configs], new_scale / self.lr_scale)
             self.lr_scale = new_scale
             self.counters.add("lr_cuts")
             self.lr_cut_step = step
-            cut = ("reduce_lr",)
             details.update(lr_before=before, lr_after=current_lrs(trainer.optimizers))
         details["lr_scale"] = self.lr_scale
-        return cut
+        return cut, details
 
     def apply(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", plan: Plan, step: int,
               scaler_overflows: int = 0, keep_step: bool = False) -> Applied:
-        """Carry out a plan's rollback, batch skipping and LR cut (a give-up stops and restores the newest snapshot).
+        """Carry out a plan's actions in order (:meth:`.actions.Action.carry_out`), but those that act on the step
+        itself (a skip, a clip: the incident pipeline's skip stage carries them out when the incident is found).
 
         Args:
             trainer: the fit's Trainer.
@@ -515,41 +493,12 @@ class Recovery:
             What was done: the actions, in order, and their evidence for the event's details (the plan's reasons
             among them).
         """
-        actions: list[str] = []
-        details: dict[str, Any] = {}
-        rollback: Optional[Rollback] = None
-        tried: tuple[Optional[Restored], Optional[str]] = (None, None)  # a rollback's restore, and why it failed
-        if self.store is not None and (plan.give_up or plan.rollback):
-            self.store.settle()  # a snapshot whose write failed is no target (every rank agrees)
-        if plan.give_up:
-            self.stop()
-            restored = self.rollback(trainer, pl_module, scaler_overflows) if self.store else Restored()
-            rollback, why = self._restored(details, restored)
-            details["reasons"] = plan.reasons  # why it gave up
-            return Applied(tuple(actions), details, rollback, restored, why)
-        if plan.rollback and self.store:
-            if plan.go_further_back:
-                self.store.drop_newest()
-            dropped = len(self.store)
-            while plan.rollback_before is not None and len(self.store) > 1 and self.store.newest is not None \
-                    and self.store.newest.step > plan.rollback_before:
-                self.store.drop_newest()  # taken after the divergence began: not known-good
-            further = plan.go_further_back or len(self.store) < dropped
-            restored = self.rollback(trainer, pl_module, scaler_overflows, keep_step=keep_step and not further)
-            rollback, why = self._restored(details, restored)
-            tried = (restored, why)
-            if rollback is None:
-                actions.append("warn")  # nothing verified: the ladder goes on with the weights it has
-            else:
-                actions.append("rollback")
-                if plan.skip_batches:
-                    self.skip_batches_left = plan.skip_batches
-                    actions.append("skip_batches")
-                    details["skip_batches"] = plan.skip_batches
-        if plan.reduce_lr:
-            actions += self.cut_lr(trainer, step, plan.lr_factor, details)
-        details["reasons"] = plan.reasons
-        return Applied(tuple(actions), details, rollback, *tried)
+        hands = Hands(self, trainer, pl_module, step, scaler_overflows, keep_step)
+        done = Applied()
+        for action in plan.actions:
+            if not action.on_the_step:
+                done = action.carry_out(hands, done)
+        return done.then(details={"reasons": list(plan.reasons)})
 
     def refusals_untold(self) -> list[dict[str, Any]]:
         """The snapshots refused since an event last named them (by this rollback, or before it: by the diagnosis'
@@ -559,17 +508,18 @@ class Recovery:
         untold, self._refusals_told = self.store.refused[self._refusals_told:], len(self.store.refused)
         return [r.to_dict() for r in untold]
 
-    def _restored(self, details: dict[str, Any], restored: Restored) -> tuple[Optional[Rollback], Optional[str]]:
-        """Say in ``details`` what a rollback restored (``restored_step``; the ``refused`` snapshots, and why nothing
-        was restored: ``not_restored``); the :class:`Rollback` (None where nothing was restored) and why nothing was."""
-        details["restored_step"] = restored.step
+    def restore_details(self, restored: Restored) -> tuple[dict[str, Any], Optional[str]]:
+        """What a rollback (or a give-up's restore) restored, for the event's details (``restored_step``; the
+        ``refused`` snapshots, and why nothing was restored: ``not_restored``), and why nothing was (None: a snapshot
+        was restored)."""
+        details: dict[str, Any] = {"restored_step": restored.step}
         refused = self.refusals_untold()
         if refused:
             details["refused"] = refused
         if restored.snapshot is None:
             details["not_restored"] = why = self.why_nothing_to_restore()
-            return None, why
-        return Rollback(kept_step=self.kept_step), None
+            return details, why
+        return details, None
 
     # ---------------------------------------------------------------------------------------- persistence
 

@@ -12,6 +12,7 @@ from ..core.console import say
 from ..core.counters import Counters
 from ..core.events import KINDS, NaNEvent
 from ..errors import SinkWriteWarning
+from ..recover.actions import ACTIONS
 from .picture_sink import PictureSink
 from .render import ReportText
 from .sinks import JsonlSink, LoggerSink, ReportSink, ScreenSink, Sink, highest_index, highest_report
@@ -182,7 +183,7 @@ class Recorder:
     def record(self, event: NaNEvent, text: ReportText, scalars: Callable[[], dict[str, float]]) -> None:
         """Number ``event``, count it, keep it and write it to every sink; ``text`` goes into its incident
         report, ``scalars`` gives the guard's scalars after it."""
-        event.validate()
+        event.validate(ACTIONS)
         self._index += 1
         event.index = self._index
         self.counters.add("incidents" if KINDS[event.kind].incident else "spikes")

@@ -10,28 +10,21 @@ from ..core.causes import where_it_ran
 from ..core.console import say
 from ..core.events import NaNEvent
 from ..errors import NaNGuardError
+from ..recover.actions import Raise, Stop, action_named
 from ..recover.recovery import Recovery
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["give_up_message", "suspect_hardware", "stop_or_raise", "act_on_suspect_hardware"]
-
-
-def stop_or_raise(trainer: "pl.Trainer", on_give_up: str, message: str) -> None:
-    """``recovery.on_give_up``: raise :class:`NaNGuardError` with ``message``, or stop the Trainer and say it."""
-    if on_give_up == "raise":
-        raise NaNGuardError(message)
-    trainer.should_stop = True
-    say(trainer, "[nanguard] " + message)
+__all__ = ["give_up_message", "suspect_hardware", "act_on_suspect_hardware"]
 
 
 def act_on_suspect_hardware(trainer: "pl.Trainer", recovery: Recovery, policy: str, text: str) -> None:
     """``recovery.on_suspect_hardware``: warn (on screen, the run goes on), stop the Trainer (the weights are good:
     the faulty steps were skipped), or raise :class:`NaNGuardError` naming the rank and host (``text``)."""
-    if policy == "raise":
+    if policy == Raise.name:
         raise NaNGuardError(text)
-    if policy == "stop":
+    if policy == Stop.name:
         recovery.stop()
         trainer.should_stop = True
     say(trainer, "[nanguard] " + text)
@@ -78,5 +71,5 @@ def suspect_hardware(event: NaNEvent, steps: list[int], cfg: RecoveryConfig) -> 
                f"{cfg.transient_limit}). Test that device or have the job scheduler exclude host "
                f"{event.host or '(unknown)'}.")
     event.suggestion = f"{event.suggestion} {message[0].upper()}{message[1:]}"
-    event.add_action(cfg.on_suspect_hardware)
+    event.add_action(action_named(cfg.on_suspect_hardware)())
     return message

@@ -23,11 +23,11 @@ from ..core.events import KINDS, NaNEvent
 from ..core.record import StepRecord, UpdateStage, Window
 from ..detect.spikes import SHIFT_SPIKES, SHIFT_WINDOW
 from ..diagnose.context import Evidence
+from ..recover.actions import Action, Clip, CutLr, Raise, RollBack, Rollback, SkipStep, Warn, give_up
 from ..recover.ladder import Plan
-from ..recover.recovery import Rollback
 
 __all__ = ["Act", "NoteNow", "ActNow", "ActAtStepEnd", "RestoreAtEnd", "StopAtStart", "Told", "Planning", "Ladder",
-           "Given", "MustRollBack", "At", "Evidence", "Incident", "Look", "Response", "NOTHING_DONE", "Skip", "kind_of",
+           "Given", "MustRollBack", "At", "Evidence", "Incident", "Look", "Response", "NOTHING_DONE", "kind_of",
            "nonfinite_step", "divergence", "stall", "spike", "persistent_clipping", "bad_weights", "replicas_drifted",
            "fit_start", "after_stop", "unfinished", "anomaly_error", "SPIKES_BEFORE_LR_CUT"]
 
@@ -58,7 +58,7 @@ class ActAtStepEnd:
 class Told:
     """What a fit-end restore tells in its event once the restore is known (:class:`RestoreAtEnd`)."""
 
-    action: str
+    action: Action
     suggestion: str
     details: dict[str, Any]
     stop: bool = False  # nothing could be restored: the fit stops or raises
@@ -118,15 +118,6 @@ class Look(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Skip:
-    """How an incident keeps its step's update from landing (:meth:`.Responder.respond`'s skip stage)."""
-
-    mirrored: bool  # the device's skip flag is this same test: judged late, the device skipped it already
-    undo_buffers: bool  # undo its buffer writes when the host skips it
-    applied_rolls_back: bool = False  # an update that landed anyway (judged late) must be rolled back
-
-
-@dataclass(frozen=True)
 class At:
     """Where an event happened: the step, epoch, batch and logger step, and where the rank ran
     (:func:`.detect.placement.whereabouts`)."""
@@ -165,7 +156,7 @@ class Incident:
     replica: bool = False  # the ranks' copies of the reduced gradient disagree (the account compares them)
     detected_at: Optional[str] = None
     planning: Optional[Planning] = None  # None: no plan
-    skip: Optional[Skip] = None
+    skip: Optional[SkipStep] = None  # how it keeps its step's update from landing (the skip stage)
     clip_to: Optional[float] = None  # clip the step to this norm, and arm adaptive clipping
     keeps_window: bool = False  # the newest step incident: a fit that ends inside its streak reruns it
 
@@ -271,7 +262,7 @@ def nonfinite_step(at: At, record: StepRecord, *, grads_were_finite: Optional[bo
                         step_lrs=_lrs(record), scaler_overflows=overflows, grad_scale=scale)
     return Incident(event, ActAtStepEnd(), record, evidence, look=look, look_at_inputs=check_inputs, diagnose=True,
                     share=True, replica=replica, planning=Ladder(),
-                    skip=Skip(mirrored=True, undo_buffers=False, applied_rolls_back=True), keeps_window=True)
+                    skip=SkipStep(mirrored=True, undo_buffers=False, applied_rolls_back=True), keeps_window=True)
 
 
 def divergence(at: At, record: StepRecord, found: dict, *, act: bool) -> Incident:
@@ -294,11 +285,11 @@ def divergence(at: At, record: StepRecord, found: dict, *, act: bool) -> Inciden
     evidence = Evidence(grad_norm=flags.grad_norm, divergence=found, step_lrs=_lrs(record))
     # (shared: every rank sees the same running loss, and adopts one account: one rank's diagnosis, its LR cut)
     if not act:
-        event.add_action("warn")
+        event.add_action(Warn())
         return Incident(event, NoteNow(), record, evidence, diagnose=True, share=True)
     return Incident(event, ActAtStepEnd(), record, evidence, diagnose=True, share=True,
                     planning=Ladder(rollback_before=found.get("onset_step")),
-                    skip=Skip(mirrored=False, undo_buffers=True))
+                    skip=SkipStep(mirrored=False, undo_buffers=True))
 
 
 def stall(at: At, found: dict, *, culprit: Optional[str], lr_factor: Optional[float],
@@ -329,8 +320,8 @@ def stall(at: At, found: dict, *, culprit: Optional[str], lr_factor: Optional[fl
     if not act or lr_factor is None:
         return Incident(event, NoteNow(), history=False)
     reasons = [f"a lower-LR probe learned {found.get('gain_ratio', 0.0):.3g}x as much from the same batches"]
-    plan = Plan(rollback=rollback_before is not None, rollback_before=rollback_before, reduce_lr=True,
-                lr_factor=lr_factor, reasons=reasons)
+    back: tuple[Action, ...] = (RollBack(before=rollback_before),) if rollback_before is not None else ()
+    plan = Plan(back + (CutLr(lr_factor),), tuple(reasons))
     return Incident(event, ActNow(), history=False, planning=Given(plan))
 
 
@@ -373,22 +364,22 @@ def spike(at: At, record: StepRecord, *, z: float, test: dict[str, Any], grad_no
         event.suggestion += (f" It made {SHIFT_SPIKES} skipped spikes within {SHIFT_WINDOW} steps, each after "
                              "healthy batches: the loss itself has moved (a harder data mix, a new shard), and the "
                              "spike test has learned it.")
-    if clip_to is not None and action == "clip":
+    if clip_to is not None and action == Clip.name:
         event.details["clip_to"] = clip_to
     planning = None
-    if action == "reduce_lr" or repeated:  # repeated spikes are a divergence on its way: cut the LR
-        reason = (f"{SPIKES_BEFORE_LR_CUT} loss spikes within {window} steps" if repeated and action != "reduce_lr"
+    if action == CutLr.name or repeated:  # repeated spikes are a divergence on its way: cut the LR
+        reason = (f"{SPIKES_BEFORE_LR_CUT} loss spikes within {window} steps" if repeated and action != CutLr.name
                   else "loss spike")
-        planning = Given(Plan(reduce_lr=True, reasons=[reason]))
+        planning = Given(Plan((CutLr(),), (reason,)))
     return Incident(event, NoteNow(), record, planning=planning,
-                    skip=Skip(mirrored=True, undo_buffers=True) if action == "skip_step" else None,
-                    clip_to=clip_to if action == "clip" else None)
+                    skip=SkipStep(mirrored=True, undo_buffers=True) if action == SkipStep.name else None,
+                    clip_to=clip_to if action == Clip.name else None)
 
 
 def _bad_batch(at: At, record: StepRecord, z: float, action: str, samples: Optional[dict[str, Any]] = None) -> str:
     """What a spike on weights that gave a healthy loss a step before tells the user: this batch is bad data (and,
     where its per-sample losses are known, which of its samples)."""
-    done = "its update was skipped" if action == "skip_step" else "its update was applied (check.spike_action: " \
+    done = "its update was skipped" if action == SkipStep.name else "its update was applied (check.spike_action: " \
         "skip_step keeps it out of the weights and the optimizer's moments)"
     which = "that batch's samples"
     if samples and samples.get("worst"):
@@ -425,9 +416,11 @@ def persistent_clipping(at: At, record: StepRecord, *, streak: int, threshold: O
     event.details.update(reason=f"gradient norm clipped by the adaptive clip on {streak} consecutive steps",
                          grad_norm=flags.grad_norm, clip_threshold=threshold, loss=flags.loss)
     event.cause, event.suggestion = cause, KINDS["spike"].advice
-    event.add_action("clip")
-    plan = Plan(rollback=can_roll_back, reduce_lr=True, reasons=["persistent adaptive clipping"])
-    return Incident(event, ActAtStepEnd(), record, planning=Given(plan), skip=Skip(mirrored=False, undo_buffers=False))
+    event.add_action(Clip())
+    back: tuple[Action, ...] = (RollBack(),) if can_roll_back else ()
+    plan = Plan(back + (CutLr(),), ("persistent adaptive clipping",))
+    return Incident(event, ActAtStepEnd(), record, planning=Given(plan),
+                    skip=SkipStep(mirrored=False, undo_buffers=False))
 
 
 # ------------------------------------------------------------------------------------ outside a step
@@ -495,7 +488,7 @@ def fit_start(at: At, findings: list[dict], on_give_up: str) -> Incident:
         An :class:`Incident` that stops or raises (:class:`StopAtStart`), naming up to five of them.
     """
     event = at.event("parameter")
-    event.add_action(on_give_up)
+    event.add_action(give_up(on_give_up))
     names = ", ".join(f["name"] for f in findings[:5])
     return Incident(event, StopAtStart(f"non-finite parameters before training ({names})"),
                     evidence=Evidence(at_fit_start=True, param_findings=findings), diagnose=True,
@@ -521,11 +514,12 @@ def after_stop(at: At, findings: list[dict], buffers: Collection[str], on_give_u
 
     def conclude(restored: Optional[int], why: str) -> Told:
         if restored is not None:
-            return Told("rollback", f"Training ended on non-finite weights ({names}) after the guard had stopped: "
+            return Told(RollBack(), f"Training ended on non-finite weights ({names}) after the guard had stopped: "
                         f"they were replaced by the last known-good state, the snapshot of step {restored}.",
                         {"restored_step": restored})
-        return Told(on_give_up, f"Training ended on NON-FINITE weights ({names}) after the guard had stopped, and "
-                    f"nothing could be restored ({why}).", {"restored_step": None, "not_restored": why}, stop=True)
+        return Told(give_up(on_give_up), f"Training ended on NON-FINITE weights ({names}) after the guard had "
+                    f"stopped, and nothing could be restored ({why}).", {"restored_step": None, "not_restored": why},
+                    stop=True)
     return Incident(event, RestoreAtEnd(conclude))
 
 
@@ -552,10 +546,10 @@ def unfinished(at: At, kind: str, source: NaNEvent, reason: str, found: dict[str
 
     def conclude(restored: Optional[int], why: str) -> Told:
         if restored is None:
-            return Told("warn", f"{what} ({reason}). There is no snapshot to compare them with or to restore ({why}): "
+            return Told(Warn(), f"{what} ({reason}). There is no snapshot to compare them with or to restore ({why}): "
                         f"the final weights are kept and may be broken. See the event of step {source.step} for the "
                         "cause.", {"not_restored": why})
-        return Told("rollback", f"{what} ({reason}): the weights were restored to the last known-good state, the "
+        return Told(RollBack(), f"{what} ({reason}): the weights were restored to the last known-good state, the "
                     f"snapshot of step {restored}. See the event of step {source.step} for the cause "
                     "(recovery.restore_at_end: false keeps the final weights).", {"restored_step": restored})
     return Incident(event, RestoreAtEnd(conclude))
@@ -575,6 +569,6 @@ def anomaly_error(at: At, base: str, window: Window, found: dict, check_inputs: 
         An :class:`Incident` recorded at once (:class:`NoteNow`), action ``raise``.
     """
     event = at.event(base)
-    event.add_action("raise")
+    event.add_action(Raise())
     return Incident(event, NoteNow(), evidence=Evidence(window=window), look_at_inputs=check_inputs,
                     anomaly=found, history=False, detected_at="anomaly_mode")

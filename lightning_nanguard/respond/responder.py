@@ -11,7 +11,7 @@ writes it into the event. The Trainer and the module are bound once per fit (:me
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..core.causes import cause_entry, suggest
 from ..core.events import NaNEvent
@@ -19,14 +19,13 @@ from ..core.record import StepRecord, Window
 from ..detect.placement import whereabouts
 from ..detect.writes import split_written, written_in_place
 from ..diagnose.context import IncidentContext
+from ..recover.actions import Applied, Clip, GiveUp, Hands, Rollback, Warn, give_up
 from ..recover.ladder import Plan
-from ..recover.clipping import Clipper
-from ..recover.recovery import Applied, Recovery, Rollback
-from ..report.recorder import Recorder, logger_step
+from ..report.recorder import logger_step
 from ..report.render import ReportText
 from . import incident as incidents
 from .account import Account, recompute_reduced_norm, share_incident
-from .endings import act_on_suspect_hardware, give_up_message, stop_or_raise, suspect_hardware
+from .endings import act_on_suspect_hardware, give_up_message, suspect_hardware
 from .incident import (NOTHING_DONE, ActAtStepEnd, ActNow, At, Given, Incident, Ladder, Look, MustRollBack, NoteNow,
                        Response, RestoreAtEnd, StopAtStart, kind_of)
 from .parts import Parts
@@ -34,20 +33,8 @@ from .parts import Parts
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
-__all__ = ["CARRIERS", "Fit", "Responder"]
+__all__ = ["Fit", "Responder"]
 
-# the one function that carries out each action of core.events.ACTIONS (docs/architecture.md, "Where a new thing
-# goes"); what calls for it is a Plan field (Recovery.apply) or an incident's own (the skip stage: Skip, clip_to)
-CARRIERS: dict[str, Callable[..., Any]] = {
-    "skip_step": Recovery.keep_from_landing,
-    "clip": Clipper.arm,
-    "reduce_lr": Recovery.cut_lr,
-    "rollback": Recovery.rollback,
-    "skip_batches": Recovery.skip,  # each of the batches after the rollback (StepFlow.before_optimizer_step)
-    "stop": stop_or_raise,
-    "raise": stop_or_raise,
-    "warn": Recorder.record,  # recorded only
-}
 
 @dataclass(frozen=True)
 class Fit:
@@ -142,7 +129,7 @@ class Responder:
             event.details["detected_at"] = incident.detected_at
         plan, planned = self._plan(incident, account)
         _tell(event, planned)
-        response, skipped = self._skip_and_clip(incident, plan)
+        response, skipped, plan = self._skip_and_clip(incident, plan)
         _tell(event, skipped)
         return self._act((incident, plan or Plan(), ctx, account), response)
 
@@ -226,31 +213,31 @@ class Responder:
                 event.cause, event.suggestion = plan.cause, plan.suggestion
             return plan, _NONE
         if isinstance(planning, MustRollBack):
-            plan = Plan()
-            recovery.must_roll_back(plan, planning.reason)
-            return plan, _NONE if plan.rollback or plan.give_up else Applied(("warn",))  # no snapshot yet
+            plan = recovery.must_roll_back(Plan(), planning.reason)
+            return plan, _NONE if plan.rollback or plan.give_up else Applied((Warn(),))  # no snapshot yet
         return (planning.plan if isinstance(planning, Given) else None), _NONE
 
-    def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> tuple[Response, Applied]:
-        """Keep the step's update from landing where the incident says so (:meth:`.Recovery.keep_from_landing`; too
-        late: the plan rolls it back), and clip: this step (a loss spike's ``clip_to``), or the steps after a step
-        incident (the plan's ``arm_clip``). Returns what it did to the step, and its actions."""
-        p, record = self.parts, incident.record
-        skipped, actions = False, []
+    def _skip_and_clip(self, incident: Incident, plan: Optional[Plan]) -> tuple[Response, Applied, Optional[Plan]]:
+        """Carry out the actions on the step itself (:attr:`.actions.Action.on_the_step`): keep its update from
+        landing where the incident says so (its :class:`~.actions.SkipStep`; too late: the plan rolls it back), and
+        clip: this step (a loss spike's ``clip_to``), or the steps after a step incident (the plan's
+        :class:`~.actions.Clip`). Returns what it did to the step, its actions, and the plan (with that rollback)."""
+        p, record, fit = self.parts, incident.record, self.fit
+        hands = Hands(p.recovery, fit.trainer, fit.module, incident.event.step, record=record, clipper=p.clipper)
+        done = _NONE
         if incident.skip is not None and record is not None:
-            skipped = p.recovery.keep_from_landing(record, mirrored=incident.skip.mirrored,
-                                                   undo_buffers=incident.skip.undo_buffers)
-            if skipped:
-                actions.append("skip_step")
-            elif incident.skip.applied_rolls_back and plan is not None:  # too late to skip: undo it
-                p.recovery.step_was_applied(plan)
+            done = incident.skip.carry_out(hands, done)
+            if not done.actions and incident.skip.applied_rolls_back and plan is not None:  # too late: undo it
+                plan = p.recovery.step_was_applied(plan)
+        skipped = bool(done.actions)
         if incident.clip_to is not None:
-            p.clipper.arm()  # and z-score clipping from now on
-            actions.append("clip")
-        if plan is not None and plan.arm_clip and record is not None and p.clipper.arm():
-            actions.append("clip")
+            done = Clip(to=incident.clip_to).carry_out(hands, done)  # and z-score clipping from now on
+        if plan is not None and record is not None:
+            for action in plan.actions:
+                if action.on_the_step:
+                    done = action.carry_out(hands, done)
         queued = isinstance(incident.act, ActAtStepEnd)
-        return Response(skipped=skipped, queued=queued, clip_to=incident.clip_to), Applied(tuple(actions))
+        return Response(skipped=skipped, queued=queued, clip_to=incident.clip_to), done, plan
 
     # ----------------------------------------------------------------------------------------------- acting
 
@@ -266,15 +253,16 @@ class Responder:
             if isinstance(incident.planning, Given):  # an LR cut at most
                 self._apply(event, plan)
             if not event.actions:  # warn, or an LR already at recovery.min_lr_scale
-                event.add_action("warn")
+                event.add_action(Warn())
             self._record(event, ctx, account.extra)
         elif isinstance(act, StopAtStart):  # nothing known-good exists
             p.recovery.stop()
             self.left_nonfinite = True
             response = replace(response, stopped=True)
             self._record(event, ctx, account.extra)
-            stop_or_raise(self.fit.trainer, p.config.recovery.on_give_up, f"NaNGuard: {act.message}. "
-                          f"{event.suggestion} Report: {p.recorder.report_path(event)}")
+            report = p.recorder.report_path(event)
+            give_up(p.config.recovery.on_give_up).end(
+                self.fit.trainer, f"NaNGuard: {act.message}. {event.suggestion} Report: {report}")
         return response
 
     def _apply(self, event: NaNEvent, plan: Plan, keep_step: bool = False) -> tuple[Response, Applied]:
@@ -296,20 +284,19 @@ class Responder:
         response, done = self._apply(event, plan, keep_step)
         p.evidence.weights.refresh()  # a rollback replaced the tensors, and the flag computed on them
         p.evidence.forget_state()
-        if plan.give_up:
-            event.add_action(cfg.on_give_up)
+        ending = plan.find(GiveUp)
         # a fault that does not come back counts against the rank that produced it (not where no rank is known)
-        steps = (p.recovery.hardware.fault(event.rank, event.step) if not plan.give_up and account.ranks != []
+        steps = (p.recovery.hardware.fault(event.rank, event.step) if ending is None and account.ranks != []
                  and cause_entry(event.cause).hardware_fault else None)
         message = None if steps is None else suspect_hardware(event, steps, cfg)
         self._record(event, ctx, account.extra)
         report = p.recorder.report_path(event)
-        if plan.give_up:
+        if ending is not None:
             bad = [] if response.rolled_back else p.evidence.weights.find(self.fit.module)  # (restored: finite)
             self.left_nonfinite = bool(bad)
-            stop_or_raise(trainer, cfg.on_give_up,
-                          give_up_message(event, done.restored.step if done.restored else None, done.not_restored,
-                                          p.counters["incidents"], rollbacks, bad, str(report)))
+            ending.end(trainer, give_up_message(event, done.restored.step if done.restored else None,
+                                                done.not_restored, p.counters["incidents"], rollbacks, bad,
+                                                str(report)))
         elif message is not None:
             act_on_suspect_hardware(trainer, p.recovery, cfg.on_suspect_hardware,
                                     f"NaNGuard at step {event.step}: {message} Report: {report}")
@@ -331,8 +318,8 @@ class Responder:
         self._record(event, self._context(incident), "")
         if told.stop:
             self.left_nonfinite = True
-            stop_or_raise(trainer, p.config.recovery.on_give_up,
-                          f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
+            give_up(p.config.recovery.on_give_up).end(
+                trainer, f"NaNGuard: {event.suggestion} Report: {p.recorder.report_path(event)}")
         return Response(rollback=Rollback() if restored.snapshot is not None else None, stopped=told.stop)
 
     def _record(self, event: NaNEvent, ctx: IncidentContext, extra: str) -> None:

@@ -35,6 +35,7 @@ from ..detect.verdict import Outcome, classify, device_skipped, skip_flag
 from ..diagnose.lr_probe import lr_probe
 from ..diagnose.samples import sample_losses
 from ..diagnose.rules import drifted_replicas_cause, persistent_clipping_cause, spike_cause
+from ..recover.actions import Clip, SkipStep
 from ..recover.checkpoint import optimizer_state_nonfinite
 from ..recover.lr import current_lrs
 from ..report.recorder import logger_step
@@ -123,7 +124,7 @@ class StepFlow:
         cfg = p.config
         grads = [q.grad for q in params if q.grad is not None]
         # clipping needs the norm even where check.gradients is off (then it only clips, never detects)
-        clipping = p.clipper.active or cfg.check.spike_action == "clip"
+        clipping = p.clipper.active or cfg.check.spike_action == Clip.name
         norm = None
         if grads and (cfg.check.gradients or clipping):  # sharded: local
             if p.flow.enabled:  # the per-tensor norms the total is reduced from go into the window (no read)
@@ -161,12 +162,12 @@ class StepFlow:
         # a loss spike acts on its own step: the spike test of the statistics read so far, on the device
         action = p.config.check.spike_action
         spike = p.losses.spike_flag(SCHEMA.get(vec, "loss")) if record.loss_checked and action in (
-            "skip_step", "clip") else None
-        if spike is not None and action == "skip_step":  # (a step with bad evidence is skipped anyway)
+            SkipStep.name, Clip.name) else None
+        if spike is not None and action == SkipStep.name:  # (a step with bad evidence is skipped anyway)
             skip = torch.maximum(skip, spike.float())
         on_device = skip_on_device(record.optimizer, skip, scaler)
         record.limit, record.spike_limit = p.clipper.clip_on_device(
-            record.params, norm, spike if action == "clip" else None, p.clipper.zclip.mean)
+            record.params, norm, spike if action == Clip.name else None, p.clipper.zclip.mean)
         p.evidence.stage(vec)
         record.update = UpdateStage.ON_DEVICE if on_device else UpdateStage.APPLIED
         record.skip, record.local, record.params = skip, p.ranks.last_local, []
